@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine with only Python 3.11 and pip:
+#   make reproduce   run the main job (notebooks on the embedded tiny CPU default)
+#   make test        run the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: reproduce test install clean bench
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Keep a torch that is already importable; otherwise take the local CPU build (torch==2.13.0)
+# rather than letting a bare 'torch' requirement pull a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e ".[notebooks,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+reproduce: $(STAMP)
+	$(PY) -m rollout_lab.cli reproduce
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_planner.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

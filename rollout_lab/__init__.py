@@ -1,0 +1,1 @@
+"""rollout_lab."""
