@@ -1,0 +1,157 @@
+"""Named prompt-length workloads: the seed's five, uniform, real distributions, and synthetic ones.
+
+A workload is a list of prompt lengths in tokens. The real ones are sampled with a fixed seed from
+the CSVs in ``data/prompt_lengths/`` (built by ``scripts/build_prompt_lengths.py``: Qwen2.5 BPE,
+chat template included). ``lengths_to_prompts`` turns lengths into deterministic token-id prompts.
+Torch-free, so the planner, notebooks and CPU tests can use it anywhere::
+
+    from rollout_lab.workloads import get_workload, padding_share
+    lengths = get_workload("gsm8k_32")            # 32 GSM8K prompt lengths, seed 0
+    tiny = get_workload("long_tail", scale=0.05)  # 1x26 + 31x1 for CPU tests
+"""
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from rollout_lab.paths import PROMPT_LENGTHS
+
+SAMPLE_SEED = 0  # the fixed seed behind every named real workload ("gsm8k_32", ...)
+DATASETS = ("gsm8k", "humaneval", "gpqa_diamond", "aime2025")
+
+_SEED_WORKLOADS: dict[str, Callable[[], list[int]]] = {
+    "short_similar": lambda: [n for n in range(20, 12, -1) for _ in range(4)],
+    "long_tail": lambda: [512] + [16] * 31,
+    "short_tail": lambda: [20] + [1] * 31,
+    "moderate_tail": lambda: [128] + [4] * 31,
+    "spread": lambda: list(range(16, 513, 16)),
+    "uniform_128x16": lambda: [16] * 128,
+}
+_REAL_WORKLOADS: dict[str, tuple[str, int]] = {
+    "gsm8k_32": ("gsm8k", 32),
+    "gsm8k_64": ("gsm8k", 64),
+    "gsm8k_128": ("gsm8k", 128),
+    "humaneval_32": ("humaneval", 32),
+    "gpqa_diamond_32": ("gpqa_diamond", 32),
+    "aime2025_30": ("aime2025", 30),
+}
+WORKLOADS: tuple[str, ...] = tuple(_SEED_WORKLOADS) + tuple(_REAL_WORKLOADS)
+
+
+def get_workload(name: str, *, scale: float = 1.0) -> list[int]:
+    """Prompt lengths of the named workload; ``scale`` multiplies every length (rounded, min 1)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if name in _SEED_WORKLOADS:
+        lengths = _SEED_WORKLOADS[name]()
+    elif name in _REAL_WORKLOADS:
+        dataset, n = _REAL_WORKLOADS[name]
+        lengths = sample_lengths(dataset, n, seed=SAMPLE_SEED)
+    else:
+        raise ValueError(f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}")
+    return scale_lengths(lengths, scale) if scale != 1.0 else lengths
+
+
+def scale_lengths(lengths: Sequence[int], scale: float) -> list[int]:
+    """Each length times ``scale``, rounded half up, never below 1."""
+    return [max(1, int(math.floor(n * scale + 0.5))) for n in lengths]
+
+
+def load_lengths(dataset: str) -> list[int]:
+    """All prompt lengths of ``dataset`` from ``data/prompt_lengths/<dataset>.csv``, in source order."""
+    path = PROMPT_LENGTHS / f"{dataset}.csv"
+    if not path.is_file():
+        available = sorted(p.stem for p in PROMPT_LENGTHS.glob("*.csv"))
+        raise ValueError(
+            f"no prompt-length file for dataset {dataset!r} at {path}; available: {', '.join(available)} "
+            "(regenerate with scripts/build_prompt_lengths.py)"
+        )
+    with path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    lengths = []
+    for i, row in enumerate(rows):
+        if row["name"] != dataset or int(row["index"]) != i or int(row["num_tokens"]) < 1:
+            raise ValueError(f"{path}: bad row {i}: {row}")
+        lengths.append(int(row["num_tokens"]))
+    return lengths
+
+
+def sample_lengths(dataset: str, n: int, seed: int = SAMPLE_SEED, *, replace: bool = False) -> list[int]:
+    """``n`` lengths drawn from ``dataset`` with ``np.random.default_rng(seed)``, in draw order."""
+    lengths = load_lengths(dataset)
+    if n < 1 or (n > len(lengths) and not replace):
+        raise ValueError(
+            f"cannot draw n={n} prompts from {dataset!r} ({len(lengths)} prompts) "
+            f"{'with' if replace else 'without'} replacement; need 1 <= n"
+            + ("" if replace else f" <= {len(lengths)}, or replace=True")
+        )
+    picks = np.random.default_rng(seed).choice(len(lengths), size=n, replace=replace)
+    return [lengths[i] for i in picks]
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, seed: int, max_len: int) -> list[int]:
+    """``n`` lengths ~ median * exp(sigma * N(0, 1)), rounded and clipped to [1, max_len]."""
+    _check_synthetic(n, median, sigma, max_len)
+    z = np.random.default_rng(seed).standard_normal(n)
+    return np.clip(np.rint(median * np.exp(sigma * z)), 1, max_len).astype(int).tolist()
+
+
+def bimodal_lengths(
+    n: int, short_median: float, long_median: float, *, long_share: float, sigma: float = 0.1,
+    seed: int = 0, max_len: int = 4096,
+) -> list[int]:
+    """A mix of two lognormal modes: round(n * long_share) long prompts, the rest short, shuffled."""
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share!r}")
+    _check_synthetic(n, short_median, sigma, max_len)
+    _check_synthetic(n, long_median, sigma, max_len)
+    rng = np.random.default_rng(seed)
+    num_long = int(round(n * long_share))
+    medians = np.array([long_median] * num_long + [short_median] * (n - num_long), dtype=float)
+    raw = medians * np.exp(sigma * rng.standard_normal(n))
+    return np.clip(np.rint(rng.permutation(raw)), 1, max_len).astype(int).tolist()
+
+
+def _check_synthetic(n: int, median: float, sigma: float, max_len: int) -> None:
+    if n < 1 or median <= 0 or sigma < 0 or max_len < 1:
+        raise ValueError(
+            f"need n >= 1, median > 0, sigma >= 0, max_len >= 1; got n={n}, median={median}, "
+            f"sigma={sigma}, max_len={max_len}"
+        )
+
+
+def padding_share(lengths: Sequence[int]) -> float:
+    """Fraction of padded positions when all ``lengths`` are left-padded to the longest one."""
+    if len(lengths) == 0:
+        raise ValueError("padding_share needs at least one length")
+    return 1.0 - sum(lengths) / (len(lengths) * max(lengths))
+
+
+def mean_padding_share(
+    lengths: Sequence[int], batch_size: int, *, num_batches: int = 1000, seed: int = 0
+) -> float:
+    """Mean ``padding_share`` of ``num_batches`` random batches (without replacement) of ``lengths``."""
+    if not 1 <= batch_size <= len(lengths):
+        raise ValueError(f"batch_size must be in [1, {len(lengths)}], got {batch_size}")
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(lengths)
+    shares = [padding_share(pool[rng.choice(len(pool), batch_size, replace=False)].tolist())
+              for _ in range(num_batches)]
+    return float(np.mean(shares))
+
+
+def lengths_to_prompts(
+    lengths: Sequence[int], *, vocab_size: int, seed: int = 0, special_ids: Sequence[int] = ()
+) -> list[list[int]]:
+    """Deterministic random token-id prompts of the given lengths, drawn uniformly from the ids in
+    ``[0, vocab_size)`` that are not in ``special_ids`` (so no prompt contains a PAD/EOS/BOS id)."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=int))
+    if allowed.size == 0:
+        raise ValueError(f"no token ids left in [0, {vocab_size}) after removing special ids {list(special_ids)}")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"every prompt length must be >= 1, got {list(lengths)}")
+    rng = np.random.default_rng(seed)
+    return [allowed[rng.integers(0, allowed.size, size=n)].tolist() for n in lengths]
