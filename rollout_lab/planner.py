@@ -21,7 +21,9 @@ from typing import Sequence
 from rollout_lab.cost import CostCoefficients, ModelGeometry, per_row_cost_ms, prefill_cost_ms
 
 ROUTES = ("nocb", "bucketed")
-TIE_REL = 1e-12  # per-bucket tie-break: on equal cost (to ~1e-12 relative) fewer buckets win
+# Tie-break: each bucket carries an extra TIE_REL * (one-bucket cost of all prompts), so that on
+# equal cost (to that tolerance, well above float noise) fewer buckets win.
+TIE_REL = 1e-10
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,11 @@ def _window_starts(widths: list[int], limit: int | None) -> list[int]:
     return [max(0, j + 1 - limit // w) for j, w in enumerate(widths)]
 
 
+def _fixed_with_tie_break(coeffs: CostCoefficients, f: list[float]) -> float:
+    fixed = coeffs.prefill_fixed_cost_ms
+    return fixed + TIE_REL * (1e-6 + fixed + len(f) * f[-1])
+
+
 def _assemble(order, widths, cut, geometry, coeffs) -> BucketPlan:
     n = len(order)
     bounds = []
@@ -124,8 +131,7 @@ def plan_buckets(
     n = len(order)
     if n == 0:
         return BucketPlan((), (), 0.0)
-    fixed = coeffs.prefill_fixed_cost_ms
-    fixed += TIE_REL * (1.0 + fixed + f[-1])
+    fixed = _fixed_with_tie_break(coeffs, f)
     lo = _window_starts(widths, coeffs.prefill_max_tokens)
     best = [0.0] * (n + 1)
     cut = [0] * (n + 1)
@@ -169,8 +175,7 @@ def plan_buckets_quadratic(
     n = len(order)
     if n == 0:
         return BucketPlan((), (), 0.0)
-    fixed = coeffs.prefill_fixed_cost_ms
-    fixed += TIE_REL * (1.0 + fixed + f[-1])
+    fixed = _fixed_with_tie_break(coeffs, f)
     lo = _window_starts(widths, coeffs.prefill_max_tokens)
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)

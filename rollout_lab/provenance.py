@@ -1,0 +1,68 @@
+"""Provenance of a measurement: git sha, host, device, library versions, date.
+
+Every record under data/ carries one of these. torch is optional (the planner benchmark has none).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import subprocess
+import sys
+from typing import Any
+
+from rollout_lab.paths import ROOT
+
+
+def git_sha() -> str:
+    """The checkout's HEAD sha, with '+dirty' when tracked files are modified; 'unknown' without git."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def provenance(device: Any = None, dtype: Any = None, **extra: Any) -> dict[str, Any]:
+    """A JSON-ready dict describing where and with what a measurement ran."""
+    info: dict[str, Any] = {
+        "git_sha": git_sha(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:
+        pass
+    if "torch" in sys.modules or device is not None or dtype is not None:
+        info.update(_torch_info(device))
+    if dtype is not None:
+        info["dtype"] = str(dtype).replace("torch.", "")
+    info.update(extra)
+    return info
+
+
+def _torch_info(device: Any) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    info["device_type"] = dev.type
+    if dev.type == "cuda" and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(dev)
+        info["cuda"] = torch.version.cuda
+        info["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+        info["num_threads"] = torch.get_num_threads()
+    return info

@@ -1,0 +1,168 @@
+import itertools
+import random
+import sys
+
+import pytest
+
+from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+from rollout_lab.planner import choose_route, plan_buckets, plan_buckets_quadratic
+
+GEO = ModelGeometry(36, 16, 2, 128, 4)  # Qwen2.5-3B, fp32
+
+
+def exhaustive(lengths, coeffs):
+    """Every contiguous cut pattern of the sorted lengths: (min cost, fewest buckets at that cost)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    n, limit = len(order), coeffs.prefill_max_tokens
+    results = []
+    for mask in range(2 ** (n - 1)):
+        cuts = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
+        total = 0.0
+        for i, j in zip(cuts, cuts[1:]):
+            width = lengths[order[j - 1]]
+            if limit is not None and (j - i) * width > limit:
+                total = None
+                break
+            total += prefill_cost_ms(j - i, width, GEO, coeffs)
+        if total is not None:
+            results.append((total, len(cuts) - 1))
+    best = min(cost for cost, _ in results)
+    scale = prefill_cost_ms(n, max(lengths), GEO, coeffs)
+    fewest = min(k for cost, k in results if cost <= best + 1e-11 * scale)
+    return best, fewest
+
+
+def random_coeffs(rng):
+    return CostCoefficients(
+        prefill_fixed_cost_ms=rng.choice([0.0, 0.3, 5.0, 25.0, 400.0]),
+        prefill_token_cost_ms=rng.choice([0.0, 0.01, 0.1]),
+        prefill_attention_cost_ms=rng.choice([0.0, 0.01, 0.5]),
+        prefill_kv_cost_ms=rng.choice([0.0, 0.04]),
+        prefill_max_tokens=rng.choice([None, 256, 1024, 65536]),
+    )
+
+
+def recomputed_cost(plan, lengths, coeffs):
+    total = 0.0
+    for bucket, width in zip(plan.buckets, plan.widths):
+        assert width == max(lengths[i] for i in bucket)
+        total += prefill_cost_ms(len(bucket), width, GEO, coeffs)
+    return total
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_dp_equals_exhaustive_enumeration(seed):
+    rng = random.Random(seed)
+    coeffs = random_coeffs(rng)
+    n = rng.randint(1, 10)
+    cap = coeffs.prefill_max_tokens or 600
+    lengths = [rng.choice([rng.randint(1, 16), rng.randint(1, min(cap, 600))]) for _ in range(n)]
+    best, fewest = exhaustive(lengths, coeffs)
+    for planner in (plan_buckets, plan_buckets_quadratic):
+        plan = planner(lengths, GEO, coeffs)
+        assert plan.cost_ms == pytest.approx(best, rel=1e-9, abs=1e-9)
+        assert plan.num_buckets == fewest
+        assert plan.cost_ms == pytest.approx(recomputed_cost(plan, lengths, coeffs), rel=1e-12)
+        assert sorted(i for b in plan.buckets for i in b) == list(range(n))
+        limit = coeffs.prefill_max_tokens
+        assert all(limit is None or len(b) * w <= limit for b, w in zip(plan.buckets, plan.widths))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fast_dp_equals_quadratic_oracle(seed):
+    rng = random.Random(1000 + seed)
+    coeffs = random_coeffs(rng)
+    n = rng.choice([50, 200, 700])
+    hi = min(rng.choice([16, 512, 8192]), coeffs.prefill_max_tokens or 8192)
+    lengths = [rng.randint(1, hi) for _ in range(n)]
+    if seed % 4 == 0:
+        lengths = [rng.choice([4, 16, hi]) for _ in range(n)]  # many exact ties
+    fast = plan_buckets(lengths, GEO, coeffs)
+    slow = plan_buckets_quadratic(lengths, GEO, coeffs)
+    assert fast.cost_ms == pytest.approx(slow.cost_ms, rel=1e-9)
+    assert fast.num_buckets == slow.num_buckets
+
+
+def test_worked_example():
+    lengths = [512] + [16] * 31
+    plan = plan_buckets(lengths, GEO, CostCoefficients())
+    assert sorted((len(b), w) for b, w in zip(plan.buckets, plan.widths)) == [(1, 512), (31, 16)]
+    assert plan.buckets[1] == (0,)
+    assert plan.cost_ms == pytest.approx(154.43, abs=0.01)
+
+
+def test_fixed_cost_extremes():
+    lengths = [5, 40, 300, 1000, 17]
+    huge = plan_buckets(lengths, GEO, CostCoefficients(prefill_fixed_cost_ms=1e9))
+    assert huge.num_buckets == 1
+    tiny = plan_buckets(lengths, GEO, CostCoefficients(prefill_fixed_cost_ms=1e-6))
+    assert tiny.num_buckets == len(set(lengths))  # singletons: padding is never free
+    same = plan_buckets([8] * 6, GEO, CostCoefficients(prefill_fixed_cost_ms=0.0))
+    assert same.num_buckets == 1  # equal cost: fewer buckets win
+
+
+def test_token_limit_forces_splits():
+    coeffs = CostCoefficients(prefill_fixed_cost_ms=1e6, prefill_max_tokens=64)
+    plan = plan_buckets([16] * 10, GEO, coeffs)
+    assert [len(b) for b in plan.buckets] == [4, 4, 2] or sorted(len(b) for b in plan.buckets) == [2, 4, 4]
+    assert all(len(b) * w <= 64 for b, w in zip(plan.buckets, plan.widths))
+
+
+def test_empty_and_bad_input():
+    assert plan_buckets([], GEO, CostCoefficients()).buckets == ()
+    with pytest.raises(ValueError, match="index 2 has length 70000"):
+        plan_buckets([1, 2, 70000], GEO, CostCoefficients())
+    for bad in ([0], [3, -1], [2.5], ["7"], [True]):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            plan_buckets(bad, GEO, CostCoefficients())
+
+
+def test_choose_route_rules():
+    coeffs = CostCoefficients()
+    long_tail = [512] + [16] * 31
+    plan = choose_route(long_tail, max_new_tokens=16, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    assert plan.route == "bucketed" and plan.nocb_cost_ms > plan.cb_cost_ms
+    assert plan.cb_cost_ms == pytest.approx(154.43 + 150, abs=0.01)
+    similar = [20, 19, 18, 17] * 8
+    plan = choose_route(similar, max_new_tokens=16, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    assert plan.route == "nocb" and plan.buckets == (tuple(range(32)),)
+    assert plan.nocb_cost_ms == pytest.approx(prefill_cost_ms(32, 20, GEO, coeffs, include_kv=False))
+    # not eligible: too many requests for the slots, explicit cache settings, or over the token limit
+    for kwargs in ({"continuous_batch_size": 8}, {"nocb_allowed": False}):
+        args = {"continuous_batch_size": None, **kwargs}
+        plan = choose_route(similar, max_new_tokens=16, geometry=GEO, coeffs=coeffs, **args)
+        assert plan.route == "bucketed" and plan.nocb_cost_ms is None
+    small_limit = CostCoefficients(prefill_max_tokens=600)
+    plan = choose_route(similar, max_new_tokens=1, continuous_batch_size=None, geometry=GEO, coeffs=small_limit)
+    assert plan.route == "bucketed" and plan.nocb_cost_ms is None
+
+
+def test_lower_bound_never_changes_the_choice():
+    rng = random.Random(7)
+    for _ in range(200):
+        coeffs = random_coeffs(rng)
+        coeffs = CostCoefficients(**{**coeffs.to_dict(), "prefill_max_tokens": None,
+                                     "continuous_decode_cost_ms": rng.choice([0.0, 1.0, 10.0])})
+        lengths = [rng.randint(1, rng.choice([8, 64, 512])) for _ in range(rng.randint(1, 40))]
+        new = rng.randint(1, 64)
+        plan = choose_route(lengths, max_new_tokens=new, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+        cb = plan_buckets(lengths, GEO, coeffs).cost_ms + coeffs.continuous_decode_cost_ms * (new - 1)
+        assert plan.route == ("nocb" if plan.nocb_cost_ms <= cb else "bucketed")
+        assert plan.cb_cost_ms <= cb * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"continuous_batch_size": 0}, "continuous_batch_size"),
+])
+def test_choose_route_bad_settings(kwargs, match):
+    args = {"max_new_tokens": 4, "continuous_batch_size": None, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        choose_route([3, 4], geometry=GEO, coeffs=CostCoefficients(), **args)
+
+
+def test_planner_imports_no_torch():
+    import subprocess
+
+    code = "import rollout_lab.planner, rollout_lab.cost, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
