@@ -1,0 +1,141 @@
+"""Prefill of one bucket, the fixed-slot decode step, and the greedy token choice they share.
+
+``decode_step`` touches only static buffers (``DecodeState``, ``AlignedKVCache``) and updates them in
+place, with no host sync, so a CUDA-graph-captured version can replace it one-for-one (one graph
+per row count). The host reads the returned tokens afterwards, outside the step.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from rollout_lab.cache import AlignedKVCache
+
+
+def cache_kwarg_name(model: torch.nn.Module) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` in the forward signatures (5.2x)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """HF's rule on the ids present so far: logit < 0 ? logit * p : logit / p. ``seen``: [rows, vocab] bool."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def seen_from_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] bool: which ids occur at the ``valid`` positions of ``ids`` [rows, T]."""
+    seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    seen.scatter_(1, torch.where(valid, ids, vocab_size), True)  # invalid -> spare column
+    return seen[:, :vocab_size]
+
+
+class DecodeState:
+    """Static per-slot decode inputs: next input id, logical position, ids seen (for the penalty)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device):
+        self.input_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
+        self.position_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
+        self.seen = (
+            torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+            if track_seen else None
+        )  # [slots, vocab]
+
+    def admit(
+        self, slots: Sequence[int], first_tokens: torch.Tensor, positions: Sequence[int],
+        seen: torch.Tensor | None,
+    ) -> None:
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.input_ids.device)
+        self.input_ids.index_copy_(0, index, first_tokens[:, None])
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.input_ids.device)
+        self.position_ids.index_copy_(0, index, pos[:, None])
+        if self.seen is not None:
+            self.seen.index_copy_(0, index, seen)
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        if not src:
+            return
+        device = self.input_ids.device
+        src_t = torch.tensor(list(src), dtype=torch.long, device=device)
+        dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
+        buffers = [self.input_ids, self.position_ids] + ([self.seen] if self.seen is not None else [])
+        for buf in buffers:
+            buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+
+
+def select_tokens(
+    logits: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float
+) -> torch.Tensor:
+    """Greedy choice in fp32 after the repetition penalty; ``logits`` [rows, vocab]."""
+    logits = logits.float()
+    if seen is not None and repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    return logits.argmax(dim=-1)
+
+
+@torch.no_grad()
+def decode_step(
+    model: torch.nn.Module,
+    cache: AlignedKVCache,
+    state: DecodeState,
+    num_rows: int,
+    *,
+    repetition_penalty: float,
+    cache_kwarg: str,
+) -> torch.Tensor:
+    """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids."""
+    mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
+    mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
+    out = model(
+        input_ids=state.input_ids[:num_rows],
+        position_ids=state.position_ids[:num_rows],
+        attention_mask=mask,
+        use_cache=True,
+        **{cache_kwarg: cache.hf_cache(num_rows)},
+    )
+    seen = None if state.seen is None else state.seen[:num_rows]
+    tokens = select_tokens(out.logits[:, -1], seen, repetition_penalty)  # [rows]
+    state.input_ids[:num_rows, 0].copy_(tokens)
+    state.position_ids[:num_rows].add_(1)
+    if seen is not None:
+        seen.scatter_(1, tokens[:, None], True)
+    cache.front.add_(1)
+    return tokens
+
+
+@torch.no_grad()
+def prefill_bucket(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    cache_kwarg: str,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One left-padded forward of ``prompts``: (last logits [rows, vocab], per-layer (keys, values))."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        attention[row, width - len(prompt):] = 1
+    has_padding = any(len(p) != width for p in prompts)
+    ids, attention = ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp_(min=0)  # [rows, width]
+    temp = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids,
+        attention_mask=attention if has_padding else None,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kwarg: temp},
+    )
+    layer_kv = [(layer.keys, layer.values) for layer in temp.layers]
+    return out.logits[:, -1], layer_kv

@@ -1,0 +1,367 @@
+"""The rollout engine: five routes over a Hugging Face causal LM that give the same greedy tokens.
+
+    from rollout_lab import Rollout, RolloutConfig
+    result = Rollout(model, RolloutConfig(mode="auto", eos_token_id=2)).generate(
+        [[5, 6, 7], [8]], max_new_tokens=16)
+    result.sequences, result.route, result.plans, result.profile
+
+Routes: ``nocb`` (one left-padded HF ``generate``), ``equal_width`` (one prefill at the common
+width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets) -- the last three
+decode by continuous batching over the right-aligned cache -- and ``auto`` (``choose_route``).
+"""
+from __future__ import annotations
+
+import operator
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from rollout_lab.batching import CB_ROUTES, BatchSettings, ContinuousBatcher
+from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+from rollout_lab.decode import apply_repetition_penalty, cache_kwarg_name, seen_from_ids
+from rollout_lab.planner import BucketPlan, choose_route, validate_lengths
+from rollout_lab.profile import Profile, Timer
+
+MODES = ("auto", "nocb") + CB_ROUTES
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How to run a rollout. ``eos_token_id`` may be an int, a list of ints or None (no early stop)."""
+
+    mode: str = "auto"
+    continuous_batch_size: int | None = None  # slots; None = all requests at once
+    costs: CostCoefficients = field(default_factory=CostCoefficients)
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None  # None: the model's, else the first EOS, else 0
+    repetition_penalty: float = 1.0
+    cache_capacity: int | None = None  # columns; None = longest prompt + max_new_tokens
+    trim_cache: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        for name in ("continuous_batch_size", "cache_capacity"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if isinstance(self.costs, (str, os.PathLike)):
+            object.__setattr__(self, "costs", CostCoefficients.from_json(self.costs))
+        if not isinstance(self.costs, CostCoefficients):
+            raise ValueError(f"costs must be a CostCoefficients or a cost file path, got {self.costs!r}")
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            if not all(_is_int(e) and e >= 0 for e in eos):
+                raise ValueError(f"eos_token_id must hold non-negative ints, got {eos!r}")
+        elif eos is not None and (not _is_int(eos) or eos < 0):
+            raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+        if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
+            raise ValueError(f"pad_token_id must be a non-negative int or None, got {self.pad_token_id!r}")
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
+                or penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
+        for name in ("trim_cache", "profile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
+            raise ValueError(
+                "mode='nocb' runs HF generate and has no aligned cache: "
+                "cache_capacity and trim_cache need a continuous-batching mode"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """Per request, in input order, the generated ids up to and including the first EOS."""
+
+    sequences: list[list[int]]
+    route: str
+    plans: tuple[BucketPlan, ...]  # one per admission; buckets hold request indices
+    profile: Profile | None
+
+
+class Rollout:
+    """Generates greedy responses for a batch of prompts through the configured route."""
+
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig | None = None):
+        self.model = model
+        self.config = config if config is not None else RolloutConfig()
+        if not isinstance(self.config, RolloutConfig):
+            raise ValueError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
+        self.model_config = model.config.get_text_config(decoder=True)
+        param = next(model.parameters())
+        self.device = param.device
+        self.geometry = ModelGeometry.from_config(self.model_config, param.dtype)
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.max_positions = getattr(self.model_config, "max_position_embeddings", None)
+        self.cache_kwarg = cache_kwarg_name(model)
+
+    # -- public -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | torch.Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        do_sample: bool = False,
+        num_beams: int = 1,
+        num_return_sequences: int = 1,
+    ) -> RolloutResult:
+        """Greedy generation; every check runs before the first forward."""
+        start = time.perf_counter()
+        cfg = self.config
+        if do_sample:
+            raise ValueError("do_sample=True is not supported yet: the engine is greedy")
+        if num_beams != 1:
+            raise ValueError(f"num_beams={num_beams!r} is not supported: the engine is greedy (1)")
+        if num_return_sequences != 1:
+            raise ValueError(f"num_return_sequences={num_return_sequences!r} is not supported (1)")
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        prompts = self._prompt_lists(prompts, attention_mask)
+        self._check_prompts(prompts, max_new_tokens)
+        eos_ids = cfg.eos_token_ids
+        pad_id = self._pad_token_id()
+        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
+            for token in ids:
+                if token >= self.vocab_size:
+                    raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
+        profile = Profile()
+        timer = Timer(profile, self.device, enabled=cfg.profile)
+        lengths = [len(p) for p in prompts]
+        with timer.phase("planning_ms"):
+            route = self._route(lengths, max_new_tokens)
+        if not prompts:
+            return RolloutResult([], route, (), profile if cfg.profile else None)
+        capacity = self._capacity(lengths, max_new_tokens, route)
+        with torch.no_grad():
+            if route == "nocb":
+                sequences, plans = self._run_nocb(prompts, max_new_tokens, eos_ids, pad_id, profile, timer)
+            else:
+                settings = BatchSettings(
+                    route=route, max_new_tokens=max_new_tokens,
+                    num_slots=min(cfg.continuous_batch_size or len(prompts), len(prompts)),
+                    capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
+                    pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
+                    cache_kwarg=self.cache_kwarg,
+                )
+                batcher = ContinuousBatcher(
+                    self.model, prompts, settings, geometry=self.geometry, costs=cfg.costs,
+                    profile=profile, timer=timer,
+                )
+                sequences, plans = batcher.run()
+        profile.num_generated_tokens = sum(len(s) for s in sequences)
+        timer.sync()
+        profile.total_ms = (time.perf_counter() - start) * 1e3
+        return RolloutResult(sequences, route, tuple(plans), profile if cfg.profile else None)
+
+    # -- checks -----------------------------------------------------------------------------
+    def _prompt_lists(self, prompts, attention_mask) -> list[list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2:
+                raise ValueError(f"input_ids must be 2-D [batch, width], got shape {tuple(prompts.shape)}")
+            mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
+            if mask.shape != prompts.shape:
+                raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(prompts.shape)}")
+            out = []
+            for index, (ids, row) in enumerate(zip(prompts.tolist(), mask.tolist())):
+                num_pad = row.count(0)
+                if any(row[:num_pad]) or not all(row[num_pad:]):
+                    raise ValueError(f"request {index}: attention_mask must be left-padded 0...0 1...1")
+                out.append(ids[num_pad:])
+            return out
+        if attention_mask is not None:
+            raise ValueError("attention_mask is only accepted with an input_ids tensor")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a list of token-id lists or a tensor, got {type(prompts).__name__}")
+        out = []
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+                raise ValueError(f"request {index}: a prompt must be a list of token ids, got {prompt!r}")
+            ids = [_token_id(t) for t in prompt]
+            if None in ids:
+                raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
+            out.append(ids)
+        return out
+
+    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        for index, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"request {index}: the prompt is empty")
+            bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {index}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
+            if self.max_positions is not None and len(ids) + max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"request {index}: prompt length {len(ids)} + max_new_tokens {max_new_tokens} "
+                    f"exceeds the model's context of {self.max_positions} positions"
+                )
+
+    def _pad_token_id(self) -> int:
+        if self.config.pad_token_id is not None:
+            return self.config.pad_token_id
+        model_pad = getattr(self.model_config, "pad_token_id", None)
+        if _is_int(model_pad) and 0 <= model_pad < self.vocab_size:
+            return model_pad
+        eos = self.config.eos_token_ids
+        return eos[0] if eos else 0
+
+    def _route(self, lengths: list[int], max_new_tokens: int) -> str:
+        cfg = self.config
+        n, slots = len(lengths), cfg.continuous_batch_size
+        if cfg.mode == "nocb":
+            if slots is not None and n > slots:
+                raise ValueError(
+                    f"mode='nocb' runs all {n} requests at once, more than continuous_batch_size={slots}"
+                )
+            return "nocb"
+        if cfg.mode == "bucketed":
+            validate_lengths(lengths, cfg.costs)  # a prompt over prefill_max_tokens is an error
+            return "bucketed"
+        if cfg.mode != "auto":
+            return cfg.mode
+        plan = choose_route(
+            lengths, max_new_tokens=max_new_tokens, continuous_batch_size=slots,
+            geometry=self.geometry, coeffs=cfg.costs,
+            nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
+        )
+        return plan.route
+
+    def _capacity(self, lengths: list[int], max_new_tokens: int, route: str) -> int:
+        longest = max(lengths)
+        capacity = self.config.cache_capacity
+        if capacity is None:
+            return longest + max_new_tokens
+        needed = longest + max_new_tokens - 1  # the last token is never written back
+        if route != "nocb" and capacity < needed:
+            index = lengths.index(longest)
+            raise ValueError(
+                f"cache_capacity={capacity} is too small for request {index} (prompt {longest} "
+                f"+ max_new_tokens {max_new_tokens}); it needs at least {needed} columns, "
+                "and trimming cannot free columns a single request needs"
+            )
+        return capacity
+
+    # -- nocb -------------------------------------------------------------------------------
+    def _run_nocb(self, prompts, max_new_tokens, eos_ids, pad_id, profile, timer):
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        gen_config = GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+            eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, repetition_penalty=1.0,
+        )
+        processors = LogitsProcessorList()
+        penalty = float(self.config.repetition_penalty)
+        if penalty != 1.0:
+            processors.append(_PaddedRepetitionPenalty(penalty, mask.bool(), self.vocab_size))
+        with _neutral_generation_config(self.model), _count_forwards(self.model, profile, timer):
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=gen_config,
+                logits_processor=processors,
+            )
+        eos = set(eos_ids)
+        sequences = [_cut_at_eos(row, eos) for row in out[:, width:].tolist()]
+        profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
+        profile.peak_cache_columns = width + profile.num_decode_forwards
+        profile.cache_bytes = len(prompts) * profile.peak_cache_columns * 2 * self.geometry.num_layers \
+            * self.geometry.num_kv_heads * self.geometry.head_dim * self.geometry.element_bytes
+        cost = prefill_cost_ms(len(prompts), width, self.geometry, self.config.costs, include_kv=False)
+        return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)]
+
+
+def _token_id(value: object) -> int | None:
+    """An int (numpy ints too); None for anything else, bools and floats included."""
+    if isinstance(value, (bool, float)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+class _PaddedRepetitionPenalty(LogitsProcessor):
+    """HF's repetition penalty over each row's own ids, left padding excluded (HF's counts pad ids)."""
+
+    def __init__(self, penalty: float, prompt_mask: torch.Tensor, vocab_size: int):
+        self.penalty, self.prompt_mask, self.vocab_size = penalty, prompt_mask, vocab_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, width = self.prompt_mask.shape
+        valid = torch.ones_like(input_ids, dtype=torch.bool)
+        valid[:, :width] = self.prompt_mask
+        seen = seen_from_ids(input_ids, valid, scores.shape[-1])
+        return apply_repetition_penalty(scores, seen, self.penalty)
+
+
+@contextmanager
+def _neutral_generation_config(model: torch.nn.Module) -> Iterator[None]:
+    """generate() fills unset (None) fields from model.generation_config -- eos among them."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@contextmanager
+def _count_forwards(model: torch.nn.Module, profile: Profile, timer: Timer) -> Iterator[None]:
+    """Count generate's forwards: the first is the prefill, the rest decode steps."""
+    starts: list[float] = []
+
+    def before(module, args, kwargs):
+        timer.sync()
+        starts.append(time.perf_counter())
+
+    def after(module, args, kwargs, output):
+        timer.sync()
+        elapsed = (time.perf_counter() - starts[-1]) * 1e3
+        if profile.num_prefill_forwards == 0:
+            profile.num_prefill_forwards, profile.prefill_ms = 1, elapsed
+        else:
+            profile.num_decode_forwards += 1
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        with timer.phase("decode_ms"):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,63 @@
+"""The rollout profile: device-synchronised phase times and the counts that explain them."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class Profile:
+    """Times in ms (device-synchronised); counts of one ``generate`` call.
+
+    ``moved_bytes`` counts every KV byte the cache moved: trims, right shifts and compaction.
+    ``peak_cache_columns`` is the highest front column reached (+1 per decode step past it);
+    ``cache_bytes`` the KV memory allocated for the call.
+    """
+
+    planning_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    cache_ms: float = 0.0
+    total_ms: float = 0.0
+    num_prefill_forwards: int = 0
+    num_decode_forwards: int = 0
+    num_generated_tokens: int = 0
+    num_trims: int = 0
+    trimmed_columns: int = 0
+    moved_bytes: int = 0
+    peak_cache_columns: int = 0
+    cache_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Timer:
+    """Adds wall-clock ms to ``Profile`` fields; synchronises the device only when enabled."""
+
+    def __init__(self, profile: Profile, device: torch.device, *, enabled: bool):
+        self.profile = profile
+        self.device = torch.device(device)
+        self.enabled = enabled
+
+    def sync(self) -> None:
+        if self.enabled and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, field: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            setattr(self.profile, field, getattr(self.profile, field) + elapsed_ms)
