@@ -49,9 +49,10 @@ class RankCost:
 
     def __init__(
         self, geometry: ModelGeometry, coeffs: CostCoefficients, *, max_new_tokens: int,
-        continuous_batch_size: int | None,
+        continuous_batch_size: int | None, nocb_allowed: bool = True,
     ) -> None:
         self.geometry, self.coeffs = geometry, coeffs
+        self.nocb_allowed = nocb_allowed
         self.max_new_tokens, self.continuous_batch_size = max_new_tokens, continuous_batch_size
         self.decode_ms = cb_decode_cost_ms(max_new_tokens, coeffs)
         self._memo: dict[tuple[int, ...], float] = {}
@@ -75,7 +76,7 @@ class RankCost:
         plan = choose_route(
             lengths, max_new_tokens=self.max_new_tokens,
             continuous_batch_size=self.continuous_batch_size, geometry=self.geometry,
-            coeffs=self.coeffs,
+            coeffs=self.coeffs, nocb_allowed=self.nocb_allowed,
         )
         return plan.nocb_cost_ms if plan.route == "nocb" else plan.cb_cost_ms
 
@@ -105,7 +106,11 @@ class RankCost:
 
     def _nocb_eligible(self, count: int, max_length: int) -> bool:
         limit, slots = self.coeffs.prefill_max_tokens, self.continuous_batch_size
-        return (slots is None or count <= slots) and (limit is None or count * max_length <= limit)
+        return (
+            self.nocb_allowed
+            and (slots is None or count <= slots)
+            and (limit is None or count * max_length <= limit)
+        )
 
 
 def shard_requests(
@@ -116,16 +121,21 @@ def shard_requests(
     *,
     max_new_tokens: int = 16,
     continuous_batch_size: int | None = None,
+    nocb_allowed: bool = True,
     method: str = "balanced",
 ) -> list[list[int]]:
-    """``world_size`` lists of indices into ``lengths`` (each sorted); every index on one rank."""
+    """``world_size`` lists of indices into ``lengths`` (each sorted); every index on one rank.
+
+    ``continuous_batch_size`` and ``nocb_allowed`` are what each rank's Auto will see (nocb is
+    not allowed with an explicit cache capacity or trimming), so the predicted costs match its plan.
+    """
     lengths = _validate(lengths, world_size, coeffs, method, max_new_tokens)
     if method == "round_robin":
         return round_robin_shards(len(lengths), world_size)
     if method == "karmarkar_karp":
         return karmarkar_karp_shards(lengths, world_size)
     cost = RankCost(geometry, coeffs, max_new_tokens=max_new_tokens,
-                    continuous_batch_size=continuous_batch_size)
+                    continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
     return balanced_shards(lengths, world_size, cost)
 
 
@@ -137,12 +147,13 @@ def predicted_rank_costs(
     *,
     max_new_tokens: int = 16,
     continuous_batch_size: int | None = None,
+    nocb_allowed: bool = True,
 ) -> list[float]:
     """Each rank's predicted Auto cost in ms (0 for an empty rank)."""
     lengths = validate_lengths(lengths, coeffs)
     check_partition(shards, len(lengths))
     cost = RankCost(geometry, coeffs, max_new_tokens=max_new_tokens,
-                    continuous_batch_size=continuous_batch_size)
+                    continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
     return [cost(tuple(sorted(lengths[i] for i in shard))) for shard in shards]
 
 
@@ -154,12 +165,13 @@ def predicted_makespan(
     *,
     max_new_tokens: int = 16,
     continuous_batch_size: int | None = None,
+    nocb_allowed: bool = True,
 ) -> float:
-    """The slowest rank's predicted cost in ms."""
+    """The slowest rank's predicted cost in ms (0 for no requests)."""
     return max(predicted_rank_costs(
         shards, lengths, geometry, coeffs, max_new_tokens=max_new_tokens,
-        continuous_batch_size=continuous_batch_size,
-    ))
+        continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed,
+    ), default=0.0)
 
 
 def check_partition(shards: Sequence[Sequence[int]], num_requests: int) -> None:
@@ -313,8 +325,9 @@ class _BudgetSpent(Exception):
 
 
 class _LocalSearch:
-    """Move or swap prompts off the most expensive rank while that strictly lowers the maximum of
-    the two ranks involved; the sorted cost vector falls lexicographically, so it terminates."""
+    """Move or swap prompts off an expensive rank onto a cheaper one while that strictly lowers
+    the maximum of the two ranks involved; the sorted cost vector falls lexicographically, so it
+    terminates. The most expensive rank is tried first."""
 
     def __init__(self, shards: list[list[int]], lengths: list[int], cost: RankCost) -> None:
         self.lengths, self.cost = lengths, cost
@@ -333,8 +346,10 @@ class _LocalSearch:
         self.row_limit = self.cost.num_rows_evaluated + _SEARCH_ROW_BUDGET
         try:
             for _ in range(_MAX_SEARCH_STEPS):
-                top = max(range(len(self.costs)), key=lambda r: (self.costs[r], -r))
-                if not (self._try_moves(top) or self._try_swaps(top)):
+                # the most expensive rank first; once it is stuck, the next ones (so ranks off
+                # the critical path are balanced too, e.g. when one long prompt fixes the makespan)
+                ranks = sorted(range(len(self.costs)), key=lambda r: (-self.costs[r], r))
+                if not any(self._try_moves(r) or self._try_swaps(r) for r in ranks):
                     break
         except _BudgetSpent:
             pass
