@@ -171,14 +171,16 @@ def _prompts(lengths):
     return lengths_to_prompts(lengths, vocab_size=TINY_VOCAB_SIZE, seed=0, special_ids=[0])
 
 
-def _dp_worker(rank, world_size, prompts, configs, methods):
+def _dp_worker(rank, world_size, prompts, configs, methods, few_prompts):
     model = tiny_model("qwen2", seed=0)
     out = {}
     for name, config in configs.items():
         for method in methods:
-            result = distributed_generate(model, prompts, max_new_tokens=MAX_NEW,
-                                          config=config, method=method)
-            out[name, method] = result
+            out[name, method] = distributed_generate(model, prompts, max_new_tokens=MAX_NEW,
+                                                     config=config, method=method)
+    # fewer prompts than ranks: some ranks run an empty shard
+    out["few"] = distributed_generate(model, few_prompts, max_new_tokens=MAX_NEW,
+                                      config=configs["plain"])
     # the same prompts on every rank is a precondition, and it is checked
     try:
         distributed_generate(model, prompts[: len(prompts) - rank], max_new_tokens=MAX_NEW)
@@ -208,7 +210,8 @@ def test_distributed_matches_single_process(world_size, eos_id):
         "eos_cb": RolloutConfig(pad_token_id=0, eos_token_id=eos_id, continuous_batch_size=2),
     }
     methods = ("balanced", "round_robin") if world_size == 2 else METHODS
-    results = launch(_dp_worker, world_size, args=(prompts, configs, methods))
+    few_prompts = _prompts([6, 3, 11][: world_size - 1])
+    results = launch(_dp_worker, world_size, args=(prompts, configs, methods, few_prompts))
     for name, config in configs.items():
         expected = _reference(prompts, config)
         if name == "eos_cb":
@@ -222,20 +225,8 @@ def test_distributed_matches_single_process(world_size, eos_id):
                 check_partition(result.shards, len(prompts))
                 assert len(result.rank_times_s) == world_size and result.makespan_s > 0
                 assert len(result.predicted_rank_costs_ms) == world_size
+    few_expected = _reference(few_prompts, configs["plain"])
     for r in results:
         assert "different prompts" in r["mismatch"]
-
-
-def _few_prompts_worker(rank, world_size, prompts):
-    result = distributed_generate(tiny_model("qwen2", seed=0), prompts, max_new_tokens=MAX_NEW,
-                                  config=RolloutConfig(pad_token_id=0))
-    return result.sequences, result.shards, result.routes
-
-
-def test_more_ranks_than_prompts():
-    prompts = _prompts([6, 3])
-    results = launch(_few_prompts_worker, 3, args=(prompts,))
-    expected = _reference(prompts, RolloutConfig(pad_token_id=0))
-    for sequences, shards, routes in results:
-        assert sequences == expected
-        assert sorted(len(s) for s in shards) == [0, 1, 1]
+        assert r["few"].sequences == few_expected
+        assert sorted(len(s) for s in r["few"].shards) == [0] + [1] * (world_size - 1)
