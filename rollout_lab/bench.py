@@ -116,7 +116,7 @@ def _path_calls(model, path, prompts, *, max_new_tokens, costs, pad, repetition_
         def call():
             return peers.hf_generate_batch(model, prompts, max_new_tokens=max_new_tokens, pad_token_id=pad)
 
-    return call, lambda: (call(), {"route": None, "buckets": None, "profile": None})
+    return call, None  # peers have no profile: no extra call
 
 
 def _engine_info(result: Any) -> dict[str, Any]:
@@ -243,7 +243,8 @@ def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_token
                           "matches_nocb": None, "matches_oracle": None})
             bar.update()
             continue
-        _, info = calls[path][1]()
+        profile_call = calls[path][1]
+        info = profile_call()[1] if profile_call else {"route": None, "buckets": None, "profile": None}
         bar.update()
         seqs = outputs[path]
         mean_ms = statistics.fmean(entry["samples_ms"])

@@ -82,8 +82,8 @@ class CalibrationGrid:
     @classmethod
     def tiny(cls) -> "CalibrationGrid":
         """A few seconds on CPU with a tiny model: for tests and the notebooks' tiny default."""
-        return cls(batches=(1, 4, 8), widths=(8, 32, 96), repeats=2, decode_batches=(4,),
-                   decode_width=8, decode_steps=4, decode_repeats=2)
+        return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=3,
+                   decode_batches=(4,), decode_width=8, decode_steps=4, decode_repeats=2)
 
     def shapes(self, max_width: int | None = None) -> list[tuple[int, int]]:
         """(batch, width) pairs within ``max_batch_tokens`` and the model's ``max_width``."""

@@ -68,8 +68,12 @@ def hf_generate_batch(
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
         eos_token_id=None, pad_token_id=pad_token_id,
     )
+    extra = {}
+    if next(model.parameters()).device.type != "cuda":
+        # off CUDA, HF sizes its paged cache to host memory (and gets OOM-killed): size it to the work
+        extra["continuous_batching_config"] = _sized_cb_config(prompts, max_new_tokens)
     results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
-                                   progress_bar=False)
+                                   progress_bar=False, **extra)
     outputs = list(results.values())
     if len(outputs) != len(prompts):
         raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests")
@@ -84,6 +88,19 @@ def hf_generate_batch(
             )
         sequences.append(list(out.generated_tokens))
     return sequences
+
+
+def _sized_cb_config(prompts: Sequence[Sequence[int]], max_new_tokens: int):
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    page = 64
+    num_blocks = sum(-(-(len(p) + max_new_tokens) // page) for p in prompts) + 4
+    return ContinuousBatchingConfig(
+        page_size=page, num_blocks=num_blocks, max_batch_tokens=max(256, sum(len(p) for p in prompts)),
+        max_requests_per_batch=len(prompts),
+    )
 
 
 @torch.inference_mode()
