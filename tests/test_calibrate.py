@@ -1,0 +1,173 @@
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_lab import calibrate as cal
+from rollout_lab.cli import main as cli_main
+from rollout_lab.cost import CostCoefficients, ModelGeometry, attention_gflops, kv_mib, read_cost_file
+from rollout_lab.models import tiny_model
+from rollout_lab.nnls import nnls
+
+QWEN3B_BF16 = ModelGeometry.qwen25_3b(2)
+
+
+def _brute_force_nnls(a, b):
+    """Best unconstrained solution over every support set whose solution is non-negative."""
+    best, best_x = np.inf, None
+    for k in range(a.shape[1] + 1):
+        for support in itertools.combinations(range(a.shape[1]), k):
+            x = np.zeros(a.shape[1])
+            if support:
+                x[list(support)] = np.linalg.lstsq(a[:, support], b, rcond=None)[0]
+            if (x >= -1e-12).all():
+                res = np.linalg.norm(a @ x - b)
+                if res < best - 1e-12:
+                    best, best_x = res, x
+    return best_x
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_nnls_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((12, 4)) * rng.uniform(0.01, 100, size=4)  # badly scaled columns
+    b = rng.standard_normal(12)
+    x = nnls(a, b)
+    assert (x >= 0).all()
+    assert np.linalg.norm(a @ x - b) == pytest.approx(np.linalg.norm(a @ _brute_force_nnls(a, b) - b), rel=1e-8)
+
+
+def test_nnls_exact_nonnegative_solution_and_zero_column():
+    a = np.array([[1.0, 0.0, 2.0], [1.0, 0.0, 5.0], [1.0, 0.0, 9.0]])
+    x = nnls(a, a @ np.array([3.0, 7.0, 0.5]))
+    assert x == pytest.approx([3.0, 0.0, 0.5])
+    with pytest.raises(ValueError, match="matching rows"):
+        nnls(a, np.ones(2))
+
+
+def _synthetic(coeffs, copy_fixed_ms, noise, seed):
+    shapes = cal.CalibrationGrid().shapes()
+    rng = np.random.default_rng(seed)
+    fwd_fixed = coeffs.prefill_fixed_cost_ms - copy_fixed_ms
+    forward = [(fwd_fixed + coeffs.prefill_token_cost_ms * b * w
+                + coeffs.prefill_attention_cost_ms * attention_gflops(b, w, QWEN3B_BF16))
+               * (1 + noise * rng.standard_normal()) for b, w in shapes]
+    copy = [(copy_fixed_ms + coeffs.prefill_kv_cost_ms * kv_mib(b, w, QWEN3B_BF16))
+            * (1 + noise * rng.standard_normal()) for b, w in shapes]
+    return shapes, forward, copy
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_synthetic_coefficients_are_recovered(seed):
+    true = CostCoefficients(20.0, 0.004, 0.02, 0.05, 3.0)
+    shapes, forward, copy = _synthetic(true, copy_fixed_ms=1.0, noise=0.02, seed=seed)
+    coeffs, fit, r2 = cal.fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=3.0)
+    assert coeffs.prefill_fixed_cost_ms == pytest.approx(20.0, rel=0.05)
+    assert coeffs.prefill_token_cost_ms == pytest.approx(0.004, rel=0.1)
+    assert coeffs.prefill_attention_cost_ms == pytest.approx(0.02, rel=0.2)
+    assert coeffs.prefill_kv_cost_ms == pytest.approx(0.05, rel=0.1)
+    assert coeffs.continuous_decode_cost_ms == 3.0
+    assert r2 > 0.99 and max(abs(r["rel_error"]) for r in fit) < 0.1
+    assert {"batch", "width", "measured_ms", "predicted_ms", "rel_error"} <= set(fit[0])
+
+
+def test_noise_free_fit_is_exact_and_negative_decode_overhead_clips():
+    true = CostCoefficients(12.0, 0.01, 0.5, 0.2, 0.0)
+    shapes, forward, copy = _synthetic(true, copy_fixed_ms=0.5, noise=0.0, seed=0)
+    coeffs, fit, r2 = cal.fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=-4.0)
+    assert coeffs.prefill_fixed_cost_ms == pytest.approx(12.0, rel=1e-6)
+    assert coeffs.prefill_attention_cost_ms == pytest.approx(0.5, rel=1e-6)
+    assert coeffs.continuous_decode_cost_ms == 0.0
+    assert r2 == pytest.approx(1.0) and max(abs(r["rel_error"]) for r in fit) < 1e-6
+
+
+def test_grid_validation_and_shapes():
+    with pytest.raises(ValueError, match="batches"):
+        cal.CalibrationGrid(batches=(0, 4))
+    with pytest.raises(ValueError, match=">= 2 batches"):
+        cal.CalibrationGrid(batches=(4,))
+    with pytest.raises(ValueError, match="repeats"):
+        cal.CalibrationGrid(repeats=0)
+    grid = cal.CalibrationGrid(batches=(1, 32), widths=(16, 1024), max_batch_tokens=4096)
+    assert grid.shapes() == [(1, 16), (32, 16), (1, 1024)]
+    assert grid.shapes(max_width=512) == [(1, 16), (32, 16)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny, tmp_path_factory):
+    result = cal.calibrate(tiny, grid=cal.CalibrationGrid.tiny(), model_name="tiny-qwen2", progress=False)
+    path = result.save(tmp_path_factory.mktemp("cal") / "tiny.json")
+    return result, path
+
+
+def test_tiny_calibration_end_to_end(calibrated):
+    result, path = calibrated
+    c = result.coeffs
+    assert all(np.isfinite(v) and v >= 0 for k, v in c.to_dict().items() if k != "prefill_max_tokens")
+    assert len(result.fit) == len(cal.CalibrationGrid.tiny().shapes())
+    assert np.isfinite(result.r2) and result.worst_rel_error >= 0
+    assert result.decode and result.decode[0]["nocb_ms_per_step"] > 0
+    meta = result.metadata
+    for field in ("model_name", "geometry", "dtype", "device_name", "attn_implementation", "torch",
+                  "transformers", "tf32_matmul", "git_sha", "date", "grid"):
+        assert field in meta, field
+    assert meta["dtype"] == "float32" and meta["attn_implementation"] == "sdpa"
+    coeffs, saved = read_cost_file(path)  # the plain cost-file reader (``plan --costs``) accepts it
+    assert coeffs == c and saved["fit"]["shapes"][0]["measured_ms"] > 0
+    again = cal.CalibrationResult.load(path)
+    assert again.coeffs == c and again.fit == result.fit and again.r2 == pytest.approx(result.r2)
+
+
+def test_load_accepts_the_same_run(calibrated, tiny):
+    result, path = calibrated
+    assert cal.load_calibration(path, model=tiny) == result.coeffs
+    assert cal.load_calibration(path, model=tiny, model_name="tiny-qwen2") == result.coeffs
+    assert cal.load_calibration(path) == result.coeffs  # versions only
+
+
+def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
+    result, path = calibrated
+    data = json.loads(path.read_text())
+    data["metadata"]["torch"] = "0.0.1"
+    data["metadata"]["attn_implementation"] = "eager"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="torch") as err:
+        cal.load_calibration(other, model=tiny)
+    assert "attn_implementation" in str(err.value) and "dtype" not in str(err.value)
+    with pytest.raises(ValueError, match="dtype.*geometry|geometry.*dtype"):
+        cal.load_calibration(path, model=tiny, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="model_name"):
+        cal.load_calibration(path, model=tiny, model_name="qwen2.5-3b")
+    assert cal.load_calibration(other, model=tiny, override=True) == result.coeffs
+
+
+def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
+    with pytest.raises(ValueError, match="dtype"):
+        cal.calibrate(tiny, dtype=torch.bfloat16, progress=False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "tpu"], "--device"),
+    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nope"], "--device"),
+    (["--tiny", "gpt5"], "unknown --tiny family"),
+    (["--preset", "qwen9"], "unknown --preset"),
+])
+def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: pytest.fail("calibrated despite bad arguments"))
+    with pytest.raises(SystemExit) as err:
+        cli_main(["calibrate", *argv, "--out", "/nonexistent/x.json"])
+    assert message in str(err.value)
+
+
+def test_cli_rejects_a_bad_dtype(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["calibrate", "--tiny", "qwen2", "--dtype", "float12"])
+    assert "invalid choice" in capsys.readouterr().err
