@@ -90,6 +90,8 @@ class ContinuousBatcher:
             while self.queue and len(self.rows) < self.s.num_slots and self._admit():
                 pass
             if not self.rows:
+                if not self.queue:
+                    break  # the last admissions all finished on their first token
                 raise RuntimeError("no request is admissible into an empty cache (capacity check missed)")
             with self.timer.phase("decode_ms"):
                 tokens = decode_step(

@@ -109,6 +109,17 @@ def from_preset(
 
     ``num_hidden_layers`` overrides the depth (for quick checks of a big preset).
     """
+    config = preset_config(name, num_hidden_layers=num_hidden_layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.to_empty(device=device)
+    _init_random_(model, seed=seed)
+    _clear_generation_defaults(model)
+    return model.eval()
+
+
+def preset_config(name: str, *, num_hidden_layers: int | None = None) -> Any:
+    """The Hugging Face config of preset ``name`` (optionally with fewer layers)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     spec = dict(PRESETS[name])
@@ -116,13 +127,7 @@ def from_preset(
     spec = {**_PRESET_COMMON, **spec}
     if num_hidden_layers is not None:
         spec["num_hidden_layers"] = num_hidden_layers
-    config = _CONFIG_CLASSES[family](**spec)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    model.to_empty(device=device)
-    _init_random_(model, seed=seed)
-    _clear_generation_defaults(model)
-    return model.eval()
+    return _CONFIG_CLASSES[family](**spec)
 
 
 def load_pretrained(
@@ -145,6 +150,8 @@ def load_pretrained(
 def _init_random_(model: torch.nn.Module, *, seed: int) -> None:
     """Cheap in-place init on the model's device: N(0, 0.02) matrices, unit norms, zero biases."""
     device = next(model.parameters()).device
+    if device.type == "meta":
+        return
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.dim() >= 2:
