@@ -1,0 +1,77 @@
+"""Tiny models, preset architectures with random weights, and local checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_lab.cost import ModelGeometry
+from rollout_lab.models import (
+    PRESETS, TINY_FAMILIES, TINY_VOCAB_SIZE, from_preset, load_pretrained, preset_config, tiny_model,
+)
+
+# hidden / layers / heads / kv heads / head_dim / intermediate / vocab (DESIGN.md)
+PRESET_SHAPES = {
+    "qwen2.5-0.5b": (896, 24, 14, 2, 64, 4864, 151936),
+    "qwen2.5-3b": (2048, 36, 16, 2, 128, 11008, 151936),
+    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936),
+    "qwen3-32b": (5120, 64, 64, 8, 128, 25600, 151936),
+}
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_tiny_model(family):
+    model = tiny_model(family)
+    assert not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.config.num_hidden_layers == 2
+    assert model.get_input_embeddings().weight.shape[0] == TINY_VOCAB_SIZE
+    same = tiny_model(family, seed=0)
+    other = tiny_model(family, seed=1)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, same(ids).logits)
+        assert not torch.equal(model(ids).logits, other(ids).logits)
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="qwen2.*qwen3.*llama.*opt"):
+        tiny_model("gpt2")
+    with pytest.raises(ValueError, match="qwen2.5-0.5b"):
+        from_preset("qwen-7b")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_pretrained("/nonexistent/checkpoint")
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_SHAPES))
+def test_preset_shapes(name):
+    assert name in PRESETS
+    cfg = preset_config(name)
+    shape = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+             ModelGeometry.from_config(cfg, "bfloat16").head_dim, cfg.intermediate_size, cfg.vocab_size)
+    assert shape == PRESET_SHAPES[name]
+
+
+def test_qwen3_32b_builds_on_meta_with_the_right_size():
+    model = from_preset("qwen3-32b", dtype=torch.bfloat16, device="meta")
+    assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - 32.76) < 0.01
+    assert hasattr(model.model.layers[0].self_attn, "q_norm")  # Qwen3's q/k norm
+
+
+def test_preset_random_weights_are_finite_in_bf16():
+    model = from_preset("qwen2.5-0.5b", dtype=torch.bfloat16, device="cpu", num_hidden_layers=2)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's qkv bias
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert torch.isfinite(inv_freq).all() and inv_freq[0] == 1.0
+    with torch.no_grad():
+        logits = model(torch.randint(0, 151936, (2, 16))).logits
+    assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
+def test_load_pretrained_round_trip(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
