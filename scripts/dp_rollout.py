@@ -51,11 +51,13 @@ def main() -> None:
     args = parse_args()
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[args.dtype]
     if args.preset == "tiny":
         model = tiny_model("qwen2", dtype=dtype).to(device)
