@@ -1,0 +1,193 @@
+"""Every notebook, executed by papermill with smoke parameters into tmp_path; its outputs checked.
+
+The notebooks run once per module (a fixture); each test then reads what they wrote. About a
+minute on 2 CPU cores in all. Also static checks of the committed notebooks (no outputs, a
+``parameters`` cell, no def/class) and that the kernel papermill picks is this interpreter.
+"""
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pm = pytest.importorskip("papermill")
+nbformat = pytest.importorskip("nbformat")
+pytest.importorskip("matplotlib")
+
+from rollout_lab import paths  # noqa: E402
+from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    assert path.is_file(), f"missing table {path}"
+    with path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows, f"empty table {path}"
+    return rows
+
+
+def assert_figure(directory: Path, stem: str, *, svg: bool = True) -> None:
+    png = directory / f"{stem}.png"
+    assert png.is_file(), f"missing figure {png}; have {sorted(p.name for p in directory.iterdir())}"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+    if svg:
+        assert (directory / f"{stem}.svg").read_text(encoding="utf-8").lstrip().startswith("<?xml")
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("notebooks")
+    notebooks = run_notebooks(out_dir=out / "executed", output_dir=out, extra=SMOKE_PARAMETERS, progress=False)
+    return out, notebooks
+
+
+# ---------------------------------------------------------------- the committed notebooks
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_is_clean(name):
+    nb = nbformat.read(paths.NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    assert nb.cells[0].cell_type == "markdown"
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1 and tagged[0] is nb.cells[1]
+    for node in ast.walk(ast.parse(tagged[0].source)):  # literals only
+        if isinstance(node, ast.Assign):
+            ast.literal_eval(node.value)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{name}: commit without outputs"
+            tree = ast.parse(cell.source)
+            defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
+            assert not defs, f"{name}: notebooks define no functions or classes"
+    declared = pm.inspect_notebook(str(paths.NOTEBOOKS / f"{name}.ipynb"))
+    assert {"output_dir", "interactive"} <= set(declared)
+    assert set(SMOKE_PARAMETERS[name]) <= set(declared)
+
+
+def test_kernel_is_this_interpreter(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.executable)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    source, target = tmp_path / "k.ipynb", tmp_path / "k_out.ipynb"
+    nbformat.write(nb, source)
+    pm.execute_notebook(str(source), str(target), kernel_name="python3", progress_bar=False)
+    text = nbformat.read(target, as_version=4).cells[0].outputs[0]["text"].strip()
+    assert Path(text).resolve() == Path(sys.executable).resolve()
+
+
+# ---------------------------------------------------------------- 02: bucket choices
+
+def test_02_figures(executed):
+    out, _ = executed
+    figures = out / "figures"
+    for stem in ("02_buckets_all", "02_buckets_gsm8k", "02_cost_by_num_buckets", "02_fixed_cost_sweep",
+                 "02_fixed_cost_buckets_gsm8k", "02_route_maps"):
+        assert_figure(figures, stem)
+    assert_figure(figures, "02_explorer_static", svg=False)
+
+
+def test_02_bucket_costs_never_above_one_bucket(executed):
+    out, _ = executed
+    rows = read_csv(out / "tables" / "02_cost_by_num_buckets.csv")
+    groups: dict[tuple[str, str], list[dict[str, str]]] = {}
+    for r in rows:
+        groups.setdefault((r["distribution"], r["seed"]), []).append(r)
+    labels = {d for d, _ in groups}
+    assert {"long_tail", "gsm8k"} <= labels and any(d.startswith("lognormal") for d in labels)
+    assert any(d.startswith("bimodal") for d in labels)
+    for key, group in groups.items():
+        costs = {int(r["num_buckets"]): float(r["cost_ms"]) for r in group}
+        shares = [float(r["padding_share"]) for r in group]
+        assert all(0.0 <= s <= 1.0 for s in shares), key
+        chosen = [r for r in group if r["is_dp_choice"] == "True"]
+        assert len(chosen) == 1, key
+        best = float(chosen[0]["cost_ms"])
+        assert best <= costs[1] * (1 + 1e-9), key
+        assert best <= min(costs.values()) * (1 + 1e-9), key
+        assert all(float(r["cost_vs_one_bucket"]) > 0 for r in group)
+    summary = read_csv(out / "tables" / "02_summary.csv")
+    for r in summary:
+        assert float(r["dp_cost_ms"]) <= float(r["one_bucket_cost_ms"]) * (1 + 1e-9)
+        assert 0.0 <= float(r["dp_padding_share"]) <= float(r["one_bucket_padding_share"]) + 1e-12 <= 1.0 + 1e-12
+        assert r["route"] in ("nocb", "bucketed")
+    long_tail = next(r for r in summary if r["distribution"] == "long_tail")
+    assert long_tail["dp_widths"] == "16;512" and long_tail["route"] == "bucketed"  # the worked example
+    assert math.isclose(float(long_tail["dp_cost_ms"]), 154.43, abs_tol=0.01)
+
+
+def test_02_fixed_cost_sweep_and_route_map(executed):
+    out, _ = executed
+    sweep = read_csv(out / "tables" / "02_fixed_cost_sweep.csv")
+    for label in {r["distribution"] for r in sweep}:
+        mine = sorted((r for r in sweep if r["distribution"] == label), key=lambda r: float(r["fixed_cost_ms"]))
+        ks = [int(r["num_buckets"]) for r in mine]
+        assert ks == sorted(ks, reverse=True), f"{label}: a higher fixed cost never adds buckets: {ks}"
+        for r in mine:
+            assert float(r["cost_ms"]) <= float(r["one_bucket_cost_ms"]) * (1 + 1e-9)
+        sizes = {sum(int(s) for s in r["bucket_sizes"].split(";")) for r in mine}
+        assert len(sizes) == 1, f"{label}: every plan covers every prompt"
+    route = read_csv(out / "tables" / "02_route_map.csv")
+    assert {r["route"] for r in route} == {"nocb", "bucketed"}
+    for r in route:
+        nocb, cb = float(r["nocb_cost_ms"]), float(r["cb_cost_ms"])
+        assert r["route"] == ("nocb" if nocb <= cb else "bucketed")
+
+
+# ---------------------------------------------------------------- 01: calibration
+
+def test_01_calibration_outputs(executed):
+    out, _ = executed
+    cost_file = out / "calibration" / "tiny-qwen2_float32_cpu.json"
+    data = json.loads(cost_file.read_text())
+    assert all(v is None or (math.isfinite(v) and v >= 0) for v in data["coefficients"].values())
+    assert data["metadata"]["model_name"] == "tiny-qwen2"
+    fit = read_csv(out / "tables" / "01_calibration_fit_tiny_qwen2.csv")
+    assert len(fit) == 4  # smoke grid: 2 batches x 2 widths
+    for r in fit:
+        assert float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) >= 0
+        assert math.isfinite(float(r["rel_error"]))
+    assert_figure(out / "figures", "01_calibration_tiny_qwen2")
+
+
+# ---------------------------------------------------------------- 03: latency tables
+
+def test_03_latency_outputs(executed):
+    out, _ = executed
+    record = json.loads((out / "results" / "sweep_tiny-qwen2_float32_cpu.json").read_text())
+    assert set(record["workloads"]) == {"long_tail", "spread"}
+    table = read_csv(out / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
+    assert [r["workload"] for r in table] == ["long_tail", "spread"]
+    for r in table:
+        assert r["auto_route"] in ("nocb", "bucketed")
+        assert all(float(r[f"{p}_ms"]) > 0 for p in ("nocb", "equal_width", "aligned", "bucketed", "auto"))
+        assert float(r["auto_vs_best"]) > 0
+    rows = read_csv(out / "tables" / "03_results_tiny_qwen2_float32_cpu.csv")
+    for r in rows:
+        assert r["matches_nocb"] == "True"
+        assert int(r["num_prefill_forwards"]) >= 1
+    for stem in ("03_e2e", "03_throughput_memory", "03_breakdown"):
+        assert_figure(out / "figures", f"{stem}_tiny_qwen2_float32_cpu")
+
+
+def test_03_renders_a_saved_results_file(executed, tmp_path):
+    out, _ = executed
+    saved = out / "results" / "sweep_tiny-qwen2_float32_cpu.json"
+    run_notebooks(names=["03_latency_tables"], out_dir=tmp_path / "executed", output_dir=tmp_path,
+                  extra={"03_latency_tables": {"results_file": str(saved)}}, progress=False)
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+    assert_figure(tmp_path / "figures", "03_e2e_tiny_qwen2_float32_cpu")
+    assert read_csv(tmp_path / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
+
+
+def test_executed_copies_have_outputs(executed):
+    _, notebooks = executed
+    assert [p.stem for p in notebooks] == list(NOTEBOOKS)
+    for path in notebooks:
+        nb = nbformat.read(path, as_version=4)
+        assert any(c.get("outputs") for c in nb.cells if c.cell_type == "code")
+        assert any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
