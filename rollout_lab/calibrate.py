@@ -47,6 +47,7 @@ CHECKED_FIELDS = (
     "torch", "transformers", "tf32_matmul",
 )
 DEFAULT_MAX_BATCH_TOKENS = 32768
+STATISTICS = {"median": statistics.median, "min": min}
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,11 @@ class CalibrationGrid:
     decode_width: int = 64  # prompt length in the decode probe
     decode_steps: int = 8  # decode steps measured (calls with decode_steps + 1 and 1 new tokens)
     decode_repeats: int = 3
+    statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
 
     def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"CalibrationGrid.statistic must be one of {list(STATISTICS)}, got {self.statistic!r}")
         for name in ("batches", "widths", "decode_batches"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or any(
@@ -82,8 +86,8 @@ class CalibrationGrid:
     @classmethod
     def tiny(cls) -> "CalibrationGrid":
         """A few seconds on CPU with a tiny model: for tests and the notebooks' tiny default."""
-        return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=3,
-                   decode_batches=(4,), decode_width=8, decode_steps=4, decode_repeats=2)
+        return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=5, decode_batches=(4,),
+                   decode_width=8, decode_steps=4, decode_repeats=3, statistic="min")
 
     def shapes(self, max_width: int | None = None) -> list[tuple[int, int]]:
         """(batch, width) pairs within ``max_batch_tokens`` and the model's ``max_width``."""
@@ -248,10 +252,11 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
                     samples[shape].append((fwd_ms, copy_ms))
                 bar.update()
     bar.close()
+    stat = STATISTICS[grid.statistic]
     return [
         {"batch": b, "width": w,
-         "forward_ms": statistics.median(f for f, _ in samples[(b, w)]),
-         "kv_copy_ms": statistics.median(c for _, c in samples[(b, w)]),
+         "forward_ms": stat([f for f, _ in samples[(b, w)]]),
+         "kv_copy_ms": stat([c for _, c in samples[(b, w)]]),
          "forward_samples_ms": [f for f, _ in samples[(b, w)]],
          "kv_copy_samples_ms": [c for _, c in samples[(b, w)]]}
         for b, w in shapes
@@ -287,8 +292,9 @@ def measure_decode_overhead(
                         if repeat > 0:
                             times[(mode, n)].append(ms)
                         bar.update()
+            stat = STATISTICS[grid.statistic]
             per_step = {
-                m: (statistics.median(times[(m, budgets[1])]) - statistics.median(times[(m, budgets[0])]))
+                m: (stat(times[(m, budgets[1])]) - stat(times[(m, budgets[0])]))
                 / grid.decode_steps
                 for m in modes
             }
@@ -467,6 +473,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="model dtype (default: float32 for --tiny, bfloat16 for --preset)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads (default: torch's); 1 steadies timings on a busy host")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -479,6 +487,8 @@ def resolve_model_arguments(args: argparse.Namespace) -> None:
         args.dtype = "float32" if args.tiny else "bfloat16"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
