@@ -121,28 +121,37 @@ class ContinuousBatcher:
     def _admissible(self) -> tuple[list[int], int | None]:
         """The longest queue prefix that fits the free slots and the cache, and the front it needs."""
         free = self.s.num_slots - len(self.rows)
+        live_span, live_remaining = self._live_needs()
         best: tuple[list[int], int | None] = ([], None)
+        longest_new = 0
         for count in range(1, min(free, len(self.queue)) + 1):
-            front = self._choose_front(self.queue[:count])
+            longest_new = max(longest_new, self.lengths[self.queue[count - 1]])
+            front = self._choose_front(
+                max(live_span, longest_new), max(live_remaining, self.s.max_new_tokens - 1)
+            )
             if front is None:
                 break
             best = (self.queue[:count], front)
         return best
 
-    def _choose_front(self, new_requests: Sequence[int]) -> int | None:
-        """The front column after admitting ``new_requests``, or None if the capacity cannot hold them."""
+    def _live_needs(self) -> tuple[int, int]:
+        """(widest live span, most decode columns a live row still needs)."""
         front, budget = self.cache.front_int, self.s.max_new_tokens
-        spans = [front - self.cache.row_starts[slot] for slot in range(len(self.rows))]
-        spans += [self.lengths[r] for r in new_requests]
-        remaining = [budget - row.num_generated for row in self.rows]
-        remaining += [budget - 1 for _ in new_requests]
-        lower = max(spans, default=0)
-        upper = self.s.capacity - max(remaining, default=0)
+        span = max((front - self.cache.row_starts[slot] for slot in range(len(self.rows))), default=0)
+        remaining = max((budget - row.num_generated for row in self.rows), default=0)
+        return span, remaining
+
+    def _choose_front(self, span: int, remaining: int) -> int | None:
+        """The front column that holds ``span`` columns left of it and ``remaining`` right of it.
+
+        None if the capacity cannot; with ``trim_cache`` the lowest such front, else the nearest.
+        """
+        lower, upper = span, self.s.capacity - remaining
         if lower > upper:
             return None
         if self.s.trim_cache:
             return lower
-        return min(max(front, lower), upper)
+        return min(max(self.cache.front_int, lower), upper)
 
     def _set_front(self, new_front: int) -> None:
         delta = new_front - self.cache.front_int
@@ -207,7 +216,8 @@ class ContinuousBatcher:
         if len(keep) == len(self.rows):
             return
         num_live = len(keep)
-        holes = [slot for slot in range(num_live) if slot not in set(keep)]
+        kept = set(keep)
+        holes = [slot for slot in range(num_live) if slot not in kept]
         movers = [slot for slot in keep if slot >= num_live]
         with self.timer.phase("cache_ms"):
             self.profile.moved_bytes += self.cache.move_rows(movers, holes)
@@ -217,6 +227,6 @@ class ContinuousBatcher:
             rows[dst] = rows[src]
         self.rows = rows[:num_live]
         if self.s.trim_cache and self.rows and not self.queue:
-            front = self._choose_front([])
+            front = self._choose_front(*self._live_needs())
             if front is not None:
                 self._set_front(front)

@@ -320,7 +320,7 @@ class _PaddedRepetitionPenalty(LogitsProcessor):
         self.penalty, self.prompt_mask, self.vocab_size = penalty, prompt_mask, vocab_size
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows, width = self.prompt_mask.shape
+        width = self.prompt_mask.shape[1]
         valid = torch.ones_like(input_ids, dtype=torch.bool)
         valid[:, :width] = self.prompt_mask
         seen = seen_from_ids(input_ids, valid, scores.shape[-1])

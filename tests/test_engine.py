@@ -214,8 +214,8 @@ def test_profile_counts():
     model = get_tiny("qwen2")
     prompts = make_prompts(WORKLOADS["spread"])
     n, steps = len(prompts), 5
-    bucketed = run(model, prompts, steps, mode="bucketed", profile=True).profile
-    plans = run(model, prompts, steps, mode="bucketed", profile=True).plans
+    result = run(model, prompts, steps, mode="bucketed", profile=True)
+    bucketed, plans = result.profile, result.plans
     assert bucketed.num_prefill_forwards == sum(p.num_buckets for p in plans) >= 2
     assert bucketed.num_decode_forwards == steps - 1
     assert bucketed.num_generated_tokens == n * steps
