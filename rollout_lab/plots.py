@@ -319,6 +319,9 @@ def plot_throughput_memory(rows: Sequence[Mapping[str, Any]]) -> Figure:
     ax_t.set_ylabel("generated tokens / s")
     _grouped_bars(ax_m, rows, "peak_mem_bytes", scale=1 / 2**20)
     ax_m.set_ylabel("peak memory (MiB)")
+    if all(r.get("peak_mem_bytes") in (None, "") for r in rows):
+        ax_m.text(0.5, 0.5, "peak memory not measured on this device (CUDA only)", transform=ax_m.transAxes,
+                  ha="center", va="center", fontsize=9, color="0.4")
     ax_t.legend(fontsize=7)
     fig.tight_layout()
     return fig
