@@ -191,3 +191,13 @@ def test_executed_copies_have_outputs(executed):
         nb = nbformat.read(path, as_version=4)
         assert any(c.get("outputs") for c in nb.cells if c.cell_type == "code")
         assert any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
+
+
+def test_01_cost_file_feeds_02_and_03(executed):
+    out, _ = executed
+    from rollout_lab.analysis import load_coeffs
+    from rollout_lab.cost import CostCoefficients
+
+    cost_file = out / "calibration" / "tiny-qwen2_float32_cpu.json"
+    coeffs = load_coeffs(cost_file)
+    assert coeffs == CostCoefficients.from_dict(json.loads(cost_file.read_text())["coefficients"])
