@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from rollout_lab.cache import AlignedKVCache
 from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
-from rollout_lab.decode import DecodeState, decode_step, prefill_bucket, seen_from_ids, select_tokens
+from rollout_lab.decode import prefill_bucket, seen_from_ids, select_tokens
+from rollout_lab.graph import EagerStepper, StepperKey
 from rollout_lab.planner import BucketPlan, plan_buckets
 from rollout_lab.profile import Profile, Timer
 
@@ -65,6 +65,7 @@ class ContinuousBatcher:
     def __init__(
         self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], settings: BatchSettings, *,
         geometry: ModelGeometry, costs: CostCoefficients, profile: Profile, timer: Timer,
+        stepper: "EagerStepper | None" = None,
     ):
         self.model, self.prompts, self.s = model, prompts, settings
         self.geometry, self.costs = geometry, costs
@@ -73,11 +74,13 @@ class ContinuousBatcher:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         with timer.phase("cache_ms"):
-            self.cache = AlignedKVCache.for_model(model, num_slots=settings.num_slots, capacity=settings.capacity)
-            self.state = DecodeState(
-                settings.num_slots, self.vocab_size,
-                track_seen=settings.repetition_penalty != 1.0, device=self.device,
-            )
+            if stepper is None:
+                stepper = EagerStepper(model, StepperKey(
+                    settings.num_slots, settings.capacity, settings.repetition_penalty,
+                    settings.repetition_penalty != 1.0, settings.cache_kwarg))
+            else:
+                stepper.reset()
+        self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
         profile.cache_bytes = self.cache.num_bytes
         self.rows: list[_Row] = []  # index = slot
         self.queue = list(range(len(prompts)))  # not yet admitted, input order
@@ -93,16 +96,21 @@ class ContinuousBatcher:
                 if not self.queue:
                     break  # the last admissions all finished on their first token
                 raise RuntimeError("no request is admissible into an empty cache (capacity check missed)")
+            # Without EOS ids nothing retires before the nearest budget: run those steps without
+            # reading tokens back, so the host never waits on the device in between.
+            burst = 1
+            if not self.s.eos_token_ids:
+                burst = min(self.s.max_new_tokens - row.num_generated for row in self.rows)
             with self.timer.phase("decode_ms"):
-                tokens = decode_step(
-                    self.model, self.cache, self.state, len(self.rows),
-                    repetition_penalty=self.s.repetition_penalty, cache_kwarg=self.s.cache_kwarg,
-                ).tolist()
-                self.cache.front_int += 1
-            self.profile.num_decode_forwards += 1
+                num_rows = len(self.rows)
+                steps = [self.stepper.step(num_rows) for _ in range(burst)]
+                tokens = (steps[0][:, None] if burst == 1 else torch.stack(steps, 1)).tolist()
+                self.cache.front_int += burst
+            self.profile.num_decode_forwards += burst
             self._note_peak()
-            for row, token in zip(self.rows, tokens):
-                self._append(row, token)
+            for row, row_tokens in zip(self.rows, tokens):
+                for token in row_tokens:
+                    self._append(row, token)
             self._retire()
         return self.outputs, self.plans
 
@@ -222,6 +230,7 @@ class ContinuousBatcher:
         with self.timer.phase("cache_ms"):
             self.profile.moved_bytes += self.cache.move_rows(movers, holes)
             self.state.move_rows(movers, holes)
+            self.stepper.retire_tail(num_live)
         rows = self.rows
         for src, dst in zip(movers, holes):
             rows[dst] = rows[src]

@@ -121,6 +121,12 @@ class AlignedKVCache:
         return self._views[num_rows]
 
     # -- writes -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Mask every column and put the front at 0; stale KV stays but is masked (finite)."""
+        self.mask.fill_(self.masked_value)
+        self.set_front(0)
+        self.row_starts = [0] * self.num_slots
+
     def set_front(self, front: int) -> None:
         self.front_int = front
         self.front.fill_(front)

@@ -21,13 +21,19 @@ MIB = float(2**20)
 
 @dataclass(frozen=True)
 class CostCoefficients:
-    """Coefficients of the prefill cost model, in milliseconds (defaults: the reference's)."""
+    """Coefficients of the prefill cost model, in milliseconds (defaults: the reference's).
+
+    The reference prices CB decode as an overhead over nocb's (``nocb_decode_cost_ms = 0``). With a
+    graph-captured CB decode that is faster than HF's own loop the overhead would be negative, so a
+    calibration may instead give both decode costs per step, each >= 0.
+    """
 
     prefill_fixed_cost_ms: float = 25.0
     prefill_token_cost_ms: float = 0.1  # per padded token
     prefill_attention_cost_ms: float = 0.01  # per attention GFLOP
     prefill_kv_cost_ms: float = 0.04  # per MiB of KV written
-    continuous_decode_cost_ms: float = 10.0  # CB overhead per remaining decode step
+    continuous_decode_cost_ms: float = 10.0  # CB decode cost per remaining step (over nocb's)
+    nocb_decode_cost_ms: float = 0.0  # nocb's own decode cost per remaining step
     prefill_max_tokens: int | None = 65536  # padded positions per forward; None = no limit
 
     def __post_init__(self) -> None:

@@ -47,6 +47,12 @@ class DecodeState:
             if track_seen else None
         )  # [slots, vocab]
 
+    def reset(self) -> None:
+        self.input_ids.zero_()
+        self.position_ids.zero_()
+        if self.seen is not None:
+            self.seen.zero_()
+
     def admit(
         self, slots: Sequence[int], first_tokens: torch.Tensor, positions: Sequence[int],
         seen: torch.Tensor | None,

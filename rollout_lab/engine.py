@@ -24,6 +24,10 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from rollout_lab.batching import CB_ROUTES, BatchSettings, ContinuousBatcher
 from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 from rollout_lab.decode import apply_repetition_penalty, cache_kwarg_name, seen_from_ids
+from rollout_lab.graph import (
+    DECODE_MODES, EagerStepper, StepperKey, describe, graph_capacity, make_stepper,
+    resolve_decode_mode,
+)
 from rollout_lab.planner import BucketPlan, choose_route, validate_lengths
 from rollout_lab.profile import Profile, Timer
 
@@ -47,8 +51,11 @@ class RolloutConfig:
     cache_capacity: int | None = None  # columns; None = longest prompt + max_new_tokens
     trim_cache: bool = False
     profile: bool = False
+    decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
 
     def __post_init__(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {self.decode!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         for name in ("continuous_batch_size", "cache_capacity"):
@@ -113,6 +120,44 @@ class Rollout:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_positions = getattr(self.model_config, "max_position_embeddings", None)
         self.cache_kwarg = cache_kwarg_name(model)
+        # chosen before any routing decision: graph replay on CUDA, eager elsewhere
+        self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
+        self._stepper: EagerStepper | None = None
+
+    def close(self) -> None:
+        """Release the captured graph and the aligned cache; the rollout stays usable."""
+        if self._stepper is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._stepper.close()
+            self._stepper = None
+
+    def __enter__(self) -> "Rollout":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stepper_info(self) -> dict:
+        """What decodes: kind, captures and replays so far, slots and capacity."""
+        return describe(self._stepper)
+
+    def _stepper_for(self, num_slots: int, capacity: int, explicit_capacity: bool) -> EagerStepper:
+        """Reuse the kept stepper when it fits this call, else build (and capture) a new one."""
+        penalty = float(self.config.repetition_penalty)
+        old = self._stepper
+        if self.decode_mode == "graph" and not explicit_capacity:
+            capacity = graph_capacity(capacity)
+            if old is not None and old.key.num_slots == num_slots and \
+                    capacity <= old.key.capacity <= 2 * capacity:
+                capacity = old.key.capacity
+        key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg)
+        if old is not None and old.fits(self.model, key):
+            return old
+        self.close()  # drop the old cache and graph before allocating their replacement
+        self._stepper = make_stepper(self.model, key, decode=self.decode_mode)
+        return self._stepper
 
     # -- public -----------------------------------------------------------------------------
     def generate(
@@ -152,6 +197,12 @@ class Rollout:
         if not prompts:
             return RolloutResult([], route, (), profile if cfg.profile else None)
         capacity = self._capacity(lengths, max_new_tokens, route)
+        stepper = None
+        if route != "nocb":
+            num_slots = min(cfg.continuous_batch_size or len(prompts), len(prompts))
+            with timer.phase("cache_ms"):
+                stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None)
+            capacity = stepper.key.capacity
         with torch.no_grad():
             if route == "nocb":
                 sequences, plans = self._run_nocb(prompts, max_new_tokens, eos_ids, pad_id, profile, timer)
@@ -165,7 +216,7 @@ class Rollout:
                 )
                 batcher = ContinuousBatcher(
                     self.model, prompts, settings, geometry=self.geometry, costs=cfg.costs,
-                    profile=profile, timer=timer,
+                    profile=profile, timer=timer, stepper=stepper,
                 )
                 sequences, plans = batcher.run()
         profile.num_generated_tokens = sum(len(s) for s in sequences)

@@ -188,11 +188,15 @@ def plan_buckets_quadratic(
     return _assemble(order, widths, cut, geometry, coeffs)
 
 
-def nocb_cost_ms(lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients) -> float:
-    """nocb's estimate: one left-padded forward of every prompt at the longest width, no KV term."""
+def nocb_cost_ms(
+    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, *, max_new_tokens: int = 1
+) -> float:
+    """nocb's estimate: one left-padded forward of every prompt at the longest width (no KV term),
+    plus ``nocb_decode_cost_ms`` per remaining decode step (0 with the reference coefficients)."""
     if not lengths:
         return 0.0
-    return prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs, include_kv=False)
+    prefill = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs, include_kv=False)
+    return prefill + coeffs.nocb_decode_cost_ms * max(0, max_new_tokens - 1)
 
 
 def cb_decode_cost_ms(max_new_tokens: int, coeffs: CostCoefficients) -> float:
@@ -235,7 +239,7 @@ def choose_route(
         and (limit is None or n * max(lengths) <= limit)
     )
     decode = cb_decode_cost_ms(max_new_tokens, coeffs)
-    nocb = nocb_cost_ms(lengths, geometry, coeffs) if eligible else None
+    nocb = nocb_cost_ms(lengths, geometry, coeffs, max_new_tokens=max_new_tokens) if eligible else None
     if nocb is not None:
         # cheapest conceivable CB: one fixed cost, every prompt at its own width
         bound = coeffs.prefill_fixed_cost_ms + decode

@@ -38,7 +38,7 @@ def test_worked_example_one_bucket_is_1734_ms():
 
 @pytest.mark.parametrize("field", [
     "prefill_fixed_cost_ms", "prefill_token_cost_ms", "prefill_attention_cost_ms",
-    "prefill_kv_cost_ms", "continuous_decode_cost_ms",
+    "prefill_kv_cost_ms", "continuous_decode_cost_ms", "nocb_decode_cost_ms",
 ])
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "3"])
 def test_bad_coefficient_names_the_field(field, bad):

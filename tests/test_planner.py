@@ -151,6 +151,17 @@ def test_lower_bound_never_changes_the_choice():
         assert plan.cb_cost_ms <= cb * (1 + 1e-12)
 
 
+def test_nocb_decode_cost_moves_the_choice():
+    similar = [20, 19, 18, 17] * 8
+    base = dict(max_new_tokens=16, continuous_batch_size=None, geometry=GEO)
+    assert choose_route(similar, coeffs=CostCoefficients(), **base).route == "nocb"
+    # a fast graph decode (1 ms/step) against HF's eager loop (25 ms/step): CB wins
+    fast_cb = CostCoefficients(continuous_decode_cost_ms=1.0, nocb_decode_cost_ms=25.0)
+    plan = choose_route(similar, coeffs=fast_cb, **base)
+    assert plan.route == "bucketed"
+    assert plan.nocb_cost_ms == pytest.approx(prefill_cost_ms(32, 20, GEO, fast_cb, include_kv=False) + 25.0 * 15)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"continuous_batch_size": 0}, "continuous_batch_size"),

@@ -1,0 +1,104 @@
+"""The decode steppers: eager on CPU (reuse, release), CUDA-graph replay equal to eager (CUDA only)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import get_tiny
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.cost import CostCoefficients
+from rollout_lab.graph import resolve_decode_mode
+from rollout_lab.models import TINY_VOCAB_SIZE, tiny_model
+
+SPLIT = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def prompts_of(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def test_decode_mode_is_chosen_from_the_device():
+    assert resolve_decode_mode("auto", "cpu") == "eager"
+    assert resolve_decode_mode("eager", "cpu") == "eager"
+    with pytest.raises(ValueError, match="decode='graph' needs a CUDA device"):
+        resolve_decode_mode("graph", "cpu")
+    with pytest.raises(ValueError, match="decode must be one of"):
+        RolloutConfig(decode="fast")
+
+
+def test_eager_stepper_is_kept_across_calls_and_released():
+    model = get_tiny("qwen2")
+    prompts = prompts_of([9, 3, 3, 5])
+    with Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT)) as rollout:
+        first = rollout.generate(prompts, max_new_tokens=4).sequences
+        stepper = rollout._stepper
+        assert rollout.stepper_info["kind"] == "eager"
+        again = rollout.generate(prompts, max_new_tokens=4).sequences
+        assert rollout._stepper is stepper and again == first
+        rollout.generate(prompts[:2], max_new_tokens=4)  # fewer slots: a new stepper
+        assert rollout._stepper is not stepper
+    assert rollout._stepper is None
+    assert rollout.generate(prompts, max_new_tokens=4).sequences == first  # usable after close
+
+
+def _cuda_model(family, dtype=torch.float32):
+    return tiny_model(family, seed=0, dtype=dtype).to("cuda")
+
+
+@cuda
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "opt"])
+def test_graph_equals_eager_and_oracle(family, oracle):
+    model = _cuda_model(family)
+    cpu_model = get_tiny(family)
+    lengths = [17, 1, 9, 30, 3, 3, 22, 6]
+    prompts = prompts_of(lengths, seed=3)
+    expected = oracle(cpu_model, prompts, max_new_tokens=6)
+    for mode in ("equal_width", "aligned", "bucketed", "auto"):
+        for slots in (None, 3):
+            config = RolloutConfig(mode=mode, costs=SPLIT, continuous_batch_size=slots, decode="graph")
+            with Rollout(model, config) as rollout:
+                result = rollout.generate(prompts, max_new_tokens=6)
+                assert rollout.stepper_info["kind"] == "graph"
+                assert rollout.stepper_info["num_replays"] > 0
+            assert result.sequences == expected, (family, mode, slots)
+
+
+@cuda
+def test_graph_with_eos_penalty_and_refill_equals_eager():
+    model = _cuda_model("qwen2")
+    prompts = prompts_of([5, 12, 3, 8, 20, 2, 7, 9, 4], seed=5)
+    eager_tokens = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager")) \
+        .generate(prompts, max_new_tokens=12).sequences
+    eos = max(set(t for s in eager_tokens for t in s[1:4]), key=lambda t: sum(s.count(t) for s in eager_tokens))
+    for penalty in (1.0, 1.3):
+        kwargs = dict(mode="bucketed", costs=SPLIT, continuous_batch_size=4, eos_token_id=eos,
+                      repetition_penalty=penalty)
+        eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, max_new_tokens=12)
+        graph = Rollout(model, RolloutConfig(decode="graph", **kwargs)).generate(prompts, max_new_tokens=12)
+        assert graph.sequences == eager.sequences
+    assert any(len(s) < 12 for s in eager.sequences)  # EOS really retired rows early
+
+
+@cuda
+def test_one_capture_serves_calls_and_weight_replacement_recaptures():
+    model = _cuda_model("llama")
+    prompts = prompts_of([6, 6, 2, 11], seed=9)
+    with Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode="graph")) as rollout:
+        first = rollout.generate(prompts, max_new_tokens=5).sequences
+        second = rollout.generate(prompts_of([7, 3, 3, 9], seed=1), max_new_tokens=5).sequences
+        assert rollout.stepper_info["num_captures"] == 1
+        with torch.no_grad():  # in-place update: same storage, the graph reads the new values
+            for p in model.parameters():
+                p.mul_(1.0)
+        assert rollout.generate(prompts, max_new_tokens=5).sequences == first
+        assert rollout.stepper_info["num_captures"] == 1
+        stepper = rollout._stepper
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # new storage: recapture
+        assert rollout.generate(prompts, max_new_tokens=5).sequences == first
+        assert rollout._stepper is not stepper
+    assert second and rollout._stepper is None
