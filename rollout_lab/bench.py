@@ -63,6 +63,17 @@ def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(paths))
 
 
+def _release_memory(device: Any) -> None:
+    """After generate_batch: drop its paged cache (~all free GPU memory) before the next path runs."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _synchronize(device: Any) -> None:
     import torch
 
@@ -184,7 +195,8 @@ def run_sweep(
     }
     calls_per_workload = len(paths) * (repetitions + 2)
     bar = tqdm(total=calls_per_workload * len(lengths_by_name), desc="sweep", disable=not progress)
-    with torch.inference_mode():
+    # no_grad, not inference_mode: generate_batch's worker thread must update tensors made here
+    with torch.no_grad():
         for name, lengths in lengths_by_name.items():
             prompts = lengths_to_prompts(lengths, vocab_size=config.vocab_size, seed=0, special_ids=special)
             bar.set_postfix_str(name)
@@ -217,11 +229,15 @@ def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_token
             if path in OUR_PATHS:
                 raise
             results[path] = {"skipped": f"{type(err).__name__}: {err}"[:500]}
+        if path == "hf_generate_batch":
+            _release_memory(device)
         bar.update()
     live = [p for p in paths if results[p].get("skipped") is None]
     for _ in range(repetitions):
         for path in live:
             ms, _, peak = _timed_call(calls[path][0], device)
+            if path == "hf_generate_batch":
+                _release_memory(device)
             results[path]["samples_ms"].append(ms)
             if peak is not None:
                 results[path]["peak_mem_bytes"] = max(peak, results[path]["peak_mem_bytes"] or 0)

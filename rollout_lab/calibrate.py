@@ -56,7 +56,7 @@ class CalibrationGrid:
 
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     widths: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
-    repeats: int = 3  # timed passes over the whole grid (median per shape), after one warm-up pass
+    repeats: int = 5  # timed passes over the whole grid (median per shape), after one warm-up pass
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS  # skip shapes with batch * width above this
     decode_batches: tuple[int, ...] = (8, 32)  # requests in the decode probe; () = not measured
     decode_width: int = 64  # prompt length in the decode probe
@@ -240,7 +240,7 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     prompts = {s: _random_prompts(*s, config, seed=i) for i, s in enumerate(shapes)}
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in shapes}
     bar = tqdm(total=(grid.repeats + 1) * len(shapes), desc="calibrate prefill", disable=not progress)
-    with torch.inference_mode():
+    with torch.no_grad():
         for repeat in range(grid.repeats + 1):  # pass 0 is the warm-up
             for shape in shapes:
                 batch, width = shape
@@ -281,7 +281,7 @@ def measure_decode_overhead(
     records = []
     bar = tqdm(total=len(grid.decode_batches) * (grid.decode_repeats + 1) * 4,
                desc="calibrate decode", disable=not progress)
-    with torch.inference_mode():
+    with torch.no_grad():
         for batch in grid.decode_batches:
             prompts = _random_prompts(batch, grid.decode_width, config, seed=1000 + batch)
             times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in budgets}

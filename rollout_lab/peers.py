@@ -24,7 +24,7 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, device: to
     return ids.to(device), mask.to(device)  # [rows, width] each
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def hf_generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -47,7 +47,6 @@ def hf_generate(
     return out[:, ids.shape[1]:].tolist()
 
 
-@torch.inference_mode()
 def hf_generate_batch(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -59,6 +58,7 @@ def hf_generate_batch(
 
     generate_batch logs failures and returns what it has, so a missing, failed or short request
     is raised here as a RuntimeError (the sweep records it as the reason the path was skipped).
+    Not under ``inference_mode``: its worker thread updates tensors that the caller's thread makes.
     """
     from transformers import GenerationConfig
 
@@ -103,7 +103,7 @@ def _sized_cb_config(prompts: Sequence[Sequence[int]], max_new_tokens: int):
     )
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def oracle_sequences(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
