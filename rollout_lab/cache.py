@@ -136,11 +136,14 @@ class AlignedKVCache:
         slots: Sequence[int],
         layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         lengths: Sequence[int],
+        source_rows: Sequence[int] | None = None,
     ) -> None:
         """Copy a left-padded bucket's effective KV spans into ``slots`` at ``[front - len, front)``.
 
         ``layer_kv[i]`` is layer i's (keys, values) of the bucket, ``[rows, kv_heads, width, head_dim]``.
-        Row b's last ``lengths[b]`` columns are its effective span; the rest of the slot is masked.
+        Slot ``slots[j]`` gets bucket row ``source_rows[j]`` (default: row j), so one prefilled row
+        can be replicated into several slots (shared prefill); ``lengths[j]`` is that row's length,
+        its last ``lengths[j]`` columns are its effective span and the rest of the slot is masked.
         """
         width = layer_kv[0][0].shape[2]
         front = self.front_int
@@ -152,8 +155,13 @@ class AlignedKVCache:
         starts = torch.tensor([width - n for n in lengths], device=device)
         valid = cols[None, :] >= starts[:, None]  # [rows, width]
         keep = valid[:, None, :, None]
+        source = None
+        if source_rows is not None and list(source_rows) != list(range(len(slots))):
+            source = torch.tensor(list(source_rows), dtype=torch.long, device=device)
         for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
             for dst, src in ((dst_k, src_k), (dst_v, src_v)):
+                if source is not None:
+                    src = src.index_select(0, source.to(src.device))  # [slots, kv_heads, width, head_dim]
                 window = dst[:, :, front - width : front]  # [slots, kv_heads, width, head_dim]
                 old = window.index_select(0, index)
                 window.index_copy_(0, index, torch.where(keep, src.to(dst.dtype), old))

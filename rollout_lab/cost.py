@@ -25,7 +25,9 @@ class CostCoefficients:
 
     The reference prices CB decode as an overhead over nocb's (``nocb_decode_cost_ms = 0``). With a
     graph-captured CB decode that is faster than HF's own loop the overhead would be negative, so a
-    calibration may instead give both decode costs per step, each >= 0.
+    calibration may instead give both decode costs per step, each >= 0. Shared prefill (several
+    samples of one prompt) prefills the prompt once and copies its KV into the other samples' slots,
+    priced by ``prefill_replicate_cost_ms`` per MiB copied (0 by default: the reference has none).
     """
 
     prefill_fixed_cost_ms: float = 25.0
@@ -34,6 +36,7 @@ class CostCoefficients:
     prefill_kv_cost_ms: float = 0.04  # per MiB of KV written
     continuous_decode_cost_ms: float = 10.0  # CB decode cost per remaining step (over nocb's)
     nocb_decode_cost_ms: float = 0.0  # nocb's own decode cost per remaining step
+    prefill_replicate_cost_ms: float = 0.0  # per MiB of KV copied from a shared prefill row
     prefill_max_tokens: int | None = 65536  # padded positions per forward; None = no limit
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from rollout_lab.cache import AlignedKVCache
 from rollout_lab.decode import DecodeState, decode_step
+from rollout_lab.sampling import SamplingParams
 
 DECODE_MODES = ("auto", "eager", "graph")
 GRAPH_CAPACITY_STEP = 128  # graph capacities are rounded up so that nearby shapes share a capture
@@ -50,11 +51,23 @@ def weights_signature(model: torch.nn.Module) -> tuple:
 
 @dataclass(frozen=True)
 class StepperKey:
+    """What a captured decode step bakes in; the sampling fields only count when ``do_sample``."""
+
     num_slots: int
     capacity: int
     repetition_penalty: float
     track_seen: bool
     cache_kwarg: str
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def sampling(self) -> SamplingParams | None:
+        if not self.do_sample:
+            return None
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 class EagerStepper:
@@ -68,6 +81,7 @@ class EagerStepper:
         vocab = model.get_input_embeddings().weight.shape[0]
         self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device)
+        self.sampling = key.sampling
         self.num_captures = 0
         self.num_replays = 0
 
@@ -82,6 +96,7 @@ class EagerStepper:
         return decode_step(
             self.model, self.cache, self.state, num_rows,
             repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
+            sampling=self.sampling,
         )
 
     def retire_tail(self, num_live: int) -> None:

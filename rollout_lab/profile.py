@@ -15,7 +15,9 @@ class Profile:
 
     ``moved_bytes`` counts every KV byte the cache moved: trims, right shifts and compaction.
     ``peak_cache_columns`` is the highest front column reached (+1 per decode step past it);
-    ``cache_bytes`` the KV memory allocated for the call.
+    ``cache_bytes`` the KV memory allocated for the call. ``num_prefill_rows`` counts the rows
+    actually prefilled (one per unique prompt per admission with shared prefill) and
+    ``num_replicated_rows`` the rows whose KV was copied from such a row instead.
     """
 
     planning_ms: float = 0.0
@@ -31,6 +33,8 @@ class Profile:
     moved_bytes: int = 0
     peak_cache_columns: int = 0
     cache_bytes: int = 0
+    num_prefill_rows: int = 0
+    num_replicated_rows: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

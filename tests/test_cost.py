@@ -19,6 +19,7 @@ def test_defaults_are_the_reference_values():
     assert (c.prefill_fixed_cost_ms, c.prefill_token_cost_ms) == (25.0, 0.1)
     assert (c.prefill_attention_cost_ms, c.prefill_kv_cost_ms) == (0.01, 0.04)
     assert c.continuous_decode_cost_ms == 10.0 and c.prefill_max_tokens == 65536
+    assert c.prefill_replicate_cost_ms == 0.0  # shared prefill's copies: free in the reference
 
 
 def test_formulas_by_hand():
@@ -39,6 +40,7 @@ def test_worked_example_one_bucket_is_1734_ms():
 @pytest.mark.parametrize("field", [
     "prefill_fixed_cost_ms", "prefill_token_cost_ms", "prefill_attention_cost_ms",
     "prefill_kv_cost_ms", "continuous_decode_cost_ms", "nocb_decode_cost_ms",
+    "prefill_replicate_cost_ms",
 ])
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "3"])
 def test_bad_coefficient_names_the_field(field, bad):
@@ -53,9 +55,10 @@ def test_bad_token_limit(bad):
 
 
 def test_json_round_trip_and_strict_keys(tmp_path):
-    c = CostCoefficients(prefill_fixed_cost_ms=3.5, prefill_max_tokens=None)
+    c = CostCoefficients(prefill_fixed_cost_ms=3.5, prefill_max_tokens=None, prefill_replicate_cost_ms=0.02)
     path = c.to_json(tmp_path / "c.json", metadata={"model": "tiny"})
     assert CostCoefficients.from_json(path) == c
+    assert "prefill_replicate_cost_ms" in c.to_dict()
     assert read_cost_file(path)[1] == {"model": "tiny"}
     data = path.read_text().replace('"prefill_kv_cost_ms"', '"prefill_kv_cost"')
     (tmp_path / "bad.json").write_text(data)
