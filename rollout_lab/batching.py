@@ -6,6 +6,11 @@ Each admission is re-planned (``equal_width``: one bucket; ``aligned``: one per 
 ``bucketed``: the DP). A request is admitted only when the cache can hold it and every live row to
 the end of their budgets; otherwise it waits for rows to retire. Dead left columns are trimmed when
 ``trim_cache`` is set or when the front would otherwise run past the capacity.
+
+Here a "request" is one row of the call: (request, sample) of ``Rollout.generate``. Shared
+prefill: rows of one ``groups`` id (identical prompts) admitted together are planned and
+prefilled as one row whose KV (and first-token logits) are replicated into their slots; a group
+split across admissions (fewer free slots than its rows) is prefilled once per admission.
 """
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ from typing import Sequence
 
 import torch
 
+from rollout_lab.chunked import extend_prefill, head_kv_of_row
 from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 from rollout_lab.decode import prefill_bucket, seen_from_ids, select_tokens
 from rollout_lab.graph import EagerStepper, StepperKey
-from rollout_lab.planner import BucketPlan, plan_buckets
+from rollout_lab.planner import BucketPlan, plan_chunked
 from rollout_lab.profile import Profile, Timer
+from rollout_lab.sampling import SamplingParams
 
 CB_ROUTES = ("equal_width", "aligned", "bucketed")
 
@@ -40,6 +47,8 @@ class BatchSettings:
     pad_token_id: int
     repetition_penalty: float
     cache_kwarg: str
+    sampling: SamplingParams | None = None  # None: greedy
+
 
 
 def plan_admission(
@@ -54,9 +63,10 @@ def plan_admission(
     if route == "aligned":
         cost = sum(prefill_cost_ms(1, w, geometry, costs) for w in widths)
         return BucketPlan(tuple((r,) for r in requests), tuple(widths), cost)
-    plan = plan_buckets(widths, geometry, costs)
+    plan = plan_chunked(widths, geometry, costs)  # plan_buckets unless a prompt is over the limit
     buckets = tuple(tuple(requests[i] for i in bucket) for bucket in plan.buckets)
-    return BucketPlan(buckets, plan.widths, plan.cost_ms)
+    chunks = tuple((requests[i], tail) for i, tail in plan.chunks)
+    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks)
 
 
 class ContinuousBatcher:
@@ -65,7 +75,8 @@ class ContinuousBatcher:
     def __init__(
         self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], settings: BatchSettings, *,
         geometry: ModelGeometry, costs: CostCoefficients, profile: Profile, timer: Timer,
-        stepper: "EagerStepper | None" = None,
+        stepper: "EagerStepper | None" = None, groups: Sequence[int] | None = None,
+        sample_keys: Sequence[int] | None = None,
     ):
         self.model, self.prompts, self.s = model, prompts, settings
         self.geometry, self.costs = geometry, costs
@@ -73,11 +84,18 @@ class ContinuousBatcher:
         self.lengths = [len(p) for p in prompts]
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
+        # per row: the first row with the same prompt (shared prefill) and the sampling key
+        self.groups = list(range(len(prompts))) if groups is None else list(groups)
+        keys = [0] * len(prompts) if sample_keys is None else list(sample_keys)
+        self.sample_keys = torch.tensor(keys, dtype=torch.long, device=self.device)  # [rows]
         with timer.phase("cache_ms"):
             if stepper is None:
+                sampling = settings.sampling or SamplingParams()
                 stepper = EagerStepper(model, StepperKey(
                     settings.num_slots, settings.capacity, settings.repetition_penalty,
-                    settings.repetition_penalty != 1.0, settings.cache_kwarg))
+                    settings.repetition_penalty != 1.0, settings.cache_kwarg,
+                    settings.sampling is not None, sampling.temperature, sampling.top_k,
+                    sampling.top_p))
             else:
                 stepper.reset()
         self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
@@ -86,6 +104,8 @@ class ContinuousBatcher:
         self.queue = list(range(len(prompts)))  # not yet admitted, input order
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.plans: list[BucketPlan] = []
+        self.tails: dict[int, tuple[int, ...]] = {}  # request -> tail chunk widths (this admission)
+        self._spans: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket row -> whole KV
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
@@ -101,8 +121,8 @@ class ContinuousBatcher:
             burst = 1
             if not self.s.eos_token_ids:
                 burst = min(self.s.max_new_tokens - row.num_generated for row in self.rows)
-            with self.timer.phase("decode_ms"):
-                num_rows = len(self.rows)
+            num_rows = len(self.rows)
+            with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
                 steps = [self.stepper.step(num_rows) for _ in range(burst)]
                 tokens = (steps[0][:, None] if burst == 1 else torch.stack(steps, 1)).tolist()
                 self.cache.front_int += burst
@@ -177,34 +197,56 @@ class ContinuousBatcher:
             return False
         del self.queue[: len(requests)]
         self._set_front(front)
+        members: dict[int, list[int]] = {}  # first admitted row of a group -> its admitted rows
+        first_of: dict[int, int] = {}
+        for r in requests:
+            members.setdefault(first_of.setdefault(self.groups[r], r), []).append(r)
         with self.timer.phase("planning_ms"):
-            plan = plan_admission(self.s.route, requests, self.lengths, self.geometry, self.costs)
+            plan = plan_admission(self.s.route, list(members), self.lengths, self.geometry, self.costs)
         self.plans.append(plan)
+        self.tails = dict(plan.chunks)
         slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
         self.rows.extend(_Row(r, 0) for r in requests)
-        for bucket in plan.buckets:
-            self._prefill(bucket, [slot_of[r] for r in bucket])
+        for bucket, width in zip(plan.buckets, plan.widths):
+            with self.timer.record("prefill", batch=len(bucket), width=width):
+                self._prefill(bucket, [members[r] for r in bucket], slot_of)
         self._note_peak()
         self._retire()
         return True
 
-    def _prefill(self, requests: Sequence[int], slots: Sequence[int]) -> None:
+    def _prefill(
+        self, requests: Sequence[int], members: Sequence[Sequence[int]], slot_of: dict[int, int]
+    ) -> None:
+        """Prefill ``requests`` (one per group) and fill the slots of every row in ``members``."""
         prompts = [self.prompts[r] for r in requests]
-        lengths = [self.lengths[r] for r in requests]
+        rows = [m for group in members for m in group]  # the rows that get a slot
+        source = [i for i, group in enumerate(members) for _ in group]  # their prefilled row
+        slots = [slot_of[r] for r in rows]
+        lengths = [self.lengths[r] for r in rows]
         with self.timer.phase("prefill_ms"):
-            logits, layer_kv = prefill_bucket(
-                self.model, prompts, pad_token_id=self.s.pad_token_id, cache_kwarg=self.s.cache_kwarg
-            )
+            logits, layer_kv = self._bucket_forward(requests)
+            index = None
+            if len(rows) != len(requests):
+                index = torch.tensor(source, dtype=torch.long, device=logits.device)
+                logits = logits.index_select(0, index)  # [rows, vocab]
             seen = None
             if self.state.seen is not None:
                 seen = self._seen_of(prompts)
-            first = select_tokens(logits, seen, self.s.repetition_penalty)  # [rows]
+                seen = seen if index is None else seen.index_select(0, index)
+            keys = self.sample_keys[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            first = select_tokens(
+                logits, seen, self.s.repetition_penalty, sampling=self.s.sampling,
+                sample_keys=keys, steps=torch.zeros_like(keys),
+            )  # [rows], the token of step 0
             if seen is not None:
                 seen.scatter_(1, first[:, None], True)
         self.profile.num_prefill_forwards += 1
+        self.profile.num_prefill_rows += len(requests)
+        self.profile.num_replicated_rows += len(rows) - len(requests)
         with self.timer.phase("cache_ms"):
-            self.cache.admit(slots, layer_kv, lengths)
-            self.state.admit(slots, first, lengths, seen)
+            self.cache.admit(slots, layer_kv, lengths, source_rows=source)
+            self._admit_spans(slots, source)
+            self.state.admit(slots, first, lengths, seen, sample_keys=keys)
         for slot, token in zip(slots, first.tolist()):
             self._append(self.rows[slot], token)
 
@@ -216,6 +258,41 @@ class ContinuousBatcher:
             ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
             valid[row, : len(prompt)] = True
         return seen_from_ids(ids.to(self.device), valid.to(self.device), self.vocab_size)
+
+    # -- chunked prefill (planner.plan_chunked) ---------------------------------------------
+    def _bucket_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list]:
+        """The bucket's forward over each request's head; a chunked request's tails run after it
+        (chunk k over a cache of chunks < k), its logits replace the head's and its whole KV
+        waits in ``_spans`` for ``_admit_spans``."""
+        heads = [self.prompts[r][: self.lengths[r] - sum(self.tails.get(r, ()))] for r in requests]
+        logits, layer_kv = prefill_bucket(
+            self.model, heads, pad_token_id=self.s.pad_token_id, cache_kwarg=self.s.cache_kwarg
+        )
+        self._spans = {}
+        for row, r in enumerate(requests):
+            if r not in self.tails:
+                continue
+            start, chunks = len(heads[row]), []
+            for width in self.tails[r]:
+                chunks.append(self.prompts[r][start : start + width])
+                start += width
+            row_logits, kv = extend_prefill(
+                self.model, head_kv_of_row(layer_kv, row, len(heads[row])), chunks,
+                cache_kwarg=self.s.cache_kwarg,
+                record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o),
+            )
+            logits = logits.clone() if not self._spans else logits
+            logits[row] = row_logits[0]
+            self._spans[row] = kv
+            self.profile.num_prefill_forwards += len(chunks)
+        return logits, layer_kv
+
+    def _admit_spans(self, slots: Sequence[int], source_rows: Sequence[int] | None = None) -> None:
+        """Overwrite each chunked request's slot with its whole prompt (``admit`` wrote the head)."""
+        for j, slot in enumerate(slots):
+            kv = self._spans.get(j if source_rows is None else source_rows[j])
+            if kv is not None:
+                self.cache.admit([slot], kv, [kv[0][0].shape[2]])
 
     # -- retirement -------------------------------------------------------------------------
     def _retire(self) -> None:

@@ -1,4 +1,4 @@
-"""The rollout engine: five routes over a Hugging Face causal LM that give the same greedy tokens.
+"""The rollout engine: five routes over a Hugging Face causal LM that give the same tokens.
 
     from rollout_lab import Rollout, RolloutConfig
     result = Rollout(model, RolloutConfig(mode="auto", eos_token_id=2)).generate(
@@ -8,9 +8,16 @@
 Routes: ``nocb`` (one left-padded HF ``generate``), ``equal_width`` (one prefill at the common
 width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets) -- the last three
 decode by continuous batching over the right-aligned cache -- and ``auto`` (``choose_route``).
+
+Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
+counter-based hash of (``seed``, request, sample, step) (``rollout_lab.sampling``), so every
+route, slot count and refill order gives the same tokens; ``num_samples`` rows per request share
+one prefill (``rollout_lab.replication``). nocb runs HF ``generate`` with our sampler as a logits
+processor (then HF's greedy argmax), so it gives the same tokens too.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import time
@@ -28,8 +35,10 @@ from rollout_lab.graph import (
     DECODE_MODES, EagerStepper, StepperKey, describe, graph_capacity, make_stepper,
     resolve_decode_mode,
 )
-from rollout_lab.planner import BucketPlan, choose_route, validate_lengths
+from rollout_lab.planner import BucketPlan, validate_lengths
 from rollout_lab.profile import Profile, Timer
+from rollout_lab.replication import choose_shared_route, group_sizes, prompt_groups
+from rollout_lab.sampling import SamplingParams, filter_logits, gumbel_noise, sample_key
 
 MODES = ("auto", "nocb") + CB_ROUTES
 
@@ -52,6 +61,7 @@ class RolloutConfig:
     trim_cache: bool = False
     profile: bool = False
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
+    share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
@@ -78,7 +88,7 @@ class RolloutConfig:
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
                 or penalty == float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
-        for name in ("trim_cache", "profile"):
+        for name in ("trim_cache", "profile", "share_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
@@ -97,12 +107,24 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """Per request, in input order, the generated ids up to and including the first EOS."""
+    """Per (request, sample), request-major, the generated ids up to and including the first EOS.
+
+    ``sequences[r * num_samples + s]`` is sample s of request r (HF's ``num_return_sequences``
+    order); ``grouped()`` gives one list of samples per request. ``seed`` is the seed sampling used
+    (drawn from torch's global generator when none was given), None for greedy.
+    """
 
     sequences: list[list[int]]
     route: str
     plans: tuple[BucketPlan, ...]  # one per admission; buckets hold request indices
     profile: Profile | None
+    num_samples: int = 1
+    seed: int | None = None
+
+    def grouped(self) -> list[list[list[int]]]:
+        """Per request, its ``num_samples`` sequences."""
+        k = self.num_samples
+        return [self.sequences[i : i + k] for i in range(0, len(self.sequences), k)]
 
 
 class Rollout:
@@ -143,7 +165,10 @@ class Rollout:
         """What decodes: kind, captures and replays so far, slots and capacity."""
         return describe(self._stepper)
 
-    def _stepper_for(self, num_slots: int, capacity: int, explicit_capacity: bool) -> EagerStepper:
+    def _stepper_for(
+        self, num_slots: int, capacity: int, explicit_capacity: bool,
+        sampling: SamplingParams | None = None,
+    ) -> EagerStepper:
         """Reuse the kept stepper when it fits this call, else build (and capture) a new one."""
         penalty = float(self.config.repetition_penalty)
         old = self._stepper
@@ -152,7 +177,9 @@ class Rollout:
             if old is not None and old.key.num_slots == num_slots and \
                     capacity <= old.key.capacity <= 2 * capacity:
                 capacity = old.key.capacity
-        key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg)
+        params = sampling or SamplingParams()  # greedy keys keep the neutral values
+        key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
+                         sampling is not None, params.temperature, params.top_k, params.top_p)
         if old is not None and old.fits(self.model, key):
             return old
         self.close()  # drop the old cache and graph before allocating their replacement
@@ -165,20 +192,34 @@ class Rollout:
         prompts: Sequence[Sequence[int]] | torch.Tensor,
         *,
         max_new_tokens: int,
-        attention_mask: torch.Tensor | None = None,
+        num_samples: int = 1,
         do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
         num_beams: int = 1,
         num_return_sequences: int = 1,
     ) -> RolloutResult:
-        """Greedy generation; every check runs before the first forward."""
+        """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
+        before the first forward.
+
+        With ``do_sample=True``, ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off)
+        shape the distribution and ``seed`` (an int >= 0; None draws one from torch's global
+        generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
+        any of them without ``do_sample=True`` is an error, not a silent greedy run.
+        """
         start = time.perf_counter()
         cfg = self.config
-        if do_sample:
-            raise ValueError("do_sample=True is not supported yet: the engine is greedy")
+        sampling = _sampling_params(do_sample, temperature, top_k, top_p, seed)
         if num_beams != 1:
-            raise ValueError(f"num_beams={num_beams!r} is not supported: the engine is greedy (1)")
+            raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
         if num_return_sequences != 1:
-            raise ValueError(f"num_return_sequences={num_return_sequences!r} is not supported (1)")
+            raise ValueError(
+                f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
+        if not _is_int(num_samples) or num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         prompts = self._prompt_lists(prompts, attention_mask)
@@ -189,40 +230,52 @@ class Rollout:
             for token in ids:
                 if token >= self.vocab_size:
                     raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
+        if sampling is not None and seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
         profile = Profile()
         timer = Timer(profile, self.device, enabled=cfg.profile)
         lengths = [len(p) for p in prompts]
+        # rows, request-major: row = request * num_samples + sample
+        row_prompts = [p for p in prompts for _ in range(num_samples)]
+        groups = prompt_groups(prompts, num_samples=num_samples, share=cfg.share_prefill)
+        keys = [0] * len(row_prompts)
+        if sampling is not None:
+            keys = [sample_key(seed, r, s) for r in range(len(prompts)) for s in range(num_samples)]
         with timer.phase("planning_ms"):
-            route = self._route(lengths, max_new_tokens)
+            route = self._route(lengths, max_new_tokens, num_samples=num_samples, groups=groups)
         if not prompts:
-            return RolloutResult([], route, (), profile if cfg.profile else None)
+            return RolloutResult([], route, (), profile if cfg.profile else None, num_samples, seed)
         capacity = self._capacity(lengths, max_new_tokens, route)
+        num_rows = len(row_prompts)
+        num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
         if route != "nocb":
-            num_slots = min(cfg.continuous_batch_size or len(prompts), len(prompts))
             with timer.phase("cache_ms"):
-                stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None)
+                stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling)
             capacity = stepper.key.capacity
         with torch.no_grad():
             if route == "nocb":
-                sequences, plans = self._run_nocb(prompts, max_new_tokens, eos_ids, pad_id, profile, timer)
+                sequences, plans = self._run_nocb(
+                    row_prompts, max_new_tokens, eos_ids, pad_id, profile, timer, sampling, keys)
             else:
                 settings = BatchSettings(
-                    route=route, max_new_tokens=max_new_tokens,
-                    num_slots=min(cfg.continuous_batch_size or len(prompts), len(prompts)),
+                    route=route, max_new_tokens=max_new_tokens, num_slots=num_slots,
                     capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
-                    cache_kwarg=self.cache_kwarg,
+                    cache_kwarg=self.cache_kwarg, sampling=sampling,
                 )
                 batcher = ContinuousBatcher(
-                    self.model, prompts, settings, geometry=self.geometry, costs=cfg.costs,
-                    profile=profile, timer=timer, stepper=stepper,
+                    self.model, row_prompts, settings, geometry=self.geometry, costs=cfg.costs,
+                    profile=profile, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
                 )
                 sequences, plans = batcher.run()
+        if num_samples > 1:  # plans name rows; report requests
+            plans = [_plan_of_requests(plan, num_samples) for plan in plans]
         profile.num_generated_tokens = sum(len(s) for s in sequences)
         timer.sync()
         profile.total_ms = (time.perf_counter() - start) * 1e3
-        return RolloutResult(sequences, route, tuple(plans), profile if cfg.profile else None)
+        return RolloutResult(sequences, route, tuple(plans), profile if cfg.profile else None,
+                             num_samples, seed)
 
     # -- checks -----------------------------------------------------------------------------
     def _prompt_lists(self, prompts, attention_mask) -> list[list[int]]:
@@ -279,13 +332,17 @@ class Rollout:
         eos = self.config.eos_token_ids
         return eos[0] if eos else 0
 
-    def _route(self, lengths: list[int], max_new_tokens: int) -> str:
+    def _route(
+        self, lengths: list[int], max_new_tokens: int, *, num_samples: int = 1,
+        groups: Sequence[int] | None = None,
+    ) -> str:
         cfg = self.config
-        n, slots = len(lengths), cfg.continuous_batch_size
+        n, slots = len(lengths) * num_samples, cfg.continuous_batch_size
         if cfg.mode == "nocb":
             if slots is not None and n > slots:
                 raise ValueError(
-                    f"mode='nocb' runs all {n} requests at once, more than continuous_batch_size={slots}"
+                    f"mode='nocb' runs all {n} rows (requests x num_samples) at once, more than "
+                    f"continuous_batch_size={slots}"
                 )
             return "nocb"
         if cfg.mode == "bucketed":
@@ -293,8 +350,10 @@ class Rollout:
             return "bucketed"
         if cfg.mode != "auto":
             return cfg.mode
-        plan = choose_route(
-            lengths, max_new_tokens=max_new_tokens, continuous_batch_size=slots,
+        sizes = group_sizes(groups if groups is not None else range(n))
+        plan = choose_shared_route(
+            [lengths[g // num_samples] for g in sizes], list(sizes.values()),
+            max_new_tokens=max_new_tokens, continuous_batch_size=slots,
             geometry=self.geometry, coeffs=cfg.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
         )
@@ -316,7 +375,7 @@ class Rollout:
         return capacity
 
     # -- nocb -------------------------------------------------------------------------------
-    def _run_nocb(self, prompts, max_new_tokens, eos_ids, pad_id, profile, timer):
+    def _run_nocb(self, prompts, max_new_tokens, eos_ids, pad_id, profile, timer, sampling=None, keys=()):
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -332,6 +391,9 @@ class Rollout:
         penalty = float(self.config.repetition_penalty)
         if penalty != 1.0:
             processors.append(_PaddedRepetitionPenalty(penalty, mask.bool(), self.vocab_size))
+        if sampling is not None:  # after the penalty, as in our decode; HF's greedy argmax then picks
+            key_t = torch.tensor(list(keys), dtype=torch.long, device=self.device)
+            processors.append(_HashGumbelSampler(sampling, key_t, width))
         with _neutral_generation_config(self.model), _count_forwards(self.model, profile, timer):
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=gen_config,
@@ -343,8 +405,33 @@ class Rollout:
         profile.peak_cache_columns = width + profile.num_decode_forwards
         profile.cache_bytes = len(prompts) * profile.peak_cache_columns * 2 * self.geometry.num_layers \
             * self.geometry.num_kv_heads * self.geometry.head_dim * self.geometry.element_bytes
+        profile.num_prefill_rows = len(prompts)  # HF generate prefills every row
         cost = prefill_cost_ms(len(prompts), width, self.geometry, self.config.costs, include_kv=False)
         return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)]
+
+
+def _sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParams | None:
+    """None for greedy; sampling parameters without ``do_sample=True`` are an error."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+    if not do_sample:
+        given = {name: value for name, value, default in (
+            ("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
+            ("seed", seed, None)) if value != default}
+        if given:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} only apply to sampling: "
+                "pass do_sample=True (greedy is the default)")
+        return None
+    return SamplingParams(temperature, top_k, top_p)
+
+
+def _plan_of_requests(plan: BucketPlan, num_samples: int) -> BucketPlan:
+    """A plan over rows (request * num_samples + sample) restated over request indices."""
+    buckets = tuple(tuple(r // num_samples for r in bucket) for bucket in plan.buckets)
+    return dataclasses.replace(plan, buckets=buckets)
 
 
 def _token_id(value: object) -> int | None:
@@ -362,6 +449,19 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
         if token in eos:
             return tokens[: i + 1]
     return tokens
+
+
+class _HashGumbelSampler(LogitsProcessor):
+    """Our seeded sampler inside HF ``generate``: filtered / temperature + the rows' hash-Gumbel
+    noise at step = tokens generated so far, so HF's greedy argmax draws our tokens."""
+
+    def __init__(self, params: SamplingParams, sample_keys: torch.Tensor, prompt_width: int):
+        self.params, self.sample_keys, self.prompt_width = params, sample_keys, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        steps = torch.full_like(self.sample_keys, input_ids.shape[1] - self.prompt_width)
+        scores = filter_logits(scores.float(), self.params)
+        return scores + gumbel_noise(self.sample_keys, steps, scores.shape[-1])
 
 
 class _PaddedRepetitionPenalty(LogitsProcessor):

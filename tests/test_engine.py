@@ -272,7 +272,7 @@ BAD_CALLS = {
     "capacity_too_small": (dict(mode="aligned", cache_capacity=5), [[1] * 4], dict(max_new_tokens=3), "cache_capacity"),
     "beams": (dict(), [[1]], dict(max_new_tokens=3, num_beams=2), "num_beams"),
     "return_sequences": (dict(), [[1]], dict(max_new_tokens=3, num_return_sequences=2), "num_return_sequences"),
-    "sampling": (dict(), [[1]], dict(max_new_tokens=3, do_sample=True), "do_sample"),
+    "sampling": (dict(), [[1]], dict(max_new_tokens=3, temperature=0.7), "do_sample=True"),
     "nocb_over_slots": (dict(mode="nocb", continuous_batch_size=1), [[1], [2]], dict(max_new_tokens=3), "continuous_batch_size"),
     "eos_over_vocab": (dict(eos_token_id=10**6), [[1]], dict(max_new_tokens=3), "eos_token_id"),
     "not_left_padded": (dict(), torch.tensor([[1, 0]]), dict(max_new_tokens=3, attention_mask=torch.tensor([[1, 0]])), "left-padded"),
