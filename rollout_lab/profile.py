@@ -18,6 +18,9 @@ class Profile:
     ``cache_bytes`` the KV memory allocated for the call. ``num_prefill_rows`` counts the rows
     actually prefilled (one per unique prompt per admission with shared prefill) and
     ``num_replicated_rows`` the rows whose KV was copied from such a row instead.
+    ``forwards`` (only when profiling or recalibrating online) lists every prefill forward
+    (``kind`` prefill/chunk/nocb_prefill, ``batch``, ``width``, ``ms``; a chunk also ``offset``)
+    and decode burst (``kind`` decode/nocb_decode, ``rows``, ``steps``, ``ms``), for ``online``.
     """
 
     planning_ms: float = 0.0
@@ -35,6 +38,7 @@ class Profile:
     cache_bytes: int = 0
     num_prefill_rows: int = 0
     num_replicated_rows: int = 0
+    forwards: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,3 +69,20 @@ class Timer:
             self.sync()
             elapsed_ms = (time.perf_counter() - start) * 1e3
             setattr(self.profile, field, getattr(self.profile, field) + elapsed_ms)
+
+    @contextmanager
+    def record(self, kind: str, **shape: int) -> Iterator[None]:
+        """Append ``{kind, **shape, ms}`` to ``profile.forwards`` (when it is a list); the ms exclude
+        records nested inside (a bucket's tail chunks)."""
+        forwards = self.profile.forwards
+        if forwards is None:
+            yield
+            return
+        self.sync()
+        first, start = len(forwards), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed = (time.perf_counter() - start) * 1e3 - sum(r["ms"] for r in forwards[first:])
+            forwards.append({"kind": kind, **shape, "ms": elapsed})
