@@ -1,0 +1,303 @@
+"""Seeded sampling and shared prefill: the same tokens on every route, sane distributions, and
+num_samples sharing one prefill (tiny fp32 models, CPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import get_tiny
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.cost import CostCoefficients, ModelGeometry
+from rollout_lab.models import TINY_VOCAB_SIZE
+from rollout_lab.replication import choose_shared_route, prompt_groups, replication_cost_ms
+from rollout_lab.sampling import (
+    SamplingParams, _mix64, _mix64_int, _signed, filter_logits, sample_key, sample_tokens, uniforms,
+)
+
+ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "auto")
+CB_ROUTES = ("equal_width", "aligned", "bucketed", "auto")
+SPLIT_COSTS = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
+SAMPLE = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.9)
+
+
+def make_prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def run(model, prompts, max_new_tokens, *, generate=None, **config):
+    config.setdefault("costs", SPLIT_COSTS)
+    return Rollout(model, RolloutConfig(**config)).generate(
+        prompts, max_new_tokens=max_new_tokens, **(generate or {}))
+
+
+# -- the hash ------------------------------------------------------------------------------------
+def test_hash_matches_the_integer_reference_and_is_row_local():
+    values = [0, 1, 12345678901234567, 2**63, 2**64 - 1]
+    z = torch.tensor([_signed(v) for v in values])
+    assert _mix64(z).tolist() == [_signed(_mix64_int(v)) for v in values]
+    keys = torch.tensor([sample_key(s, r, k) for s in (0, 1) for r in range(3) for k in range(2)])
+    steps = torch.arange(len(keys)) % 4
+    u = uniforms(keys, steps, 1000)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+    perm = torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(uniforms(keys[perm], steps[perm], 1000), u[perm])  # no batch dependence
+    assert len(set(keys.tolist())) == len(keys)
+
+
+def test_sampler_distribution_over_seeds():
+    # many seeds, one row each: the draws follow softmax(logits / T), and not a wrong T
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(1)) * 1.5
+    temperature, num_draws = 0.7, 3000
+    keys = torch.tensor([sample_key(seed, 0, 0) for seed in range(num_draws)])
+    tokens = sample_tokens(logits.expand(num_draws, -1), keys, torch.zeros_like(keys),
+                           SamplingParams(temperature))
+    counts = torch.bincount(tokens, minlength=12).double()
+    assert _chi_square(counts, torch.softmax(logits / temperature, -1)) < _critical(12)
+    assert _chi_square(counts, torch.softmax(logits / (temperature * 1.3), -1)) > _critical(12)
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's statistic; cells with fewer than ``min_expected`` expected draws are pooled."""
+    expected = probs.double() * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+
+
+def _critical(num_cells: int) -> float:
+    """About the 1e-5 upper quantile of chi-square with num_cells - 1 dof (normal approximation)."""
+    dof = num_cells - 1
+    return dof + 4.5 * (2 * dof) ** 0.5
+
+
+def test_top_k_and_top_p_filters_keep_ties_and_at_least_one():
+    scores = torch.tensor([[3.0, 1.0, 1.0, 0.0, -2.0]])
+    kept = filter_logits(scores, SamplingParams(top_k=2)).isfinite()
+    assert kept.tolist() == [[True, True, True, False, False]]  # the tie at the k-th value stays
+    assert filter_logits(scores, SamplingParams(top_p=1e-9)).isfinite().sum() == 1
+    probs = torch.softmax(scores, -1)[0]
+    top_p = float(probs[0] + 1e-4)  # just above the top token's mass: the ties at rank 1 join
+    assert filter_logits(scores, SamplingParams(top_p=top_p)).isfinite().sum() == 3
+
+
+# -- the engine ----------------------------------------------------------------------------------
+def test_first_token_distribution_matches_softmax():
+    model = get_tiny("qwen2")
+    prompt = make_prompts([7])[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    temperature, num_draws = 0.5, 4000
+    result = run(model, [prompt], 1, mode="aligned",
+                 generate=dict(num_samples=num_draws, do_sample=True, temperature=temperature, seed=3))
+    counts = torch.bincount(torch.tensor([s[0] for s in result.sequences]), minlength=TINY_VOCAB_SIZE)
+    cells = int((torch.softmax(logits / temperature, -1) * num_draws >= 5).sum()) + 1
+    assert cells >= 10  # a meaningful spread
+    assert _chi_square(counts.double(), torch.softmax(logits / temperature, -1)) < _critical(cells)
+    wrong = torch.softmax(logits / (temperature * 1.3), -1)
+    assert _chi_square(counts.double(), wrong) > _critical(cells)
+
+
+def _eos_for(model, prompts):
+    """A token the sampled runs emit early in some rows, so that EOS retires rows at varied steps."""
+    free = run(model, prompts, 10, mode="aligned", generate=dict(num_samples=2, seed=11, **SAMPLE))
+    counts: dict[int, int] = {}
+    for tokens in free.sequences:
+        for token in set(tokens[1:6]):
+            counts[token] = counts.get(token, 0) + 1
+    return max(counts, key=counts.get)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_sampling_is_identical_on_every_route(family):
+    model = get_tiny(family)
+    prompts = make_prompts([5, 17, 1, 9, 30, 3, 3, 12], seed=4)
+    prompts[6] = list(prompts[5])  # a repeated request shares the prefill of the earlier one
+    eos = _eos_for(model, prompts)
+    gen = dict(num_samples=2, seed=11, **SAMPLE)
+    expected = None
+    for penalty in (1.0, 1.3):
+        expected = run(model, prompts, 10, mode="nocb", eos_token_id=eos, repetition_penalty=penalty,
+                       generate=gen).sequences
+        assert len(expected) == 16 and (penalty != 1.0 or any(len(s) < 10 for s in expected))
+        for mode in CB_ROUTES:
+            for slots in (None, 5, 1):
+                for share in (True, False):
+                    result = run(model, prompts, 10, mode=mode, continuous_batch_size=slots,
+                                 eos_token_id=eos, repetition_penalty=penalty, share_prefill=share,
+                                 generate=gen)
+                    assert result.sequences == expected, (mode, slots, share, penalty)
+    other = run(model, prompts, 10, mode="bucketed", eos_token_id=eos, repetition_penalty=1.3,
+                generate=dict(gen, seed=12)).sequences
+    assert other != expected
+    assert sum(a != b for a, b in zip(other, expected)) >= len(expected) // 2
+
+
+def test_sampling_is_independent_of_input_order():
+    # keys follow (request, sample), so moving a request moves its samples with it
+    model = get_tiny("qwen3")
+    prompts = make_prompts([4, 11, 2, 8], seed=2)
+    gen = dict(num_samples=3, seed=1, **SAMPLE)
+    forward = run(model, prompts, 6, mode="bucketed", continuous_batch_size=4, generate=gen)
+    groups = forward.grouped()
+    assert len(groups) == 4 and all(len(g) == 3 for g in groups)
+    assert len({tuple(s) for s in groups[1]}) > 1  # the samples of one request differ
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_top_k_one_and_tiny_top_p_are_greedy(mode, oracle):
+    model = get_tiny("opt")
+    prompts = make_prompts([6, 1, 14, 3], seed=7)
+    expected = oracle(model, prompts, max_new_tokens=6)
+    for params in (dict(top_k=1, temperature=0.3), dict(top_p=1e-6, temperature=2.0)):
+        result = run(model, prompts, 6, mode=mode, generate=dict(do_sample=True, seed=0, **params))
+        assert result.sequences == expected, params
+
+
+def test_greedy_samples_all_equal_the_oracle(oracle):
+    model = get_tiny("qwen2")
+    prompts = make_prompts([9, 2, 5], seed=1)
+    expected = oracle(model, prompts, max_new_tokens=5)
+    for mode in ROUTES:
+        result = run(model, prompts, 5, mode=mode, generate=dict(num_samples=3))
+        assert result.num_samples == 3 and result.seed is None
+        assert result.grouped() == [[e] * 3 for e in expected], mode
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_shared_prefill_equals_prefilling_every_sample(slots):
+    model = get_tiny("llama")
+    prompts = make_prompts([12, 3, 7], seed=9)
+    gen = dict(num_samples=4, seed=21, **SAMPLE)
+    for mode in ("equal_width", "aligned", "bucketed"):
+        shared = run(model, prompts, 6, mode=mode, continuous_batch_size=slots, profile=True, generate=gen)
+        alone = run(model, prompts, 6, mode=mode, continuous_batch_size=slots, profile=True,
+                    share_prefill=False, generate=gen)
+        assert shared.sequences == alone.sequences, mode
+        assert alone.profile.num_prefill_rows == 12 and alone.profile.num_replicated_rows == 0
+        p = shared.profile
+        assert p.num_prefill_rows + p.num_replicated_rows == 12
+        if slots is None:  # one prefill row per unique prompt
+            assert (p.num_prefill_rows, p.num_replicated_rows) == (3, 9), mode
+        else:  # a prompt whose samples straddle two admissions is prefilled in each
+            assert 3 < p.num_prefill_rows < 12, mode
+    nocb = run(model, prompts, 6, mode="nocb", profile=True, generate=gen)
+    assert nocb.sequences == shared.sequences and nocb.profile.num_prefill_rows == 12
+
+
+def test_more_samples_extend_fewer():
+    # sample s of request r depends on (seed, r, s) only: num_samples=2 is a prefix of 4
+    model = get_tiny("qwen2")
+    prompts = make_prompts([5, 10], seed=6)
+    two = run(model, prompts, 6, mode="bucketed", generate=dict(num_samples=2, seed=4, **SAMPLE))
+    four = run(model, prompts, 6, mode="bucketed", generate=dict(num_samples=4, seed=4, **SAMPLE))
+    assert [g[:2] for g in four.grouped()] == two.grouped()
+    one = run(model, prompts[:1], 6, mode="aligned", generate=dict(seed=4, **SAMPLE))
+    assert one.sequences[0] == two.sequences[0]
+
+
+def test_repeated_requests_share_one_prefill_row():
+    model = get_tiny("qwen2")
+    p, q = make_prompts([8, 5], seed=3)
+    prompts = [p, q, list(p), list(p)]
+    gen = dict(seed=2, **SAMPLE)
+    shared = run(model, prompts, 6, mode="bucketed", profile=True, generate=gen)
+    assert (shared.profile.num_prefill_rows, shared.profile.num_replicated_rows) == (2, 2)
+    assert shared.sequences == run(model, prompts, 6, mode="bucketed", share_prefill=False,
+                                   generate=gen).sequences
+    assert len({tuple(shared.sequences[i]) for i in (0, 2, 3)}) == 3  # own keys: own samples
+    assert shared.plans[0].buckets and sorted(r for b in shared.plans[0].buckets for r in b) == [0, 1]
+
+
+def test_seed_none_draws_from_torch_generator():
+    model = get_tiny("qwen2")
+    prompts = make_prompts([4, 6], seed=8)
+    torch.manual_seed(123)
+    first = run(model, prompts, 5, mode="aligned", generate=dict(do_sample=True))
+    torch.manual_seed(123)
+    again = run(model, prompts, 5, mode="aligned", generate=dict(do_sample=True))
+    assert first.seed is not None and first.seed == again.seed and first.sequences == again.sequences
+    fixed = run(model, prompts, 5, mode="aligned", generate=dict(do_sample=True, seed=first.seed))
+    assert fixed.sequences == first.sequences
+
+
+def test_graph_key_holds_the_sampling_parameters():
+    model = get_tiny("qwen2")
+    prompts = make_prompts([4, 6], seed=8)
+    with Rollout(model, RolloutConfig(mode="aligned")) as rollout:
+        rollout.generate(prompts, max_new_tokens=3)
+        greedy = rollout._stepper
+        rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=1, top_k=5)
+        sampled = rollout._stepper
+        assert sampled is not greedy and sampled.key.do_sample and sampled.key.top_k == 5
+        rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=2, top_k=5)
+        assert rollout._stepper is sampled  # a new seed needs no new stepper (keys are buffers)
+
+
+# -- route choice --------------------------------------------------------------------------------
+def test_shared_route_counts_rows_for_nocb_and_unique_prompts_for_cb():
+    geometry = ModelGeometry.qwen25_3b()
+    coeffs = CostCoefficients()
+    lengths = [40, 60, 80, 100]
+    plan = choose_shared_route(lengths, [8] * 4, max_new_tokens=16, continuous_batch_size=None,
+                               geometry=geometry, coeffs=coeffs)
+    rows = choose_shared_route([n for n in lengths for _ in range(8)], [1] * 32, max_new_tokens=16,
+                               continuous_batch_size=None, geometry=geometry, coeffs=coeffs)
+    assert plan.nocb_cost_ms == pytest.approx(rows.nocb_cost_ms)  # n x samples rows either way
+    assert plan.cb_cost_ms < rows.cb_cost_ms  # CB prefills 4 rows, not 32
+    priced = CostCoefficients(prefill_replicate_cost_ms=0.5)
+    costly = choose_shared_route(lengths, [8] * 4, max_new_tokens=16, continuous_batch_size=None,
+                                 geometry=geometry, coeffs=priced)
+    extra = replication_cost_ms(lengths, [8] * 4, geometry, priced)
+    assert extra > 0 and costly.cb_cost_ms == pytest.approx(plan.cb_cost_ms + extra)
+    over = choose_shared_route(lengths, [8] * 4, max_new_tokens=16, continuous_batch_size=16,
+                               geometry=geometry, coeffs=coeffs)
+    assert over.route == "bucketed" and over.nocb_cost_ms is None  # 32 rows > 16 slots
+    assert prompt_groups([[1, 2], [3], [1, 2]], num_samples=2) == [0, 0, 2, 2, 0, 0]
+    assert prompt_groups([[1, 2], [1, 2]], num_samples=1, share=False) == [0, 1]
+
+
+# -- bad input -----------------------------------------------------------------------------------
+BAD_SAMPLING = {
+    "temperature_without_sampling": (dict(temperature=0.5), "do_sample=True"),
+    "seed_without_sampling": (dict(seed=3), "do_sample=True"),
+    "top_p_without_sampling": (dict(top_p=0.9), "do_sample=True"),
+    "zero_temperature": (dict(do_sample=True, temperature=0.0), "temperature"),
+    "nan_temperature": (dict(do_sample=True, temperature=float("nan")), "temperature"),
+    "negative_top_k": (dict(do_sample=True, top_k=-1), "top_k"),
+    "float_top_k": (dict(do_sample=True, top_k=2.0), "top_k"),
+    "zero_top_p": (dict(do_sample=True, top_p=0.0), "top_p"),
+    "big_top_p": (dict(do_sample=True, top_p=1.5), "top_p"),
+    "negative_seed": (dict(do_sample=True, seed=-1), "seed"),
+    "float_seed": (dict(do_sample=True, seed=1.0), "seed"),
+    "do_sample_not_bool": (dict(do_sample="yes"), "do_sample"),
+    "zero_samples": (dict(num_samples=0), "num_samples"),
+    "bool_samples": (dict(num_samples=True), "num_samples"),
+    "return_sequences": (dict(num_return_sequences=2), "num_samples"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAMPLING))
+def test_bad_sampling_arguments_raise_before_any_forward(case):
+    model = get_tiny("qwen2")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    kwargs, message = BAD_SAMPLING[case]
+    try:
+        with pytest.raises(ValueError, match=message):
+            Rollout(model, RolloutConfig()).generate([[1, 2]], max_new_tokens=3, **kwargs)
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_nocb_over_slots_counts_samples():
+    with pytest.raises(ValueError, match="requests x num_samples"):
+        Rollout(get_tiny("qwen2"), RolloutConfig(mode="nocb", continuous_batch_size=3)).generate(
+            [[1], [2]], max_new_tokens=2, num_samples=2)
+    with pytest.raises(ValueError, match="share_prefill"):
+        RolloutConfig(share_prefill=1)
