@@ -102,3 +102,23 @@ def test_one_capture_serves_calls_and_weight_replacement_recaptures():
         assert rollout.generate(prompts, max_new_tokens=5).sequences == first
         assert rollout._stepper is not stepper
     assert second and rollout._stepper is None
+
+
+@cuda
+@pytest.mark.parametrize("family", ["qwen2", "opt"])
+def test_graph_sampling_equals_eager_sampling(family):
+    model = _cuda_model(family)
+    prompts = prompts_of([5, 12, 3, 8, 20, 2, 7], seed=4)
+    prompts[3] = list(prompts[1])  # a repeated request: shared prefill
+    gen = dict(num_samples=3, do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=17)
+    for penalty in (1.0, 1.3):
+        kwargs = dict(mode="bucketed", costs=SPLIT, continuous_batch_size=5, repetition_penalty=penalty)
+        eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, max_new_tokens=10, **gen)
+        with Rollout(model, RolloutConfig(decode="graph", **kwargs)) as rollout:
+            graph = rollout.generate(prompts, max_new_tokens=10, **gen)
+            assert rollout.stepper_info["kind"] == "graph" and rollout.stepper_info["num_replays"] > 0
+            assert rollout._stepper.key.do_sample
+        assert graph.sequences == eager.sequences, penalty
+        nocb = Rollout(model, RolloutConfig(mode="nocb", costs=SPLIT, repetition_penalty=penalty)) \
+            .generate(prompts, max_new_tokens=10, **gen)
+        assert nocb.sequences == eager.sequences, penalty
