@@ -35,7 +35,9 @@ from rollout_lab.graph import (
     DECODE_MODES, EagerStepper, StepperKey, describe, graph_capacity, make_stepper,
     resolve_decode_mode,
 )
-from rollout_lab.planner import BucketPlan, validate_lengths
+from rollout_lab.length_prior import ResponseLengthPrior, check_prior_settings
+from rollout_lab.online import OnlineCalibrator, check_window
+from rollout_lab.planner import BucketPlan
 from rollout_lab.profile import Profile, Timer
 from rollout_lab.replication import choose_shared_route, group_sizes, prompt_groups
 from rollout_lab.sampling import SamplingParams, filter_logits, gumbel_noise, sample_key
@@ -62,6 +64,13 @@ class RolloutConfig:
     profile: bool = False
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
+    # EOS-aware decode (rollout_lab.length_prior): recent response lengths; with prior_ewma the
+    # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
+    response_length_prior: tuple[int, ...] | None = None
+    prior_ewma: float | None = None
+    # refit the coefficients from every call's forwards (rollout_lab.online); state on the Rollout
+    online_recalibration: bool = False
+    online_window: int = 256  # observations kept (a ring buffer)
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
@@ -88,7 +97,9 @@ class RolloutConfig:
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
                 or penalty == float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
-        for name in ("trim_cache", "profile", "share_prefill"):
+        check_prior_settings(self.response_length_prior, self.prior_ewma)
+        check_window(self.online_window)
+        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
@@ -145,6 +156,17 @@ class Rollout:
         # chosen before any routing decision: graph replay on CUDA, eager elsewhere
         self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
         self._stepper: EagerStepper | None = None
+        # learned across calls; the frozen config is never changed
+        self.costs: CostCoefficients = self.config.costs
+        self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
+        self.online = OnlineCalibrator(self.geometry, self.config.costs, window=self.config.online_window) \
+            if self.config.online_recalibration else None
+        self._explored = False
+
+    @property
+    def prediction_errors(self) -> list[dict]:
+        """Per call (online recalibration): predicted vs measured prefill and decode ms."""
+        return [] if self.online is None else list(self.online.errors)
 
     def close(self) -> None:
         """Release the captured graph and the aligned cache; the rollout stays usable."""
@@ -233,7 +255,9 @@ class Rollout:
         if sampling is not None and seed is None:
             seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
         profile = Profile()
-        timer = Timer(profile, self.device, enabled=cfg.profile)
+        timer = Timer(profile, self.device, enabled=cfg.profile or cfg.online_recalibration)
+        if cfg.profile or cfg.online_recalibration:
+            profile.forwards = []
         lengths = [len(p) for p in prompts]
         # rows, request-major: row = request * num_samples + sample
         row_prompts = [p for p in prompts for _ in range(num_samples)]
@@ -265,7 +289,7 @@ class Rollout:
                     cache_kwarg=self.cache_kwarg, sampling=sampling,
                 )
                 batcher = ContinuousBatcher(
-                    self.model, row_prompts, settings, geometry=self.geometry, costs=cfg.costs,
+                    self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
                     profile=profile, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
                 )
                 sequences, plans = batcher.run()
@@ -274,6 +298,7 @@ class Rollout:
         profile.num_generated_tokens = sum(len(s) for s in sequences)
         timer.sync()
         profile.total_ms = (time.perf_counter() - start) * 1e3
+        self._learn(route, sequences, profile)
         return RolloutResult(sequences, route, tuple(plans), profile if cfg.profile else None,
                              num_samples, seed)
 
@@ -346,7 +371,7 @@ class Rollout:
                 )
             return "nocb"
         if cfg.mode == "bucketed":
-            validate_lengths(lengths, cfg.costs)  # a prompt over prefill_max_tokens is an error
+            # a prompt over prefill_max_tokens is chunked (planner.plan_chunked)
             return "bucketed"
         if cfg.mode != "auto":
             return cfg.mode
@@ -354,10 +379,25 @@ class Rollout:
         plan = choose_shared_route(
             [lengths[g // num_samples] for g in sizes], list(sizes.values()),
             max_new_tokens=max_new_tokens, continuous_batch_size=slots,
-            geometry=self.geometry, coeffs=cfg.costs,
+            geometry=self.geometry, coeffs=self.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
+            response_lengths=self.length_prior.current(), chunk_long_prompts=True,
         )
+        self._explored = False
+        if self.online is not None and plan.nocb_cost_ms is not None:
+            other = "bucketed" if plan.route == "nocb" else "nocb"
+            if not self.online.has_decode(other):  # its decode cost is still a guess: measure it
+                self._explored = True
+                return other
         return plan.route
+
+    def _learn(self, route: str, sequences: list[list[int]], profile: Profile) -> None:
+        """After a call: fold its response lengths into the prior; refit the costs online."""
+        self.length_prior.update([len(s) for s in sequences])
+        if self.online is not None and profile.forwards is not None:
+            self.online.observe(profile.forwards, self.costs, route=route, explored=self._explored,
+                                total_ms=profile.total_ms)
+            self.costs = self.online.refit(self.costs)
 
     def _capacity(self, lengths: list[int], max_new_tokens: int, route: str) -> int:
         longest = max(lengths)
@@ -402,11 +442,14 @@ class Rollout:
         eos = set(eos_ids)
         sequences = [_cut_at_eos(row, eos) for row in out[:, width:].tolist()]
         profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
+        if profile.forwards is not None and profile.num_decode_forwards:  # HF's loop overhead included
+            profile.forwards.append({"kind": "nocb_decode", "rows": len(prompts),
+                                     "steps": profile.num_decode_forwards, "ms": profile.decode_ms})
         profile.peak_cache_columns = width + profile.num_decode_forwards
         profile.cache_bytes = len(prompts) * profile.peak_cache_columns * 2 * self.geometry.num_layers \
             * self.geometry.num_kv_heads * self.geometry.head_dim * self.geometry.element_bytes
         profile.num_prefill_rows = len(prompts)  # HF generate prefills every row
-        cost = prefill_cost_ms(len(prompts), width, self.geometry, self.config.costs, include_kv=False)
+        cost = prefill_cost_ms(len(prompts), width, self.geometry, self.costs, include_kv=False)
         return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)]
 
 
@@ -503,6 +546,9 @@ def _count_forwards(model: torch.nn.Module, profile: Profile, timer: Timer) -> I
         elapsed = (time.perf_counter() - starts[-1]) * 1e3
         if profile.num_prefill_forwards == 0:
             profile.num_prefill_forwards, profile.prefill_ms = 1, elapsed
+            if profile.forwards is not None:
+                batch, width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape
+                profile.forwards.append({"kind": "nocb_prefill", "batch": batch, "width": width, "ms": elapsed})
         else:
             profile.num_decode_forwards += 1
 

@@ -276,7 +276,6 @@ BAD_CALLS = {
     "nocb_over_slots": (dict(mode="nocb", continuous_batch_size=1), [[1], [2]], dict(max_new_tokens=3), "continuous_batch_size"),
     "eos_over_vocab": (dict(eos_token_id=10**6), [[1]], dict(max_new_tokens=3), "eos_token_id"),
     "not_left_padded": (dict(), torch.tensor([[1, 0]]), dict(max_new_tokens=3, attention_mask=torch.tensor([[1, 0]])), "left-padded"),
-    "over_prefill_limit": (dict(mode="bucketed", costs=CostCoefficients(prefill_max_tokens=8)), [[1] * 9], dict(max_new_tokens=2), "prefill_max_tokens"),
 }
 
 
