@@ -16,7 +16,8 @@ What is measured, with the engine's own code paths:
 KV MiB is proportional to B*L, so ``token`` and ``kv`` cannot be told apart from forwards alone:
 fixed/token/attention are fitted (NNLS, relative weights) to the forwards, and kv (plus the
 copy's own per-call cost, added to ``fixed``) to the copies. The reported fit compares the sum
-forward + copy with C(B, L).
+forward + copy with C(B, L). ``prefill_replicate_cost_ms`` (shared prefill's KV copies into the
+other samples' slots, ``admit`` with ``source_rows``) is the same copy, so it takes kv's slope.
 """
 from __future__ import annotations
 
@@ -171,6 +172,8 @@ def fit_coefficients(
         prefill_attention_cost_ms=float(attention), prefill_kv_cost_ms=float(kv),
         continuous_decode_cost_ms=float(max(0.0, continuous_decode_cost_ms)),
         prefill_max_tokens=prefill_max_tokens,
+        # shared prefill's replication is the same ``admit`` copy (from a repeated source row)
+        prefill_replicate_cost_ms=float(kv),
     )
     records = []
     for (b, w), f_ms, c_ms in zip(shapes, forward, copy):
