@@ -63,6 +63,13 @@ def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(paths))
 
 
+def _check_attn_implementation(model: Any, expected: Any) -> None:
+    """generate_batch may switch the model to a paged attention; put the sweep's own back."""
+    if expected is not None and getattr(model.config, "_attn_implementation", None) != expected:
+        model.set_attn_implementation(expected) if hasattr(model, "set_attn_implementation") \
+            else setattr(model.config, "_attn_implementation", expected)
+
+
 def _release_memory(device: Any) -> None:
     """After generate_batch: drop its paged cache (~all free GPU memory) before the next path runs."""
     import gc
@@ -98,36 +105,58 @@ def _timed_call(fn: Callable[[], Any], device: Any) -> tuple[float, Any, int | N
     return ms, out, peak
 
 
-def _path_calls(model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty):
-    """(timed call -> sequences, profiling call -> (sequences, info)) for one path."""
-    from rollout_lab import peers
+class _PathRunner:
+    """One path's calls: ``call()`` (timed), ``profile()`` -> info or None, ``close()``.
 
-    if path in OUR_PATHS:
+    Our paths keep one Rollout (its captured decode graph and cache) for the warm-up and the timed
+    calls; the profiling call gets its own, made after the timed one is closed, so at most one
+    path's GPU state is alive per workload step.
+    """
+
+    def __init__(self, model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty, decode):
+        self.model, self.path, self.prompts, self.max_new_tokens = model, path, prompts, max_new_tokens
+        self.pad, self.repetition_penalty = pad, repetition_penalty
+        self.settings = dict(mode=path, eos_token_id=None, pad_token_id=pad,
+                             repetition_penalty=repetition_penalty)
+        if costs is not None:
+            self.settings["costs"] = costs
+        if decode is not None:
+            self.settings["decode"] = decode
+        self._rollout = None
+
+    def _engine(self, *, profile: bool):
         from rollout_lab.engine import Rollout, RolloutConfig
 
-        settings = dict(mode=path, eos_token_id=None, pad_token_id=pad, repetition_penalty=repetition_penalty)
-        if costs is not None:
-            settings["costs"] = costs
-        timed = Rollout(model, RolloutConfig(**settings))
-        profiled = Rollout(model, RolloutConfig(**settings, profile=True))
+        if self._rollout is None:
+            self._rollout = Rollout(self.model, RolloutConfig(**self.settings, profile=profile))
+        return self._rollout
 
-        def call():
-            return timed.generate(prompts, max_new_tokens=max_new_tokens)
+    def call(self) -> Any:
+        from rollout_lab import peers
 
-        def profile_call():
-            result = profiled.generate(prompts, max_new_tokens=max_new_tokens)
-            return result.sequences, _engine_info(result)
+        if self.path in OUR_PATHS:
+            return self._engine(profile=False).generate(self.prompts, max_new_tokens=self.max_new_tokens)
+        if self.path == "hf_static":
+            return peers.hf_generate(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
+                                     pad_token_id=self.pad, cache_implementation="static",
+                                     repetition_penalty=self.repetition_penalty)
+        return peers.hf_generate_batch(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
+                                       pad_token_id=self.pad)
 
-        return call, profile_call
-    if path == "hf_static":
-        def call():
-            return peers.hf_generate(model, prompts, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                     cache_implementation="static", repetition_penalty=repetition_penalty)
-    else:
-        def call():
-            return peers.hf_generate_batch(model, prompts, max_new_tokens=max_new_tokens, pad_token_id=pad)
+    def profile(self) -> dict[str, Any]:
+        if self.path not in OUR_PATHS:  # peers have no profile: no extra call
+            return {"route": None, "buckets": None, "profile": None}
+        self.close()
+        result = self._engine(profile=True).generate(self.prompts, max_new_tokens=self.max_new_tokens)
+        self.close()
+        return _engine_info(result)
 
-    return call, None  # peers have no profile: no extra call
+    def close(self) -> None:
+        if self._rollout is not None:
+            close = getattr(self._rollout, "close", None)
+            if close is not None:
+                close()
+            self._rollout = None
 
 
 def _engine_info(result: Any) -> dict[str, Any]:
@@ -158,11 +187,13 @@ def run_sweep(
     repetition_penalty: float = 1.0,
     oracle_max_tokens: int = DEFAULT_ORACLE_MAX_TOKENS,
     costs_source: str | None = None,
+    decode: str | None = None,
 ) -> dict[str, Any]:
     """Time every path on every workload; a JSON-ready record (also written to ``out`` after each
     workload, when given, so an interrupted sweep keeps what it finished).
 
-    ``costs`` (CostCoefficients, default: the engine's) drive auto and bucketed. The oracle
+    ``costs`` (CostCoefficients, default: the engine's) drive auto and bucketed; ``decode``
+    ("graph", "eager", "auto"; None = the engine's default) picks our CB decode stepper. The oracle
     (one-request unpadded HF generate) is checked on workloads whose prompt + generated tokens
     are at most ``oracle_max_tokens`` (0 = never); elsewhere ``matches_oracle`` is None.
     """
@@ -187,7 +218,7 @@ def run_sweep(
         "config": {
             "paths": list(paths), "repetitions": repetitions, "max_new_tokens": max_new_tokens,
             "repetition_penalty": repetition_penalty, "workload_scale": workload_scale,
-            "oracle_max_tokens": oracle_max_tokens,
+            "oracle_max_tokens": oracle_max_tokens, "decode": decode or "engine default",
             "costs": None if costs is None else costs.to_dict(), "costs_source": costs_source or (
                 "engine defaults" if costs is None else "given"),
         },
@@ -203,7 +234,8 @@ def run_sweep(
             record["workloads"][name] = _sweep_workload(
                 model, prompts, paths, device=device, repetitions=repetitions,
                 max_new_tokens=max_new_tokens, costs=costs, pad=pad,
-                repetition_penalty=repetition_penalty, oracle_max_tokens=oracle_max_tokens, bar=bar,
+                repetition_penalty=repetition_penalty, oracle_max_tokens=oracle_max_tokens,
+                decode=decode, bar=bar,
             )
             record["summary"] = summarize(record)
             if out is not None:
@@ -214,15 +246,27 @@ def run_sweep(
 
 
 def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_tokens, costs, pad,
-                    repetition_penalty, oracle_max_tokens, bar) -> dict[str, Any]:
+                    repetition_penalty, oracle_max_tokens, decode, bar) -> dict[str, Any]:
+    runners = {p: _PathRunner(model, p, prompts, max_new_tokens=max_new_tokens, costs=costs, pad=pad,
+                              repetition_penalty=repetition_penalty, decode=decode) for p in paths}
+    try:
+        return _run_workload(model, prompts, paths, runners, device=device, repetitions=repetitions,
+                             max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+                             oracle_max_tokens=oracle_max_tokens, bar=bar)
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_new_tokens,
+                  repetition_penalty, oracle_max_tokens, bar) -> dict[str, Any]:
     lengths = [len(p) for p in prompts]
-    calls = {p: _path_calls(model, p, prompts, max_new_tokens=max_new_tokens, costs=costs, pad=pad,
-                            repetition_penalty=repetition_penalty) for p in paths}
+    attn_implementation = getattr(model.config, "_attn_implementation", None)
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for path in paths:  # warm-up (compiles, allocator); a failing peer is skipped with its reason
         try:
-            _, out, _ = _timed_call(calls[path][0], device)
+            _, out, _ = _timed_call(runners[path].call, device)
             outputs[path] = _sequences(out)
             results[path] = {"samples_ms": [], "peak_mem_bytes": None, "skipped": None}
         except Exception as err:  # noqa: BLE001 - recorded, and only for peers
@@ -231,13 +275,15 @@ def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_token
             results[path] = {"skipped": f"{type(err).__name__}: {err}"[:500]}
         if path == "hf_generate_batch":
             _release_memory(device)
+            _check_attn_implementation(model, attn_implementation)
         bar.update()
     live = [p for p in paths if results[p].get("skipped") is None]
     for _ in range(repetitions):
         for path in live:
-            ms, _, peak = _timed_call(calls[path][0], device)
+            ms, _, peak = _timed_call(runners[path].call, device)
             if path == "hf_generate_batch":
                 _release_memory(device)
+                _check_attn_implementation(model, attn_implementation)
             results[path]["samples_ms"].append(ms)
             if peak is not None:
                 results[path]["peak_mem_bytes"] = max(peak, results[path]["peak_mem_bytes"] or 0)
@@ -259,8 +305,7 @@ def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_token
                           "matches_nocb": None, "matches_oracle": None})
             bar.update()
             continue
-        profile_call = calls[path][1]
-        info = profile_call()[1] if profile_call else {"route": None, "buckets": None, "profile": None}
+        info = runners[path].profile()
         bar.update()
         seqs = outputs[path]
         mean_ms = statistics.fmean(entry["samples_ms"])
@@ -405,7 +450,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         model, workloads=lengths, paths=paths, repetitions=args.repetitions,
         max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
         out=out, workload_scale=args.scale, oracle_max_tokens=args.oracle_max_tokens,
-        costs_source=args.costs or "engine defaults",
+        costs_source=args.costs or "engine defaults", decode=args.decode,
     )
     json_path, csv_path = write_results(record, out)
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}")
@@ -437,6 +482,8 @@ def register_cli(subparsers: Any) -> None:
                         help="use --costs even if its metadata does not match this run")
     parser.add_argument("--oracle-max-tokens", type=int, default=DEFAULT_ORACLE_MAX_TOKENS,
                         help="check the one-request oracle on workloads up to this many tokens (0 = never)")
+    parser.add_argument("--decode", choices=("auto", "graph", "eager"), default=None,
+                        help="our CB decode stepper (default: the engine's, graph on CUDA)")
     parser.add_argument("--out", help="output stem (default data/results/sweep_<model>_<dtype>_<device>)")
     parser.set_defaults(func=cmd_sweep)
 

@@ -11,8 +11,8 @@
 What is measured, with the engine's own code paths:
 - ``forward_ms``: one prefill forward of a uniform (batch, width) bucket (``decode.prefill_bucket``);
 - ``kv_copy_ms``: copying that bucket's KV into the aligned cache (``AlignedKVCache.admit``);
-- CB decode per step minus nocb decode per step, each from whole ``Rollout.generate`` calls with
-  ``decode_steps + 1`` and 1 new tokens.
+- CB and nocb decode per step, each from whole ``Rollout.generate`` calls with ``decode_steps + 1``
+  and 1 new tokens; the decode coefficients come from them (``decode_costs``).
 KV MiB is proportional to B*L, so ``token`` and ``kv`` cannot be told apart from forwards alone:
 fixed/token/attention are fitted (NNLS, relative weights) to the forwards, and kv (plus the
 copy's own per-call cost, added to ``fixed``) to the copies. The reported fit compares the sum
@@ -143,6 +143,7 @@ def fit_coefficients(
     geometry: ModelGeometry,
     *,
     continuous_decode_cost_ms: float,
+    nocb_decode_cost_ms: float = 0.0,
     prefill_max_tokens: int | None = CostCoefficients.prefill_max_tokens,
 ) -> tuple[CostCoefficients, tuple[dict[str, Any], ...], float]:
     """NNLS fit of C(B, L) to measured forwards and KV copies: (coeffs, per-shape fit, R^2).
@@ -171,6 +172,7 @@ def fit_coefficients(
         prefill_fixed_cost_ms=float(fixed + copy_fixed), prefill_token_cost_ms=float(token),
         prefill_attention_cost_ms=float(attention), prefill_kv_cost_ms=float(kv),
         continuous_decode_cost_ms=float(max(0.0, continuous_decode_cost_ms)),
+        nocb_decode_cost_ms=float(max(0.0, nocb_decode_cost_ms)),
         prefill_max_tokens=prefill_max_tokens,
         # shared prefill's replication is the same ``admit`` copy (from a repeated source row)
         prefill_replicate_cost_ms=float(kv),
@@ -307,7 +309,24 @@ def measure_decode_overhead(
                 "overhead_ms_per_step": per_step["bucketed"] - per_step["nocb"],
             })
     bar.close()
+    for engine in engines.values():
+        if hasattr(engine, "close"):
+            engine.close()
     return records
+
+
+def decode_costs(records: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """(continuous_decode_cost_ms, nocb_decode_cost_ms) from the decode probe, each >= 0.
+
+    When CB decode per step is slower than nocb's, the reference form: (CB - nocb, 0). When it is
+    faster (a graph-captured CB step against HF's eager loop) the overhead would be negative, so
+    both per-step costs are given and the planner compares them. No probe: (0, 0).
+    """
+    if not records:
+        return 0.0, 0.0
+    cb = max(0.0, statistics.mean(r["cb_ms_per_step"] for r in records))
+    nocb = max(0.0, statistics.mean(r["nocb_ms_per_step"] for r in records))
+    return (cb - nocb, 0.0) if cb >= nocb else (cb, nocb)
 
 
 # -- metadata ----------------------------------------------------------------------------------
@@ -422,11 +441,12 @@ def calibrate(
     metadata["grid"] = grid.to_dict()
     prefill = measure_prefill(model, grid, progress=progress)
     decode = measure_decode_overhead(model, grid, progress=progress)
-    overhead = statistics.mean(max(0.0, r["overhead_ms_per_step"]) for r in decode) if decode else 0.0
+    cb_ms, nocb_ms = decode_costs(decode)
     geometry = ModelGeometry(**metadata["geometry"])
     coeffs, fit, r2 = fit_coefficients(
         [(r["batch"], r["width"]) for r in prefill], [r["forward_ms"] for r in prefill],
-        [r["kv_copy_ms"] for r in prefill], geometry, continuous_decode_cost_ms=overhead,
+        [r["kv_copy_ms"] for r in prefill], geometry,
+        continuous_decode_cost_ms=cb_ms, nocb_decode_cost_ms=nocb_ms,
     )
     for record, measured in zip(fit, prefill):
         record["forward_samples_ms"] = measured["forward_samples_ms"]
@@ -510,7 +530,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"R^2 {result.r2:.4f}, worst relative error {result.worst_rel_error:.1%}")
     print(f"  fixed {c.prefill_fixed_cost_ms:.4g} ms, token {c.prefill_token_cost_ms:.4g} ms, "
           f"attention {c.prefill_attention_cost_ms:.4g} ms/GFLOP, kv {c.prefill_kv_cost_ms:.4g} ms/MiB, "
-          f"CB decode overhead {c.continuous_decode_cost_ms:.4g} ms/step")
+          f"decode per step: CB {c.continuous_decode_cost_ms:.4g} ms, nocb {c.nocb_decode_cost_ms:.4g} ms")
     print(f"wrote {out}")
     return 0
 

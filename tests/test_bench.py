@@ -44,7 +44,7 @@ def test_sweep_record_per_path(sweep):
             assert len(r["samples_ms"]) == 1 and r["mean_ms"] > 0 and r["tokens_per_s"] > 0
             assert r["matches_nocb"] is True and r["matches_oracle"] is True, (name, path)
             assert r["profile"]["num_generated_tokens"] == 3 * len(WORKLOADS[name])
-            assert r["buckets"] and sum(b for b, _ in r["buckets"]) == len(WORKLOADS[name])
+            assert r["buckets"] and sum(b for b, _ in r["buckets"]) <= len(WORKLOADS[name])  # shared prefill dedups
             assert r["peak_mem_bytes"] is None  # CPU
         assert w["paths"]["auto"]["route"] in ("nocb", "bucketed")
         assert w["paths"]["aligned"]["buckets"] == [[1, n] for n in sorted(WORKLOADS[name])] or \

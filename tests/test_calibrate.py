@@ -171,3 +171,11 @@ def test_cli_rejects_a_bad_dtype(capsys):
     with pytest.raises(SystemExit):
         cli_main(["calibrate", "--tiny", "qwen2", "--dtype", "float12"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_decode_costs_keep_the_reference_form_or_give_both():
+    slower = [{"cb_ms_per_step": 12.0, "nocb_ms_per_step": 10.0}, {"cb_ms_per_step": 14.0, "nocb_ms_per_step": 10.0}]
+    assert cal.decode_costs(slower) == pytest.approx((3.0, 0.0))
+    faster = [{"cb_ms_per_step": 6.0, "nocb_ms_per_step": 30.0}]
+    assert cal.decode_costs(faster) == (6.0, 30.0)
+    assert cal.decode_costs([]) == (0.0, 0.0)
