@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from rollout_lab import paths
 
-NOTEBOOKS = ("01_calibrate", "02_bucket_choices", "03_latency_tables")
+NOTEBOOKS = ("01_calibrate", "02_bucket_choices", "03_latency_tables", "04_beyond")
 OUR_PATHS = ["nocb", "equal_width", "aligned", "bucketed", "auto"]
 # Parameters for the test suite: seconds per notebook on CPU.
 SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
@@ -45,6 +45,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
     },
     "03_latency_tables": {"workloads": ["long_tail", "spread"], "workload_scale": 0.05, "repetitions": 1,
                           "max_new_tokens": 3},
+    "04_beyond": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20, "online_calls": 6,
+                  "repetitions": 1},
 }
 
 
