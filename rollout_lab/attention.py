@@ -11,6 +11,9 @@ anything unusual go to HF's own ``sdpa`` function unchanged.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -58,3 +61,29 @@ def use_gqa_decode_attention(model: torch.nn.Module) -> torch.nn.Module:
     else:  # older 5.x
         model.config._attn_implementation = NAME
     return model
+
+
+def is_grouped_query(model: torch.nn.Module) -> bool:
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    return (getattr(cfg, "num_key_value_heads", None) or heads) < heads
+
+
+@contextmanager
+def decode_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, an ``sdpa`` grouped-query model attends with ``rollout_gqa``.
+
+    Used around our own decode step only (and so baked into its CUDA graph), so that HF's own
+    paths on the same model (nocb, the peers) keep the stock ``sdpa``.
+    """
+    config = model.config
+    current = getattr(config, "_attn_implementation", None)
+    if current != "sdpa" or not is_grouped_query(model):
+        yield
+        return
+    register()
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = current

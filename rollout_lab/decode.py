@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from rollout_lab.attention import decode_attention
 from rollout_lab.cache import AlignedKVCache
 from rollout_lab.sampling import SamplingParams, sample_tokens
 
@@ -112,13 +113,14 @@ def decode_step(
     """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids."""
     mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
     mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
-    out = model(
-        input_ids=state.input_ids[:num_rows],
-        position_ids=state.position_ids[:num_rows],
-        attention_mask=mask,
-        use_cache=True,
-        **{cache_kwarg: cache.hf_cache(num_rows)},
-    )
+    with decode_attention(model):  # GQA without repeat_kv
+        out = model(
+            input_ids=state.input_ids[:num_rows],
+            position_ids=state.position_ids[:num_rows],
+            attention_mask=mask,
+            use_cache=True,
+            **{cache_kwarg: cache.hf_cache(num_rows)},
+        )
     seen = None if state.seen is None else state.seen[:num_rows]
     steps = state.steps[:num_rows]
     tokens = select_tokens(

@@ -24,7 +24,7 @@ from rollout_lab.decode import DecodeState, decode_step
 from rollout_lab.sampling import SamplingParams
 
 DECODE_MODES = ("auto", "eager", "graph")
-GRAPH_CAPACITY_STEP = 128  # graph capacities are rounded up so that nearby shapes share a capture
+GRAPH_CAPACITY_STEP = 64  # graph capacities are rounded up so that nearby shapes share a capture
 
 
 def graph_supported(device: torch.device | str) -> bool:

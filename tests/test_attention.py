@@ -36,3 +36,29 @@ def test_prefill_goes_to_hf_sdpa():
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, repeat_kv(key, 4), repeat_kv(value, 4), is_causal=True).transpose(1, 2)
     torch.testing.assert_close(out, expected)
+
+
+def test_decode_steps_use_it_and_hf_paths_keep_sdpa():
+    from transformers import AttentionInterface
+
+    from conftest import get_tiny
+    from rollout_lab import Rollout, RolloutConfig
+    from rollout_lab.attention import NAME, register
+
+    register()
+    model = get_tiny("qwen2")  # 4 query heads, 2 KV heads
+    calls = []
+    original = AttentionInterface._global_mapping[NAME]
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return original(module, query, *args, **kwargs)
+
+    AttentionInterface._global_mapping[NAME] = counted
+    try:
+        Rollout(model, RolloutConfig(mode="bucketed")).generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
+    finally:
+        AttentionInterface._global_mapping[NAME] = original
+    layers = model.config.num_hidden_layers
+    assert calls == [1] * (3 * layers)  # three decode steps, one call per layer, one query token
+    assert model.config._attn_implementation == "sdpa"
