@@ -1,0 +1,217 @@
+"""Beyond the reference planner: chunked prefill, EOS-aware decode cost, online recalibration."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from conftest import get_tiny
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.beyond import forward_shapes, random_prompts
+from rollout_lab.cost import CostCoefficients, ModelGeometry
+from rollout_lab.length_prior import ResponseLengthPrior
+from rollout_lab.models import TINY_VOCAB_SIZE
+from rollout_lab.online import OnlineCalibrator
+from rollout_lab.planner import (
+    choose_route, expected_decode_steps, plan_buckets, plan_chunked, split_prompt, validate_lengths,
+)
+
+GEO = ModelGeometry(36, 16, 2, 128, 4)
+LIMIT = 16
+
+
+# ---------------------------------------------------------------- 1: chunked prefill (planner)
+
+def test_split_prompt():
+    assert split_prompt(10, 16) == (10,) and split_prompt(10, None) == (10,)
+    assert split_prompt(16, 16) == (16,)
+    assert split_prompt(17, 16) == (1, 16)
+    assert split_prompt(48, 16) == (16, 16, 16)
+    assert split_prompt(70, 16) == (6, 16, 16, 16, 16)
+
+
+def test_plan_chunked_keeps_plan_buckets_contract():
+    coeffs = CostCoefficients(prefill_max_tokens=LIMIT)
+    with pytest.raises(ValueError, match="plan_chunked"):
+        plan_buckets([40, 3], GEO, coeffs)
+    with pytest.raises(ValueError, match="prefill_max_tokens"):
+        choose_route([40, 3], max_new_tokens=4, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    within = [5, 3, 12, 9]
+    assert plan_chunked(within, GEO, coeffs) == plan_buckets(within, GEO, coeffs)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_chunked_is_the_dp_over_heads(seed):
+    rng = random.Random(seed)
+    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.01, 1.0, 25.0]), prefill_max_tokens=LIMIT)
+    lengths = [rng.choice([rng.randint(1, LIMIT), rng.randint(1, 5 * LIMIT)]) for _ in range(rng.randint(1, 9))]
+    plan = plan_chunked(lengths, GEO, coeffs)
+    heads = [split_prompt(n, LIMIT)[0] for n in lengths]
+    assert plan.buckets == plan_buckets(heads, GEO, coeffs).buckets
+    assert sorted(itertools.chain(*plan.buckets)) == list(range(len(lengths)))
+    assert dict(plan.chunks) == {i: split_prompt(n, LIMIT)[1:] for i, n in enumerate(lengths) if n > LIMIT}
+    for bucket, width in zip(plan.buckets, plan.widths):
+        assert len(bucket) * width <= LIMIT
+    assert plan.num_forwards == plan.num_buckets + sum(len(t) for _, t in plan.chunks)
+    route = choose_route(lengths, max_new_tokens=3, continuous_batch_size=None, geometry=GEO, coeffs=coeffs,
+                         chunk_long_prompts=True)
+    if max(lengths) > LIMIT:
+        assert route.route == "bucketed" and route.nocb_cost_ms is None
+
+
+# ---------------------------------------------------------------- 1: chunked prefill (engine)
+
+@pytest.mark.parametrize("mode", ["bucketed", "auto"])
+@pytest.mark.parametrize("slots", [None, 2])
+def test_chunked_prefill_matches_oracle_within_the_limit(family, mode, slots, oracle):
+    model = get_tiny(family)
+    lengths = [40, 5, 3, 70, 16, 17, 1]
+    prompts = random_prompts(lengths, vocab_size=TINY_VOCAB_SIZE, seed=7)
+    config = RolloutConfig(mode=mode, costs=CostCoefficients(prefill_max_tokens=LIMIT), profile=True,
+                           continuous_batch_size=slots, repetition_penalty=1.3)
+    with forward_shapes(model) as shapes:
+        result = Rollout(model, config).generate(prompts, max_new_tokens=5)
+    assert result.sequences == oracle(model, prompts, max_new_tokens=5, repetition_penalty=1.3)
+    prefill = [b * w for b, w in shapes if w > 1]
+    assert max(prefill) <= LIMIT  # every forward's padded positions
+    assert result.route == "bucketed"
+    chunks = sum(len(t) for plan in result.plans for _, t in plan.chunks)
+    assert chunks == sum(len(split_prompt(n, LIMIT)) - 1 for n in lengths)
+    assert result.profile.num_prefill_forwards == sum(p.num_forwards for p in result.plans)
+    kinds = [f["kind"] for f in result.profile.forwards]
+    assert kinds.count("chunk") == chunks
+
+
+def test_chunked_prefill_with_eos(oracle):
+    model = get_tiny("qwen2")
+    prompts = random_prompts([50, 4, 33], vocab_size=TINY_VOCAB_SIZE, seed=2)
+    free = oracle(model, prompts, max_new_tokens=8)
+    eos = free[0][2]
+    result = Rollout(model, RolloutConfig(mode="bucketed", eos_token_id=eos,
+                                          costs=CostCoefficients(prefill_max_tokens=LIMIT))).generate(prompts, max_new_tokens=8)
+    assert result.sequences == oracle(model, prompts, max_new_tokens=8, eos_token_id=eos)
+
+
+# ---------------------------------------------------------------- 2: EOS-aware decode cost
+
+def brute_expected_max(prior, n, budget):
+    """E[max of n draws (with replacement) clipped at budget] - 1, by enumeration."""
+    values = [min(x, budget) for x in prior]
+    total = sum(max(c) - 1 for c in itertools.product(values, repeat=n))
+    return total / len(values) ** n
+
+
+@pytest.mark.parametrize("prior, n, budget", [((1, 5, 9), 2, 8), ((3,), 4, 10), ((2, 2, 7, 30), 3, 16), ((1,), 1, 1)])
+def test_expected_decode_steps_is_the_expected_max(prior, n, budget):
+    assert expected_decode_steps(prior, n, budget) == pytest.approx(brute_expected_max(prior, n, budget))
+
+
+def test_expected_decode_steps_edges():
+    assert expected_decode_steps(None, 4, 16) == 15
+    assert expected_decode_steps((100,), 4, 16) == 15  # clipped at the budget
+    weighted = expected_decode_steps({2: 0.5, 6: 0.5}, 3, 16)
+    assert weighted == pytest.approx(expected_decode_steps((2, 6), 3, 16))
+    # refill: more requests than slots costs more steps than one wave, less than waves x max
+    one_wave = expected_decode_steps((2, 6, 9), 4, 16)
+    refill = expected_decode_steps((2, 6, 9), 8, 16, num_slots=4)
+    assert one_wave < refill < 2 * one_wave + 1
+    for bad in [(), (0,), (1.5,), {3: -1.0}]:
+        with pytest.raises(ValueError):
+            expected_decode_steps(bad, 2, 8)
+
+
+def test_prior_moves_the_route_choice():
+    lengths = [512] + [16] * 31  # the worked example
+    kw = dict(max_new_tokens=512, continuous_batch_size=None, geometry=GEO, coeffs=CostCoefficients())
+    assert choose_route(lengths, **kw).route == "nocb"  # 10 ms x 511 steps of CB overhead
+    short = choose_route(lengths, response_lengths=[3, 5, 8, 12], **kw)
+    assert short.route == "bucketed" and short.cb_cost_ms < choose_route(lengths, **kw).cb_cost_ms
+
+
+def test_length_prior_ewma():
+    prior = ResponseLengthPrior((4, 4, 8), ewma=0.5)
+    assert prior.current() == pytest.approx({4: 2 / 3, 8: 1 / 3})
+    prior.update([8, 8])
+    assert prior.current() == pytest.approx({4: 1 / 3, 8: 2 / 3})
+    fixed = ResponseLengthPrior((4,), ewma=None)
+    fixed.update([9])
+    assert fixed.current() == {4: 1.0}
+    assert ResponseLengthPrior(None, None).current() is None
+
+
+def test_rollout_keeps_the_prior_across_calls():
+    model = get_tiny("qwen2")
+    prompts = random_prompts([30] + [3] * 7, vocab_size=TINY_VOCAB_SIZE, seed=4)
+    config = RolloutConfig(mode="auto", prior_ewma=1.0)
+    rollout = Rollout(model, config)
+    assert rollout.length_prior.current() is None
+    result = rollout.generate(prompts, max_new_tokens=6)
+    assert rollout.length_prior.current() == {6: 1.0}  # no EOS: every response at the budget
+    assert rollout.config is config and config.response_length_prior is None  # state on the Rollout
+    assert result.route in ("nocb", "bucketed")
+
+
+@pytest.mark.parametrize("field, value", [("response_length_prior", (0, 3)), ("response_length_prior", [3]),
+                                          ("prior_ewma", 0.0), ("prior_ewma", 1.5), ("online_window", 2),
+                                          ("online_recalibration", 1)])
+def test_bad_beyond_config(field, value):
+    with pytest.raises(ValueError, match=field):
+        RolloutConfig(**{field: value})
+
+
+# ---------------------------------------------------------------- 3: online recalibration
+
+def test_refit_recovers_known_coefficients():
+    truth = CostCoefficients(prefill_fixed_cost_ms=0.7, prefill_token_cost_ms=0.002, prefill_attention_cost_ms=3.0,
+                             prefill_kv_cost_ms=0.04, continuous_decode_cost_ms=0.6, nocb_decode_cost_ms=1.1)  # kv kept: CB rows only
+    geo = ModelGeometry(2, 4, 2, 16, 4)
+    calib = OnlineCalibrator(geo, CostCoefficients(), window=64)
+    from rollout_lab.online import predicted_ms
+    records = []
+    for b, w in [(1, 8), (4, 16), (8, 64), (2, 200), (16, 8), (1, 300)]:
+        r = {"kind": "prefill", "batch": b, "width": w}
+        r["ms"] = predicted_ms([dict(r, ms=0)], geo, truth)[0]
+        records.append(r)
+    records += [{"kind": "decode", "rows": 4, "steps": 10, "ms": 6.0}, {"kind": "nocb_decode", "rows": 4, "steps": 5, "ms": 5.5}]
+    start = CostCoefficients()
+    calib.observe(records, start, route="bucketed", explored=False, total_ms=1.0)
+    fitted = calib.refit(start)
+    assert start == CostCoefficients()  # frozen, unchanged
+    for f in ("prefill_fixed_cost_ms", "prefill_token_cost_ms", "prefill_attention_cost_ms",
+              "continuous_decode_cost_ms", "nocb_decode_cost_ms"):
+        assert getattr(fitted, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
+    assert calib.errors[0]["prefill_rel_error"] > 1  # the defaults overpredict the tiny shapes
+
+
+def test_window_bounds_memory():
+    calib = OnlineCalibrator(GEO, CostCoefficients(), window=8)
+    for _ in range(20):
+        calib.observe([{"kind": "decode", "rows": 1, "steps": 1, "ms": 1.0}] * 3, CostCoefficients(),
+                      route="bucketed", explored=False, total_ms=1.0)
+    assert len(calib.observations) == 8 and len(calib.errors) == 8
+
+
+def test_online_recalibration_converges_and_fixes_the_route():
+    model = get_tiny("qwen2")
+    workloads = [[200] + [8] * 15, [8] * 16]  # on this CPU model bucketed wins both (measured in 04)
+    prompts = [random_prompts(w, vocab_size=TINY_VOCAB_SIZE, seed=i) for i, w in enumerate(workloads)]
+    config = RolloutConfig(mode="auto", online_recalibration=True, online_window=64)
+    rollout = Rollout(model, config)
+    defaults = Rollout(model, RolloutConfig(mode="auto"))
+    assert defaults.generate(prompts[1], max_new_tokens=17).route == "nocb"  # 10 ms/step CB overhead
+    routes = [rollout.generate(prompts[i % 2], max_new_tokens=17).route for i in range(6)]
+    errors = rollout.prediction_errors
+    assert len(errors) == 6 and {"predicted_prefill_ms", "measured_prefill_ms", "prefill_rel_error"} <= set(errors[0])
+    assert abs(errors[0]["prefill_rel_error"]) > 2  # defaults: 25 ms fixed cost per forward
+    assert all(abs(e["prefill_rel_error"]) < 1.5 for e in errors[3:])  # loose: a shared CPU is noisy
+    assert config.costs == CostCoefficients() and rollout.costs != config.costs
+    assert rollout.costs.continuous_decode_cost_ms < rollout.costs.nocb_decode_cost_ms + 5.0
+    assert any(e["explored"] for e in errors[:2]) and not any(e["explored"] for e in errors[2:])
+    assert routes[3:] == ["bucketed"] * 3
+    assert dataclasses.is_dataclass(rollout.costs)
+
+
+def test_validate_lengths_without_limit():
+    assert validate_lengths([10**6], None) == [10**6]
