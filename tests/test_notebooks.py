@@ -184,6 +184,25 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
     assert read_csv(tmp_path / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
 
 
+# ---------------------------------------------------------------- 04: beyond the reference planner
+
+def test_04_beyond_outputs(executed):
+    out, _ = executed
+    for r in read_csv(out / "tables" / "04_chunked.csv"):
+        assert r["matches_reference"] == "True" and r["within_limit"] == "True"
+        assert int(r["max_forward_tokens"]) <= int(r["limit"]) and int(r["num_chunked_prompts"]) >= 1
+    eos = read_csv(out / "tables" / "04_eos_prior.csv")
+    assert {r["source"] for r in eos} == {"tiny model, natural EOS", "scripted geometric lengths, cost model"}
+    for r in eos:
+        assert float(r["eos_aware_e2e_ms"]) > 0 and float(r["reference_e2e_ms"]) > 0
+    scripted = [r for r in eos if r["source"].startswith("scripted")]
+    assert all(float(r["eos_aware_vs_reference"]) <= 1 + 1e-9 for r in scripted)  # priced by the model itself
+    online = read_csv(out / "tables" / "04_online.csv")
+    assert len(online) == 6 and all(math.isfinite(float(r["prefill_rel_error"])) for r in online)
+    for stem in ("04_chunked_plan", "04_eos_prior", "04_online_convergence"):
+        assert_figure(out / "figures", stem)
+
+
 def test_executed_copies_have_outputs(executed):
     _, notebooks = executed
     assert [p.stem for p in notebooks] == list(NOTEBOOKS)
