@@ -14,14 +14,14 @@ fi
 step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 25; echo "== rc ${PIPESTATUS[0]}"; }
 {
   $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-  step 60 $PY -m pytest -q -x tests/test_graph.py tests/test_attention.py
-  step 75 $PY -m rollout_lab.cli calibrate $M3 --repeats 2 --no-progress --out $OUT/cal_3b.json
-  step 190 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $OUT/cal_3b.json --max-new-tokens 16 \
+  step 45 $PY -m pytest -q -x tests/test_graph.py tests/test_attention.py
+  step 60 $PY -m rollout_lab.cli calibrate $M3 --repeats 2 --no-progress --out $OUT/cal_3b.json
+  step 160 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $OUT/cal_3b.json --max-new-tokens 16 \
       --repetitions 3 --workloads short_similar long_tail short_tail moderate_tail spread gsm8k_32 \
       --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_16
-  step 120 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $OUT/cal_3b.json --max-new-tokens 128 \
+  step 90 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $OUT/cal_3b.json --max-new-tokens 128 \
       --repetitions 2 --workloads long_tail moderate_tail gsm8k_32 \
       --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_128
-  step 110 $PY scripts/bench_grpo.py $GT --reps 2 --out $OUT/grpo_3b
+  step 90 $PY scripts/bench_grpo.py $GT --reps 2 --out $OUT/grpo_3b
 } > $OUT/log.txt 2>&1
 cat $OUT/log.txt | tail -c 11000
