@@ -17,7 +17,7 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
   step 45 $PY -m pytest -q -x tests/test_graph.py tests/test_attention.py
   step 60 $PY -m rollout_lab.cli calibrate $M3 --repeats 2 --no-progress --out $OUT/cal_3b.json
   step 160 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $OUT/cal_3b.json --max-new-tokens 16 \
-      --repetitions 3 --workloads short_similar long_tail short_tail moderate_tail spread gsm8k_32 \
+      --repetitions 3 --workloads long_tail moderate_tail short_similar spread short_tail gsm8k_32 \
       --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_16
   step 90 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $OUT/cal_3b.json --max-new-tokens 128 \
       --repetitions 2 --workloads long_tail moderate_tail gsm8k_32 \
