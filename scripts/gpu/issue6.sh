@@ -22,8 +22,8 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
   step 160 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $COSTS --max-new-tokens 16 \
       --workloads long_tail moderate_tail short_similar spread short_tail gsm8k_32 \
       --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_16
-  step 90 $PY scripts/bench_grpo.py $GT --out $OUT/grpo_3b
-  step 80 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $COSTS --max-new-tokens 128 \
+  step 80 $PY scripts/bench_grpo.py $GT --out $OUT/grpo_3b
+  step 70 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $COSTS --max-new-tokens 128 \
       --workloads long_tail gsm8k_32 --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_128
 } > $OUT/log.txt 2>&1
 tail -c 11000 $OUT/log.txt
