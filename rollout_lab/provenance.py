@@ -5,6 +5,7 @@ Every record under data/ carries one of these. torch is optional (the planner be
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 import sys
@@ -14,7 +15,16 @@ from rollout_lab.paths import ROOT
 
 
 def git_sha() -> str:
-    """The checkout's HEAD sha, with '+dirty' when tracked files are modified; 'unknown' without git."""
+    """The checkout's HEAD sha, with '+dirty' when tracked files are modified.
+
+    A copy without ``.git`` (the GPU machine gets a bare working tree) reads the sha from a
+    ``GIT_SHA`` file at the root (written with ``git archive`` snapshots) or ``$ROLLOUT_LAB_GIT_SHA``.
+    """
+    stamp = ROOT / "GIT_SHA"
+    if not (ROOT / ".git").exists():
+        if stamp.is_file():
+            return stamp.read_text().strip()
+        return os.environ.get("ROLLOUT_LAB_GIT_SHA", "unknown")
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
