@@ -1,0 +1,36 @@
+"""Print a sweep record as the README's markdown table: E2E ms per path, Auto's choice, Auto/best.
+
+    python scripts/results_table.py data/results/sweep_qwen2.5-3b_bfloat16_cuda.json
+"""
+from __future__ import annotations
+
+import sys
+
+from rollout_lab.bench import load_results
+
+OURS = ("nocb", "equal_width", "aligned", "bucketed", "auto")
+PEERS = ("hf_static", "hf_generate_batch")
+
+
+def markdown(record: dict) -> str:
+    paths = [p for p in (*OURS, *PEERS) if p in record["config"]["paths"]]
+    head = "| workload | " + " | ".join(paths) + " | Auto's route | Auto / best manual | Auto / best peer |"
+    lines = [head, "|---|" + "---:|" * len(paths) + "---|---:|---:|"]
+    summary = {w["workload"]: w for w in record["summary"]["workloads"]}
+    for name, workload in record["workloads"].items():
+        cells = []
+        for p in paths:
+            r = workload["paths"].get(p, {})
+            cells.append(f"{r['mean_ms']:.0f}" if r.get("mean_ms") is not None else "—")
+        s = summary[name]
+        route = workload["paths"]["auto"].get("route", "?")
+        buckets = workload["paths"]["auto"].get("buckets") or ""
+        peer = s.get("auto_over_best_peer")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {route} {buckets} | "
+                     f"{s['auto_over_best_manual']:.3f} | {'—' if peer is None else f'{peer:.2f}'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        print(markdown(load_results(path)))
