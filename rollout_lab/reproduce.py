@@ -58,7 +58,13 @@ def main(*, quick: bool = False) -> int:
     if not all(row["same_tokens"] for row in rows):
         raise SystemExit("error: the routes disagree on the generated tokens")
     print("\n== The notebooks, with papermill (tiny CPU default) ==", flush=True)
-    executed = run_notebooks(extra=SMOKE_PARAMETERS if quick else None)
+    # 03 prices Auto with the calibration 01 has just written, not the reference defaults
+    from rollout_lab.paths import CALIBRATION
+
+    extra = dict(SMOKE_PARAMETERS) if quick else {}
+    extra["03_latency_tables"] = {**extra.get("03_latency_tables", {}),
+                                  "cost_file": str(CALIBRATION / "tiny-qwen2_float32_cpu.json")}
+    executed = run_notebooks(extra=extra)
     print(f"== done in {time.perf_counter() - start:.0f} s: {len(executed)} notebooks in "
           f"{executed[0].parent}; figures in figures/, tables in data/tables/ ==")
     return 0
