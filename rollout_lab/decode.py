@@ -137,6 +137,19 @@ def decode_step(
 
 
 @torch.no_grad()
+def left_padded(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both ``[rows, width]`` long on ``device``, padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
 def prefill_bucket(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -145,15 +158,8 @@ def prefill_bucket(
     cache_kwarg: str,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """One left-padded forward of ``prompts``: (last logits [rows, vocab], per-layer (keys, values))."""
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention[row, width - len(prompt):] = 1
-    has_padding = any(len(p) != width for p in prompts)
-    ids, attention = ids.to(device), attention.to(device)
+    ids, attention = left_padded(prompts, pad_token_id, next(model.parameters()).device)
+    has_padding = any(len(p) != ids.shape[1] for p in prompts)
     positions = (attention.cumsum(-1) - 1).clamp_(min=0)  # [rows, width]
     temp = DynamicCache(config=model.config)
     out = model(

@@ -30,7 +30,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rollout_lab.batching import CB_ROUTES, BatchSettings, ContinuousBatcher
 from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
-from rollout_lab.decode import apply_repetition_penalty, cache_kwarg_name, seen_from_ids
+from rollout_lab.decode import apply_repetition_penalty, cache_kwarg_name, left_padded, seen_from_ids
 from rollout_lab.graph import (
     DECODE_MODES, EagerStepper, StepperKey, describe, graph_capacity, make_stepper,
     resolve_decode_mode,
@@ -416,13 +416,8 @@ class Rollout:
 
     # -- nocb -------------------------------------------------------------------------------
     def _run_nocb(self, prompts, max_new_tokens, eos_ids, pad_id, profile, timer, sampling=None, keys=()):
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = left_padded(prompts, pad_id, self.device)
+        width = ids.shape[1]
         gen_config = GenerationConfig(
             max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
             eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, repetition_penalty=1.0,

@@ -13,15 +13,7 @@ from typing import Sequence
 
 import torch
 
-
-def _left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
-    return ids.to(device), mask.to(device)  # [rows, width] each
+from rollout_lab.decode import left_padded
 
 
 @torch.no_grad()
@@ -36,7 +28,7 @@ def hf_generate(
 ) -> list[list[int]]:
     """Greedy HF ``generate`` of the left-padded batch; ``"static"`` auto-compiles on CUDA."""
     device = next(model.parameters()).device
-    ids, mask = _left_padded(prompts, pad_token_id, device)
+    ids, mask = left_padded(prompts, pad_token_id, device)
     extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
     if repetition_penalty != 1.0:
         extra["repetition_penalty"] = repetition_penalty

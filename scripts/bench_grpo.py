@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from rollout_lab.cost import CostCoefficients
+from rollout_lab.decode import left_padded
 from rollout_lab.engine import Rollout, RolloutConfig
 from rollout_lab.io import write_json_atomic, write_text_atomic
 from rollout_lab.models import PRESETS, TINY_FAMILIES, from_preset, tiny_model
@@ -85,16 +86,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _left_padded(prompts, pad_id, device):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    return ids.to(device), mask.to(device)  # [rows, width]
-
-
 class Paths:
     """The three calls; ours keep their Rollout (and its captured graph) across rounds."""
 
@@ -123,7 +114,7 @@ class Paths:
     def _hf(self) -> list[list[int]]:
         a = self.args
         device = next(self.model.parameters()).device
-        ids, mask = _left_padded(self.prompts, self.pad_id, device)
+        ids, mask = left_padded(self.prompts, self.pad_id, device)
         torch.manual_seed(a.seed)
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=a.temperature,
