@@ -78,7 +78,8 @@ def test_graph_with_eos_penalty_and_refill_equals_eager():
         kwargs = dict(mode="bucketed", costs=SPLIT, continuous_batch_size=4, eos_token_id=eos,
                       repetition_penalty=penalty)
         eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, max_new_tokens=12)
-        graph = Rollout(model, RolloutConfig(decode="graph", **kwargs)).generate(prompts, max_new_tokens=12)
+        with Rollout(model, RolloutConfig(decode="graph", **kwargs)) as rollout:  # release the graph
+            graph = rollout.generate(prompts, max_new_tokens=12)
         assert graph.sequences == eager.sequences
     assert any(len(s) < 12 for s in eager.sequences)  # EOS really retired rows early
 
