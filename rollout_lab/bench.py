@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -108,9 +109,8 @@ def _timed_call(fn: Callable[[], Any], device: Any) -> tuple[float, Any, int | N
 class _PathRunner:
     """One path's calls: ``call()`` (timed), ``profile()`` -> info or None, ``close()``.
 
-    Our paths keep one Rollout (its captured decode graph and cache) for the warm-up and the timed
-    calls; the profiling call gets its own, made after the timed one is closed, so at most one
-    path's GPU state is alive per workload step.
+    Our paths keep one Rollout (its captured decode graph and cache) for the warm-up, the timed
+    calls and the profiling call after them; it is closed when the workload ends.
     """
 
     def __init__(self, model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty, decode):
@@ -146,8 +146,11 @@ class _PathRunner:
     def profile(self) -> dict[str, Any]:
         if self.path not in OUR_PATHS:  # peers have no profile: no extra call
             return {"route": None, "buckets": None, "profile": None}
-        self.close()
-        result = self._engine(profile=True).generate(self.prompts, max_new_tokens=self.max_new_tokens)
+        # The timed calls' Rollout, with profiling switched on: its decode graph is already captured,
+        # so the profile is a steady-state call's and no capture happens after the peers compiled.
+        rollout = self._engine(profile=True)
+        rollout.config = dataclasses.replace(rollout.config, profile=True)
+        result = rollout.generate(self.prompts, max_new_tokens=self.max_new_tokens)
         self.close()
         return _engine_info(result)
 
