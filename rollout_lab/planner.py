@@ -171,6 +171,7 @@ def plan_buckets(
     best = [0.0] * (n + 1)
     cut = [0] * (n + 1)
     hull: deque[int] = deque()
+    dead = bytearray(n + 1)  # lines dominated for every later query point
 
     def useless(a: int, b: int, c: int) -> bool:
         # lines a < b < c: b never strictly below both a and c
@@ -183,19 +184,25 @@ def plan_buckets(
             hull.pop()
         hull.append(i)
         start = lo[j - 1]
+        x = f[j - 1]
         if hull[0] < start:
             while hull and hull[0] < start:
                 hull.popleft()
-            # put back the lines in [start, hull[0]) that the departed front had hidden
+            # put back the lines in [start, hull[0]) that the departed front had hidden; a line no
+            # better than the front at x stays worse for every later (larger) x: drop it for good
             k = hull[0] - 1 if hull else j - 1
             while k >= start:
-                while len(hull) >= 2 and useless(k, hull[0], hull[1]):
-                    hull.popleft()
-                hull.appendleft(k)
+                if not dead[k]:
+                    front = hull[0]
+                    if best[k] - k * x >= best[front] - front * x:
+                        dead[k] = 1
+                    else:
+                        while len(hull) >= 2 and useless(k, hull[0], hull[1]):
+                            hull.popleft()
+                        hull.appendleft(k)
                 k -= 1
-        x = f[j - 1]
         while len(hull) >= 2 and best[hull[1]] - hull[1] * x <= best[hull[0]] - hull[0] * x:
-            hull.popleft()
+            dead[hull.popleft()] = 1
         i = hull[0]
         best[j] = best[i] + fixed + (j - i) * x
         cut[j] = i
