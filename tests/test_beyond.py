@@ -193,24 +193,60 @@ def test_window_bounds_memory():
     assert len(calib.observations) == 8 and len(calib.errors) == 8
 
 
-def test_online_recalibration_converges_and_fixes_the_route():
+def test_online_recalibration_converges_on_this_machine():
+    """Real CPU timings: the predictions converge. Which route is faster here depends on the machine,
+    so the route fix is checked with a scripted clock below."""
     model = get_tiny("qwen2")
-    workloads = [[200] + [8] * 15, [8] * 16]  # on this CPU model bucketed wins both (measured in 04)
+    workloads = [[200] + [8] * 15, [8] * 16]
     prompts = [random_prompts(w, vocab_size=TINY_VOCAB_SIZE, seed=i) for i, w in enumerate(workloads)]
     config = RolloutConfig(mode="auto", online_recalibration=True, online_window=64)
     rollout = Rollout(model, config)
-    defaults = Rollout(model, RolloutConfig(mode="auto"))
-    assert defaults.generate(prompts[1], max_new_tokens=17).route == "nocb"  # 10 ms/step CB overhead
     routes = [rollout.generate(prompts[i % 2], max_new_tokens=17).route for i in range(6)]
     errors = rollout.prediction_errors
     assert len(errors) == 6 and {"predicted_prefill_ms", "measured_prefill_ms", "prefill_rel_error"} <= set(errors[0])
     assert abs(errors[0]["prefill_rel_error"]) > 2  # defaults: 25 ms fixed cost per forward
     assert all(abs(e["prefill_rel_error"]) < 1.5 for e in errors[3:])  # loose: a shared CPU is noisy
     assert config.costs == CostCoefficients() and rollout.costs != config.costs
-    assert rollout.costs.continuous_decode_cost_ms < rollout.costs.nocb_decode_cost_ms + 5.0
     assert any(e["explored"] for e in errors[:2]) and not any(e["explored"] for e in errors[2:])
-    assert routes[3:] == ["bucketed"] * 3
-    assert dataclasses.is_dataclass(rollout.costs)
+    assert set(routes) <= {"nocb", "bucketed"} and dataclasses.is_dataclass(rollout.costs)
+
+
+# a scripted clock: every forward "takes" what these coefficients say (CB decode cheaper than nocb's)
+TRUTH = CostCoefficients(prefill_fixed_cost_ms=0.5, prefill_token_cost_ms=0.001, prefill_attention_cost_ms=0.2,
+                         prefill_kv_cost_ms=0.01, continuous_decode_cost_ms=0.6, nocb_decode_cost_ms=1.2)
+
+
+@pytest.fixture
+def scripted_clock(monkeypatch):
+    """Every profiled forward "took" TRUTH's prediction for its shape: the calibrator sees those ms."""
+    from rollout_lab.online import predicted_ms
+
+    geometry = ModelGeometry.from_config(get_tiny("qwen2").config, "float32")
+    real_observe = OnlineCalibrator.observe
+
+    def observe(self, records, coeffs, **kwargs):
+        scripted = [dict(r, ms=sum(predicted_ms([r], geometry, TRUTH))) for r in records]
+        return real_observe(self, scripted, coeffs, **kwargs)
+
+    monkeypatch.setattr(OnlineCalibrator, "observe", observe)
+    return geometry
+
+
+def test_online_recalibration_fixes_the_defaults_route(scripted_clock):
+    model = get_tiny("qwen2")
+    prompts = random_prompts([8] * 16, vocab_size=TINY_VOCAB_SIZE, seed=1)
+    assert Rollout(model, RolloutConfig(mode="auto")).generate(prompts, max_new_tokens=17).route == "nocb"
+    rollout = Rollout(model, RolloutConfig(mode="auto", online_recalibration=True, online_window=64))
+    assert rollout.geometry == scripted_clock
+    routes = [rollout.generate(prompts, max_new_tokens=17).route for _ in range(5)]
+    errors = rollout.prediction_errors
+    # call 0 explores bucketed (the defaults' choice is nocb); its CB cost then makes nocb look free
+    # until call 1 measures nocb; from then on the measured costs pick bucketed, TRUTH's cheaper route
+    assert [e["explored"] for e in errors] == [True, False, False, False, False]
+    assert routes == ["bucketed", "nocb", "bucketed", "bucketed", "bucketed"]
+    assert rollout.costs.continuous_decode_cost_ms == pytest.approx(TRUTH.continuous_decode_cost_ms)
+    assert rollout.costs.nocb_decode_cost_ms == pytest.approx(TRUTH.nocb_decode_cost_ms)
+    assert abs(errors[-1]["rel_error"]) < 0.05 < abs(errors[0]["rel_error"])
 
 
 def test_validate_lengths_without_limit():
