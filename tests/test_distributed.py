@@ -1,7 +1,6 @@
 """Sharding (pure) and data-parallel rollout over gloo with 2 and 3 spawned CPU processes."""
 import itertools
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -122,13 +121,11 @@ def test_rank_cost_is_autos_choose_route():
         assert cost == pytest.approx(min(c for c in (plan.nocb_cost_ms, plan.cb_cost_ms) if c is not None))
 
 
-def test_deterministic_and_fast():
+def test_deterministic():
     lengths = sample_lengths("gsm8k", 512, seed=0)
-    start = time.perf_counter()
     first = shard_requests(lengths, 8, GEO, COSTS)
-    elapsed = time.perf_counter() - start
     assert first == shard_requests(list(lengths), 8, GEO, COSTS)
-    assert elapsed < 1.0  # ~0.03 s on one core; loose for shared CI machines
+    assert sorted(i for shard in first for i in shard) == list(range(512))
 
 
 @pytest.mark.parametrize(
