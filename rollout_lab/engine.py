@@ -18,128 +18,30 @@ processor (then HF's greedy argmax), so it gives the same tokens too.
 from __future__ import annotations
 
 import dataclasses
-import operator
-import os
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from rollout_lab.batching import CB_ROUTES, BatchSettings, ContinuousBatcher
-from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
-from rollout_lab.decode import apply_repetition_penalty, cache_kwarg_name, left_padded, seen_from_ids
-from rollout_lab.graph import (
-    DECODE_MODES, EagerStepper, StepperKey, describe, graph_capacity, make_stepper,
-    resolve_decode_mode,
-)
-from rollout_lab.length_prior import ResponseLengthPrior, check_prior_settings
-from rollout_lab.online import OnlineCalibrator, check_window
+from rollout_lab.batching import BatchSettings, ContinuousBatcher
+from rollout_lab.config import MODES, RolloutConfig, RolloutResult, is_int, sampling_params, token_id
+from rollout_lab.cost import CostCoefficients, ModelGeometry
+from rollout_lab.decode import cache_kwarg_name
+from rollout_lab.graph import EagerStepper, StepperKey, describe, graph_capacity, make_stepper, resolve_decode_mode
+from rollout_lab.length_prior import ResponseLengthPrior
+from rollout_lab.nocb import run_nocb
+from rollout_lab.online import OnlineCalibrator
 from rollout_lab.planner import BucketPlan
 from rollout_lab.profile import Profile, Timer
 from rollout_lab.replication import choose_shared_route, group_sizes, prompt_groups
-from rollout_lab.sampling import SamplingParams, filter_logits, gumbel_noise, sample_key
+from rollout_lab.sampling import SamplingParams, sample_key
 
-MODES = ("auto", "nocb") + CB_ROUTES
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How to run a rollout. ``eos_token_id`` may be an int, a list of ints or None (no early stop)."""
-
-    mode: str = "auto"
-    continuous_batch_size: int | None = None  # slots; None = all requests at once
-    costs: CostCoefficients = field(default_factory=CostCoefficients)
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None  # None: the model's, else the first EOS, else 0
-    repetition_penalty: float = 1.0
-    cache_capacity: int | None = None  # columns; None = longest prompt + max_new_tokens
-    trim_cache: bool = False
-    profile: bool = False
-    decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
-    share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
-    # EOS-aware decode (rollout_lab.length_prior): recent response lengths; with prior_ewma the
-    # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
-    response_length_prior: tuple[int, ...] | None = None
-    prior_ewma: float | None = None
-    # refit the coefficients from every call's forwards (rollout_lab.online); state on the Rollout
-    online_recalibration: bool = False
-    online_window: int = 256  # observations kept (a ring buffer)
-
-    def __post_init__(self) -> None:
-        if self.decode not in DECODE_MODES:
-            raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {self.decode!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
-        for name in ("continuous_batch_size", "cache_capacity"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if isinstance(self.costs, (str, os.PathLike)):
-            object.__setattr__(self, "costs", CostCoefficients.from_json(self.costs))
-        if not isinstance(self.costs, CostCoefficients):
-            raise ValueError(f"costs must be a CostCoefficients or a cost file path, got {self.costs!r}")
-        eos = self.eos_token_id
-        if isinstance(eos, (list, tuple)):
-            if not all(_is_int(e) and e >= 0 for e in eos):
-                raise ValueError(f"eos_token_id must hold non-negative ints, got {eos!r}")
-        elif eos is not None and (not _is_int(eos) or eos < 0):
-            raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
-        if self.pad_token_id is not None and (not _is_int(self.pad_token_id) or self.pad_token_id < 0):
-            raise ValueError(f"pad_token_id must be a non-negative int or None, got {self.pad_token_id!r}")
-        penalty = self.repetition_penalty
-        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
-                or penalty == float("inf"):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
-        check_prior_settings(self.response_length_prior, self.prior_ewma)
-        check_window(self.online_window)
-        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
-            raise ValueError(
-                "mode='nocb' runs HF generate and has no aligned cache: "
-                "cache_capacity and trim_cache need a continuous-batching mode"
-            )
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        eos = self.eos_token_id
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-
-
-@dataclass(frozen=True)
-class RolloutResult:
-    """Per (request, sample), request-major, the generated ids up to and including the first EOS.
-
-    ``sequences[r * num_samples + s]`` is sample s of request r (HF's ``num_return_sequences``
-    order); ``grouped()`` gives one list of samples per request. ``seed`` is the seed sampling used
-    (drawn from torch's global generator when none was given), None for greedy.
-    """
-
-    sequences: list[list[int]]
-    route: str
-    plans: tuple[BucketPlan, ...]  # one per admission; buckets hold request indices
-    profile: Profile | None
-    num_samples: int = 1
-    seed: int | None = None
-
-    def grouped(self) -> list[list[list[int]]]:
-        """Per request, its ``num_samples`` sequences."""
-        k = self.num_samples
-        return [self.sequences[i : i + k] for i in range(0, len(self.sequences), k)]
+__all__ = ["MODES", "Rollout", "RolloutConfig", "RolloutResult"]
 
 
 class Rollout:
-    """Generates greedy responses for a batch of prompts through the configured route."""
+    """Generates responses (greedy, or seeded sampling) for a batch of prompts through the configured
+    route; keeps the captured decode graph, the learned costs and the length prior across calls."""
 
     def __init__(self, model: torch.nn.Module, config: RolloutConfig | None = None):
         self.model = model
@@ -234,20 +136,20 @@ class Rollout:
         """
         start = time.perf_counter()
         cfg = self.config
-        sampling = _sampling_params(do_sample, temperature, top_k, top_p, seed)
+        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
         if num_beams != 1:
             raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
         if num_return_sequences != 1:
             raise ValueError(
                 f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
-        if not _is_int(num_samples) or num_samples < 1:
+        if not is_int(num_samples) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         prompts = self._prompt_lists(prompts, attention_mask)
         self._check_prompts(prompts, max_new_tokens)
         eos_ids = cfg.eos_token_ids
-        pad_id = self._pad_token_id()
+        pad_id = self._padtoken_id()
         for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
             for token in ids:
                 if token >= self.vocab_size:
@@ -279,8 +181,11 @@ class Rollout:
             capacity = stepper.key.capacity
         with torch.no_grad():
             if route == "nocb":
-                sequences, plans = self._run_nocb(
-                    row_prompts, max_new_tokens, eos_ids, pad_id, profile, timer, sampling, keys)
+                sequences, plans = run_nocb(
+                    self.model, row_prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                    pad_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
+                    vocab_size=self.vocab_size, geometry=self.geometry, costs=self.costs,
+                    profile=profile, timer=timer, sampling=sampling, keys=keys)
             else:
                 settings = BatchSettings(
                     route=route, max_new_tokens=max_new_tokens, num_slots=num_slots,
@@ -327,7 +232,7 @@ class Rollout:
                 prompt = prompt.tolist()
             if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
                 raise ValueError(f"request {index}: a prompt must be a list of token ids, got {prompt!r}")
-            ids = [_token_id(t) for t in prompt]
+            ids = [token_id(t) for t in prompt]
             if None in ids:
                 raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
             out.append(ids)
@@ -348,11 +253,11 @@ class Rollout:
                     f"exceeds the model's context of {self.max_positions} positions"
                 )
 
-    def _pad_token_id(self) -> int:
+    def _padtoken_id(self) -> int:
         if self.config.pad_token_id is not None:
             return self.config.pad_token_id
         model_pad = getattr(self.model_config, "pad_token_id", None)
-        if _is_int(model_pad) and 0 <= model_pad < self.vocab_size:
+        if is_int(model_pad) and 0 <= model_pad < self.vocab_size:
             return model_pad
         eos = self.config.eos_token_ids
         return eos[0] if eos else 0
@@ -414,146 +319,8 @@ class Rollout:
             )
         return capacity
 
-    # -- nocb -------------------------------------------------------------------------------
-    def _run_nocb(self, prompts, max_new_tokens, eos_ids, pad_id, profile, timer, sampling=None, keys=()):
-        ids, mask = left_padded(prompts, pad_id, self.device)
-        width = ids.shape[1]
-        gen_config = GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-            eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, repetition_penalty=1.0,
-        )
-        processors = LogitsProcessorList()
-        penalty = float(self.config.repetition_penalty)
-        if penalty != 1.0:
-            processors.append(_PaddedRepetitionPenalty(penalty, mask.bool(), self.vocab_size))
-        if sampling is not None:  # after the penalty, as in our decode; HF's greedy argmax then picks
-            key_t = torch.tensor(list(keys), dtype=torch.long, device=self.device)
-            processors.append(_HashGumbelSampler(sampling, key_t, width))
-        with _neutral_generation_config(self.model), _count_forwards(self.model, profile, timer):
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=gen_config,
-                logits_processor=processors,
-            )
-        eos = set(eos_ids)
-        sequences = [_cut_at_eos(row, eos) for row in out[:, width:].tolist()]
-        profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
-        if profile.forwards is not None and profile.num_decode_forwards:  # HF's loop overhead included
-            profile.forwards.append({"kind": "nocb_decode", "rows": len(prompts),
-                                     "steps": profile.num_decode_forwards, "ms": profile.decode_ms})
-        profile.peak_cache_columns = width + profile.num_decode_forwards
-        profile.cache_bytes = len(prompts) * profile.peak_cache_columns * 2 * self.geometry.num_layers \
-            * self.geometry.num_kv_heads * self.geometry.head_dim * self.geometry.element_bytes
-        profile.num_prefill_rows = len(prompts)  # HF generate prefills every row
-        cost = prefill_cost_ms(len(prompts), width, self.geometry, self.costs, include_kv=False)
-        return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)]
-
-
-def _sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParams | None:
-    """None for greedy; sampling parameters without ``do_sample=True`` are an error."""
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-    if not do_sample:
-        given = {name: value for name, value, default in (
-            ("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
-            ("seed", seed, None)) if value != default}
-        if given:
-            raise ValueError(
-                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} only apply to sampling: "
-                "pass do_sample=True (greedy is the default)")
-        return None
-    return SamplingParams(temperature, top_k, top_p)
-
 
 def _plan_of_requests(plan: BucketPlan, num_samples: int) -> BucketPlan:
     """A plan over rows (request * num_samples + sample) restated over request indices."""
     buckets = tuple(tuple(r // num_samples for r in bucket) for bucket in plan.buckets)
     return dataclasses.replace(plan, buckets=buckets)
-
-
-def _token_id(value: object) -> int | None:
-    """An int (numpy ints too); None for anything else, bools and floats included."""
-    if isinstance(value, (bool, float)):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-class _HashGumbelSampler(LogitsProcessor):
-    """Our seeded sampler inside HF ``generate``: filtered / temperature + the rows' hash-Gumbel
-    noise at step = tokens generated so far, so HF's greedy argmax draws our tokens."""
-
-    def __init__(self, params: SamplingParams, sample_keys: torch.Tensor, prompt_width: int):
-        self.params, self.sample_keys, self.prompt_width = params, sample_keys, prompt_width
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        steps = torch.full_like(self.sample_keys, input_ids.shape[1] - self.prompt_width)
-        scores = filter_logits(scores.float(), self.params)
-        return scores + gumbel_noise(self.sample_keys, steps, scores.shape[-1])
-
-
-class _PaddedRepetitionPenalty(LogitsProcessor):
-    """HF's repetition penalty over each row's own ids, left padding excluded (HF's counts pad ids)."""
-
-    def __init__(self, penalty: float, prompt_mask: torch.Tensor, vocab_size: int):
-        self.penalty, self.prompt_mask, self.vocab_size = penalty, prompt_mask, vocab_size
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        width = self.prompt_mask.shape[1]
-        valid = torch.ones_like(input_ids, dtype=torch.bool)
-        valid[:, :width] = self.prompt_mask
-        seen = seen_from_ids(input_ids, valid, scores.shape[-1])
-        return apply_repetition_penalty(scores, seen, self.penalty)
-
-
-@contextmanager
-def _neutral_generation_config(model: torch.nn.Module) -> Iterator[None]:
-    """generate() fills unset (None) fields from model.generation_config -- eos among them."""
-    saved = model.generation_config
-    model.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
-@contextmanager
-def _count_forwards(model: torch.nn.Module, profile: Profile, timer: Timer) -> Iterator[None]:
-    """Count generate's forwards: the first is the prefill, the rest decode steps."""
-    starts: list[float] = []
-
-    def before(module, args, kwargs):
-        timer.sync()
-        starts.append(time.perf_counter())
-
-    def after(module, args, kwargs, output):
-        timer.sync()
-        elapsed = (time.perf_counter() - starts[-1]) * 1e3
-        if profile.num_prefill_forwards == 0:
-            profile.num_prefill_forwards, profile.prefill_ms = 1, elapsed
-            if profile.forwards is not None:
-                batch, width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape
-                profile.forwards.append({"kind": "nocb_prefill", "batch": batch, "width": width, "ms": elapsed})
-        else:
-            profile.num_decode_forwards += 1
-
-    handles = [
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, with_kwargs=True),
-    ]
-    try:
-        with timer.phase("decode_ms"):
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
