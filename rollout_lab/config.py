@@ -2,13 +2,16 @@
 
 Every check of a user's value lives here, so a bad value fails before any model work:
 ``RolloutConfig.__post_init__`` for the config, ``sampling_params`` for ``generate``'s sampling
-arguments, ``token_id`` for one prompt token.
+arguments, ``prompt_lists`` for the prompts.
 """
 from __future__ import annotations
 
 import operator
 import os
 from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
 
 from rollout_lab.batching import CB_ROUTES
 from rollout_lab.cost import CostCoefficients
@@ -141,3 +144,36 @@ def token_id(value: object) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def prompt_lists(prompts, attention_mask=None) -> list[list[int]]:
+    """Token-id lists from a list of id lists (tensors and numpy ints accepted) or from a
+    left-padded ``input_ids`` tensor with its ``attention_mask``; the error names the request."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, width], got shape {tuple(prompts.shape)}")
+        mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
+        if mask.shape != prompts.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(prompts.shape)}")
+        out = []
+        for index, (ids, row) in enumerate(zip(prompts.tolist(), mask.tolist())):
+            num_pad = row.count(0)
+            if any(row[:num_pad]) or not all(row[num_pad:]):
+                raise ValueError(f"request {index}: attention_mask must be left-padded 0...0 1...1")
+            out.append(ids[num_pad:])
+        return out
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only accepted with an input_ids tensor")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists or a tensor, got {type(prompts).__name__}")
+    out = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {prompt!r}")
+        ids = [token_id(t) for t in prompt]
+        if None in ids:
+            raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
+        out.append(ids)
+    return out

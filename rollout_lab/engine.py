@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from rollout_lab.batching import BatchSettings, ContinuousBatcher
-from rollout_lab.config import MODES, RolloutConfig, RolloutResult, is_int, sampling_params, token_id
+from rollout_lab.config import MODES, RolloutConfig, RolloutResult, is_int, prompt_lists, sampling_params
 from rollout_lab.cost import CostCoefficients, ModelGeometry
 from rollout_lab.decode import cache_kwarg_name
 from rollout_lab.graph import EagerStepper, StepperKey, describe, graph_capacity, make_stepper, resolve_decode_mode
@@ -146,7 +146,7 @@ class Rollout:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        prompts = self._prompt_lists(prompts, attention_mask)
+        prompts = prompt_lists(prompts, attention_mask)
         self._check_prompts(prompts, max_new_tokens)
         eos_ids = cfg.eos_token_ids
         pad_id = self._padtoken_id()
@@ -208,36 +208,6 @@ class Rollout:
                              num_samples, seed)
 
     # -- checks -----------------------------------------------------------------------------
-    def _prompt_lists(self, prompts, attention_mask) -> list[list[int]]:
-        if isinstance(prompts, torch.Tensor):
-            if prompts.dim() != 2:
-                raise ValueError(f"input_ids must be 2-D [batch, width], got shape {tuple(prompts.shape)}")
-            mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
-            if mask.shape != prompts.shape:
-                raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(prompts.shape)}")
-            out = []
-            for index, (ids, row) in enumerate(zip(prompts.tolist(), mask.tolist())):
-                num_pad = row.count(0)
-                if any(row[:num_pad]) or not all(row[num_pad:]):
-                    raise ValueError(f"request {index}: attention_mask must be left-padded 0...0 1...1")
-                out.append(ids[num_pad:])
-            return out
-        if attention_mask is not None:
-            raise ValueError("attention_mask is only accepted with an input_ids tensor")
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts must be a list of token-id lists or a tensor, got {type(prompts).__name__}")
-        out = []
-        for index, prompt in enumerate(prompts):
-            if isinstance(prompt, torch.Tensor):
-                prompt = prompt.tolist()
-            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-                raise ValueError(f"request {index}: a prompt must be a list of token ids, got {prompt!r}")
-            ids = [token_id(t) for t in prompt]
-            if None in ids:
-                raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
-            out.append(ids)
-        return out
-
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         for index, ids in enumerate(prompts):
             if not ids:
