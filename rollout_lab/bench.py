@@ -10,30 +10,36 @@ Per workload: one warm-up call of every path, then ``repetitions`` interleaved r
 timed whole, device synchronised before and after), then one profiling call per path. EOS is
 disabled (``eos_token_id=None`` for ours, ``min_new_tokens = max_new_tokens`` for HF), so every
 path generates the same number of tokens. Peers that fail are skipped with the reason recorded.
+
+This module runs the sweep and its CLI; the path names and one timed call are in ``bench_runner``,
+the summaries, tables and files in ``bench_records`` (both re-exported here).
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
-import io
-import json
 import os
 import statistics
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from rollout_lab.io import write_text_atomic
+from rollout_lab.bench_records import (
+    PROFILE_FIELDS, load_results, results_table, summarize, summary_table, workload_summary,
+    write_results,
+)
+from rollout_lab.bench_runner import (
+    MANUAL_PATHS, OUR_PATHS, PATHS, PEER_PATHS, PathRunner, check_attn_implementation, check_paths,
+    output_sequences, release_memory, timed_call,
+)
 from rollout_lab.workloads import WORKLOADS, get_workload, lengths_to_prompts, padding_share
 
-OUR_PATHS = ("nocb", "equal_width", "aligned", "bucketed", "auto")
-MANUAL_PATHS = ("nocb", "equal_width", "aligned", "bucketed")
-PEER_PATHS = ("hf_static", "hf_generate_batch")
-PATHS = OUR_PATHS + PEER_PATHS
+__all__ = [
+    "DEFAULT_ORACLE_MAX_TOKENS", "MANUAL_PATHS", "OUR_PATHS", "PATHS", "PEER_PATHS", "PROFILE_FIELDS",
+    "SEED_WORKLOADS", "check_paths", "cmd_sweep", "load_results", "register_cli", "resolve_workloads",
+    "results_table", "run_sweep", "summarize", "summary_table", "write_results",
+]
+
 SEED_WORKLOADS = ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread")
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
-PROFILE_FIELDS = ("planning_ms", "prefill_ms", "decode_ms", "cache_ms", "total_ms",
-                  "num_prefill_forwards", "num_decode_forwards", "num_generated_tokens")
 
 
 def resolve_workloads(
@@ -54,125 +60,6 @@ def resolve_workloads(
     if unknown or not workloads:
         raise ValueError(f"unknown workloads {unknown or '(none given)'}; valid names: {', '.join(WORKLOADS)}")
     return {name: get_workload(name, scale=scale) for name in workloads}
-
-
-def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:
-    paths = PATHS if paths is None else tuple(paths)
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown or not paths:
-        raise ValueError(f"unknown paths {unknown or '(none given)'}; valid: {', '.join(PATHS)}")
-    return tuple(dict.fromkeys(paths))
-
-
-def _check_attn_implementation(model: Any, expected: Any) -> None:
-    """generate_batch may switch the model to a paged attention; put the sweep's own back."""
-    if expected is not None and getattr(model.config, "_attn_implementation", None) != expected:
-        model.set_attn_implementation(expected) if hasattr(model, "set_attn_implementation") \
-            else setattr(model.config, "_attn_implementation", expected)
-
-
-def _release_memory(device: Any) -> None:
-    """After generate_batch: drop its paged cache (~all free GPU memory) before the next path runs."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _synchronize(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed_call(fn: Callable[[], Any], device: Any) -> tuple[float, Any, int | None]:
-    """(ms, output, peak allocated bytes or None) of one whole call."""
-    import time
-
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    _synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    _synchronize(device)
-    ms = (time.perf_counter() - start) * 1e3
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return ms, out, peak
-
-
-class _PathRunner:
-    """One path's calls: ``call()`` (timed), ``profile()`` -> info or None, ``close()``.
-
-    Our paths keep one Rollout (its captured decode graph and cache) for the warm-up, the timed
-    calls and the profiling call after them; it is closed when the workload ends.
-    """
-
-    def __init__(self, model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty, decode):
-        self.model, self.path, self.prompts, self.max_new_tokens = model, path, prompts, max_new_tokens
-        self.pad, self.repetition_penalty = pad, repetition_penalty
-        self.settings = dict(mode=path, eos_token_id=None, pad_token_id=pad,
-                             repetition_penalty=repetition_penalty)
-        if costs is not None:
-            self.settings["costs"] = costs
-        if decode is not None:
-            self.settings["decode"] = decode
-        self._rollout = None
-
-    def _engine(self, *, profile: bool):
-        from rollout_lab.engine import Rollout, RolloutConfig
-
-        if self._rollout is None:
-            self._rollout = Rollout(self.model, RolloutConfig(**self.settings, profile=profile))
-        return self._rollout
-
-    def call(self) -> Any:
-        from rollout_lab import peers
-
-        if self.path in OUR_PATHS:
-            return self._engine(profile=False).generate(self.prompts, max_new_tokens=self.max_new_tokens)
-        if self.path == "hf_static":
-            return peers.hf_generate(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
-                                     pad_token_id=self.pad, cache_implementation="static",
-                                     repetition_penalty=self.repetition_penalty)
-        return peers.hf_generate_batch(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
-                                       pad_token_id=self.pad)
-
-    def profile(self) -> dict[str, Any]:
-        if self.path not in OUR_PATHS:  # peers have no profile: no extra call
-            return {"route": None, "buckets": None, "profile": None}
-        # The timed calls' Rollout, with profiling switched on: its decode graph is already captured,
-        # so the profile is a steady-state call's and no capture happens after the peers compiled.
-        rollout = self._engine(profile=True)
-        rollout.config = dataclasses.replace(rollout.config, profile=True)
-        result = rollout.generate(self.prompts, max_new_tokens=self.max_new_tokens)
-        self.close()
-        return _engine_info(result)
-
-    def close(self) -> None:
-        if self._rollout is not None:
-            close = getattr(self._rollout, "close", None)
-            if close is not None:
-                close()
-            self._rollout = None
-
-
-def _engine_info(result: Any) -> dict[str, Any]:
-    profile = result.profile
-    profile = profile.to_dict() if hasattr(profile, "to_dict") else (dict(vars(profile)) if profile else None)
-    buckets = [[len(b), int(w)] for plan in (result.plans or []) for b, w in zip(plan.buckets, plan.widths)]
-    return {"route": result.route, "buckets": buckets, "num_admissions": len(result.plans or []),
-            "profile": profile}
-
-
-def _sequences(out: Any) -> list[list[int]]:
-    seqs = getattr(out, "sequences", out)
-    return [list(map(int, s)) for s in seqs]
 
 
 def run_sweep(
@@ -250,8 +137,8 @@ def run_sweep(
 
 def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_tokens, costs, pad,
                     repetition_penalty, oracle_max_tokens, decode, bar) -> dict[str, Any]:
-    runners = {p: _PathRunner(model, p, prompts, max_new_tokens=max_new_tokens, costs=costs, pad=pad,
-                              repetition_penalty=repetition_penalty, decode=decode) for p in paths}
+    runners = {p: PathRunner(model, p, prompts, max_new_tokens=max_new_tokens, costs=costs, pad=pad,
+                             repetition_penalty=repetition_penalty, decode=decode) for p in paths}
     try:
         return _run_workload(model, prompts, paths, runners, device=device, repetitions=repetitions,
                              max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
@@ -269,24 +156,24 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
     outputs: dict[str, list[list[int]]] = {}
     for path in paths:  # warm-up (compiles, allocator); a failing peer is skipped with its reason
         try:
-            _, out, _ = _timed_call(runners[path].call, device)
-            outputs[path] = _sequences(out)
+            _, out, _ = timed_call(runners[path].call, device)
+            outputs[path] = output_sequences(out)
             results[path] = {"samples_ms": [], "peak_mem_bytes": None, "skipped": None}
         except Exception as err:  # noqa: BLE001 - recorded, and only for peers
             if path in OUR_PATHS:
                 raise
             results[path] = {"skipped": f"{type(err).__name__}: {err}"[:500]}
         if path == "hf_generate_batch":
-            _release_memory(device)
-            _check_attn_implementation(model, attn_implementation)
+            release_memory(device)
+            check_attn_implementation(model, attn_implementation)
         bar.update()
     live = [p for p in paths if results[p].get("skipped") is None]
     for _ in range(repetitions):
         for path in live:
-            ms, _, peak = _timed_call(runners[path].call, device)
+            ms, _, peak = timed_call(runners[path].call, device)
             if path == "hf_generate_batch":
-                _release_memory(device)
-                _check_attn_implementation(model, attn_implementation)
+                release_memory(device)
+                check_attn_implementation(model, attn_implementation)
             results[path]["samples_ms"].append(ms)
             if peak is not None:
                 results[path]["peak_mem_bytes"] = max(peak, results[path]["peak_mem_bytes"] or 0)
@@ -321,105 +208,7 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
             "matches_oracle": (seqs == oracle) if oracle is not None else None,
         })
     return {"lengths": lengths, "num_requests": len(lengths), "padding_share": padding_share(lengths),
-            "paths": results, "summary": _workload_summary(results)}
-
-
-def _workload_summary(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    def best(names):
-        timed = [(results[p]["mean_ms"], p) for p in names if results.get(p, {}).get("mean_ms") is not None]
-        return min(timed) if timed else (None, None)
-
-    auto = results.get("auto", {}).get("mean_ms")
-    manual_ms, manual = best(MANUAL_PATHS)
-    peer_ms, peer = best(PEER_PATHS)
-    over_manual = auto / manual_ms if auto is not None and manual_ms else None
-    return {
-        "auto_route": results.get("auto", {}).get("route"),
-        "best_manual_path": manual, "best_peer_path": peer,
-        "auto_over_best_manual": over_manual,
-        "auto_over_best_peer": auto / peer_ms if auto is not None and peer_ms else None,
-        "regression": None if over_manual is None else max(0.0, over_manual - 1.0),
-    }
-
-
-def summarize(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Per-workload summaries, and the worst regression of Auto against the best manual path."""
-    rows = summary_table(record)
-    rated = [r for r in rows if r["regression"] is not None]
-    worst = max(rated, key=lambda r: r["regression"], default=None)
-    return {
-        "workloads": rows,
-        "worst_regression": None if worst is None else {
-            "workload": worst["workload"], "regression": worst["regression"],
-            "auto_over_best_manual": worst["auto_over_best_manual"],
-        },
-    }
-
-
-def summary_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per workload: Auto / best manual (also as ``auto_vs_best``), Auto / best peer."""
-    rows = []
-    for name, w in record["workloads"].items():
-        s = w["summary"]
-        rows.append({"workload": name, "num_requests": w["num_requests"], **s,
-                     "auto_vs_best": s["auto_over_best_manual"]})
-    return rows
-
-
-def results_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per (workload, path), profile fields inlined: for plots and the CSV."""
-    rows = []
-    for name, w in record["workloads"].items():
-        for path, r in w["paths"].items():
-            profile = r.get("profile") or {}
-            rows.append({
-                "workload": name, "path": path, "num_requests": w["num_requests"],
-                "padding_share": w["padding_share"], "mean_ms": r.get("mean_ms"),
-                "std_ms": r.get("std_ms"), "samples_ms": ";".join(f"{x:.3f}" for x in r.get("samples_ms") or []),
-                "tokens_per_s": r.get("tokens_per_s"), "peak_mem_bytes": r.get("peak_mem_bytes"),
-                "route": r.get("route"), "num_buckets": None if r.get("buckets") is None else len(r["buckets"]),
-                "buckets": None if r.get("buckets") is None else " ".join(f"{b}x{wd}" for b, wd in r["buckets"]),
-                "matches_nocb": r.get("matches_nocb"), "matches_oracle": r.get("matches_oracle"),
-                "skipped": r.get("skipped"),
-                **{f: profile.get(f) for f in PROFILE_FIELDS},
-            })
-    return rows
-
-
-def _csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
-    buffer = io.StringIO()
-    fieldnames = list(dict.fromkeys(k for row in rows for k in row))
-    writer = csv.DictWriter(buffer, fieldnames=fieldnames, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
-    return buffer.getvalue()
-
-
-def write_results(record: Mapping[str, Any], stem: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``<stem>.json`` and ``<stem>.csv`` atomically; both are serialised before either is written."""
-    from rollout_lab.io import _jsonable
-
-    stem = Path(stem)
-    if stem.suffix in (".json", ".csv"):
-        stem = stem.with_suffix("")
-    json_text = json.dumps(record, indent=2, default=_jsonable) + "\n"
-    csv_text = _csv_text(results_table(record))
-    json_path = write_text_atomic(stem.with_name(stem.name + ".json"), json_text)
-    csv_path = write_text_atomic(stem.with_name(stem.name + ".csv"), csv_text)
-    return json_path, csv_path
-
-
-def load_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A record written by ``write_results`` (``path`` may be the stem or the .json file)."""
-    path = Path(path)
-    if path.suffix != ".json":
-        path = path.with_name(path.name + ".json") if path.suffix != ".csv" else path.with_suffix(".json")
-    if not path.is_file():
-        raise ValueError(f"results file {str(path)!r} does not exist")
-    record = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(record, dict) or record.get("kind") != "sweep":
-        raise ValueError(f"{str(path)!r} is not a sweep record (kind != 'sweep')")
-    return record
+            "paths": results, "summary": workload_summary(results)}
 
 
 # -- CLI ---------------------------------------------------------------------------------------
