@@ -1,7 +1,8 @@
-"""What the planner chooses, and why: k-bucket DP, fixed-cost sweeps, route maps, distributions.
+"""What the planner chooses, and why: k-bucket DP, fixed-cost sweeps, route maps, tables.
 
 The numbers behind ``notebooks/02_bucket_choices.ipynb`` and the explorer. Torch-free, pure
-functions over prompt lengths (plus ``write_csv``)::
+functions over prompt lengths (plus ``write_csv``). The distributions they run on live in
+``rollout_lab.distributions`` and are re-exported here::
 
     from rollout_lab.analysis import plan_buckets_k, resolve_distribution
     label, lengths = resolve_distribution({"kind": "real", "dataset": "gsm8k"}, batch_size=32, seed=0)
@@ -13,15 +14,17 @@ import csv
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from rollout_lab.cost import CostCoefficients, ModelGeometry, dtype_bytes, per_row_cost_ms, prefill_cost_ms
+from rollout_lab.distributions import (  # noqa: F401 (re-exported: the notebooks call analysis.*)
+    DISTRIBUTION_KINDS, SEED_FIVE, Distribution, resolve_distribution, resolve_distributions,
+)
 from rollout_lab.planner import (
     BucketPlan, cb_decode_cost_ms, choose_route, nocb_cost_ms, plan_buckets, validate_lengths,
 )
-from rollout_lab.workloads import bimodal_lengths, get_workload, lognormal_lengths, sample_lengths
 
 # (layers, query heads, kv heads, head_dim); the same table as ``rollout-lab plan --preset``
 PRESET_GEOMETRY = {
@@ -30,8 +33,6 @@ PRESET_GEOMETRY = {
     "qwen3-0.6b": (28, 16, 8, 128),
     "qwen3-32b": (64, 64, 8, 128),
 }
-SEED_FIVE = ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread")
-DISTRIBUTION_KINDS = ("seed", "lognormal", "bimodal", "real")
 
 
 def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
@@ -55,73 +56,6 @@ def load_coeffs(cost_file: str | Path | None) -> CostCoefficients:
         raise ValueError(f"cost file {str(path)!r} has no 'coefficients' object")
     return CostCoefficients.from_dict(data.get("coefficients", data.get("coeffs")))
 
-
-# ---------------------------------------------------------------- distributions
-
-def resolve_distribution(spec: Mapping[str, Any], *, batch_size: int, seed: int) -> tuple[str, list[int]]:
-    """(label, lengths) of one distribution spec; the notebook's ``distributions`` are a list of these.
-
-    {"kind": "seed", "name": "long_tail"}                      fixed lengths (batch and seed ignored)
-    {"kind": "lognormal", "median": 120, "sigma": 0.6, "max_len": 2048}
-    {"kind": "bimodal", "short_median": 40, "long_median": 600, "long_share": 0.1, "sigma": 0.1}
-    {"kind": "real", "dataset": "gsm8k"}                       ``batch_size`` draws from the CSV
-    An optional "label" overrides the default label.
-    """
-    kind = spec.get("kind")
-    params = {k: v for k, v in spec.items() if k not in ("kind", "label")}
-    if kind == "seed":
-        name = params.get("name")
-        if name is None:
-            raise ValueError(f"seed distribution needs a 'name', got {dict(spec)}")
-        return spec.get("label", name), get_workload(name, scale=float(params.get("scale", 1.0)))
-    if kind == "lognormal":
-        lengths = lognormal_lengths(batch_size, float(params["median"]), float(params["sigma"]), seed,
-                                    int(params.get("max_len", 4096)))
-        label = f"lognormal(med {params['median']:g}, σ {params['sigma']:g})"
-        return spec.get("label", label), lengths
-    if kind == "bimodal":
-        lengths = bimodal_lengths(
-            batch_size, float(params["short_median"]), float(params["long_median"]),
-            long_share=float(params["long_share"]), sigma=float(params.get("sigma", 0.1)), seed=seed,
-            max_len=int(params.get("max_len", 4096)),
-        )
-        label = f"bimodal({params['short_median']:g}/{params['long_median']:g}, {params['long_share']:g} long)"
-        return spec.get("label", label), lengths
-    if kind == "real":
-        dataset = params.get("dataset")
-        if dataset is None:
-            raise ValueError(f"real distribution needs a 'dataset', got {dict(spec)}")
-        return spec.get("label", dataset), sample_lengths(dataset, batch_size, seed)
-    raise ValueError(f"distribution kind must be one of {DISTRIBUTION_KINDS}, got {kind!r} in {dict(spec)}")
-
-
-@dataclass(frozen=True)
-class Distribution:
-    """One distribution's prompt-length samples, one per seed (a single one for fixed lengths)."""
-
-    label: str
-    kind: str
-    samples: tuple[tuple[int, ...], ...]
-    seeds: tuple[int, ...]
-
-    @property
-    def lengths(self) -> list[int]:
-        """The first seed's sample: the one the figures draw."""
-        return list(self.samples[0])
-
-
-def resolve_distributions(
-    specs: Sequence[Mapping[str, Any]], *, batch_size: int, seeds: Sequence[int]
-) -> list[Distribution]:
-    """Every spec resolved for every seed; seed workloads (fixed lengths) keep one sample."""
-    if not seeds:
-        raise ValueError("seeds must hold at least one seed")
-    out = []
-    for spec in specs:
-        use = (seeds[0],) if spec.get("kind") == "seed" else tuple(seeds)
-        resolved = [resolve_distribution(spec, batch_size=batch_size, seed=s) for s in use]
-        out.append(Distribution(resolved[0][0], str(spec["kind"]), tuple(tuple(x) for _, x in resolved), use))
-    return out
 
 
 # ---------------------------------------------------------------- k-bucket DP
@@ -196,29 +130,34 @@ def plan_padding_share(lengths: Sequence[int], plan: BucketPlan) -> float:
 
 # ---------------------------------------------------------------- tables
 
+def _samples(distributions: Sequence[Distribution]) -> Iterator[tuple[Distribution, int, list[int]]]:
+    """(distribution, seed, lengths) for every seed's sample of every distribution, in order."""
+    for dist in distributions:
+        for seed, sample in zip(dist.seeds, dist.samples):
+            yield dist, seed, list(sample)
+
+
 def num_buckets_rows(
     distributions: Sequence[Distribution], geometry: ModelGeometry, coeffs: CostCoefficients,
     *, max_num_buckets: int,
 ) -> list[dict[str, Any]]:
     """Per distribution, seed and k: cost, padded tokens and padding share of the best k-bucket plan."""
     rows = []
-    for dist in distributions:
-        for seed, sample in zip(dist.seeds, dist.samples):
-            lengths = list(sample)
-            optimum = plan_buckets(lengths, geometry, coeffs)
-            plans = plans_by_num_buckets(lengths, geometry, coeffs, max_num_buckets)
-            one = plans[0]
-            for k, plan in enumerate(plans, start=1):
-                if plan is None:
-                    continue
-                rows.append({
-                    "distribution": dist.label, "seed": seed, "num_prompts": len(lengths),
-                    "num_buckets": k, "cost_ms": plan.cost_ms,
-                    "cost_vs_one_bucket": plan.cost_ms / one.cost_ms if one else math.nan,
-                    "num_padded_tokens": plan.num_padded_tokens,
-                    "padding_share": plan_padding_share(lengths, plan),
-                    "is_dp_choice": k == optimum.num_buckets,
-                })
+    for dist, seed, lengths in _samples(distributions):
+        optimum = plan_buckets(lengths, geometry, coeffs)
+        plans = plans_by_num_buckets(lengths, geometry, coeffs, max_num_buckets)
+        one = plans[0]
+        for k, plan in enumerate(plans, start=1):
+            if plan is None:
+                continue
+            rows.append({
+                "distribution": dist.label, "seed": seed, "num_prompts": len(lengths),
+                "num_buckets": k, "cost_ms": plan.cost_ms,
+                "cost_vs_one_bucket": plan.cost_ms / one.cost_ms if one else math.nan,
+                "num_padded_tokens": plan.num_padded_tokens,
+                "padding_share": plan_padding_share(lengths, plan),
+                "is_dp_choice": k == optimum.num_buckets,
+            })
     return rows
 
 
@@ -250,24 +189,22 @@ def summary_rows(
 ) -> list[dict[str, Any]]:
     """One row per distribution and seed: one bucket against the DP, and the route Auto takes."""
     rows = []
-    for dist in distributions:
-        for seed, sample in zip(dist.seeds, dist.samples):
-            lengths = list(sample)
-            plan = plan_buckets(lengths, geometry, coeffs)
-            one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
-            route = choose_route(lengths, max_new_tokens=max_new_tokens, continuous_batch_size=None,
-                                 geometry=geometry, coeffs=coeffs)
-            rows.append({
-                "distribution": dist.label, "kind": dist.kind, "seed": seed, "num_prompts": len(lengths),
-                "min_len": min(lengths), "median_len": float(np.median(lengths)), "max_len": max(lengths),
-                "one_bucket_padding_share": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
-                "dp_padding_share": plan_padding_share(lengths, plan),
-                "dp_num_buckets": plan.num_buckets, "dp_widths": ";".join(map(str, plan.widths)),
-                "one_bucket_cost_ms": one, "dp_cost_ms": plan.cost_ms, "dp_speedup": one / plan.cost_ms,
-                "max_new_tokens": max_new_tokens, "route": route.route,
-                "nocb_cost_ms": route.nocb_cost_ms,
-                "cb_cost_ms": plan.cost_ms + cb_decode_cost_ms(max_new_tokens, coeffs),
-            })
+    for dist, seed, lengths in _samples(distributions):
+        plan = plan_buckets(lengths, geometry, coeffs)
+        one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
+        route = choose_route(lengths, max_new_tokens=max_new_tokens, continuous_batch_size=None,
+                             geometry=geometry, coeffs=coeffs)
+        rows.append({
+            "distribution": dist.label, "kind": dist.kind, "seed": seed, "num_prompts": len(lengths),
+            "min_len": min(lengths), "median_len": float(np.median(lengths)), "max_len": max(lengths),
+            "one_bucket_padding_share": 1.0 - sum(lengths) / (len(lengths) * max(lengths)),
+            "dp_padding_share": plan_padding_share(lengths, plan),
+            "dp_num_buckets": plan.num_buckets, "dp_widths": ";".join(map(str, plan.widths)),
+            "one_bucket_cost_ms": one, "dp_cost_ms": plan.cost_ms, "dp_speedup": one / plan.cost_ms,
+            "max_new_tokens": max_new_tokens, "route": route.route,
+            "nocb_cost_ms": route.nocb_cost_ms,
+            "cb_cost_ms": plan.cost_ms + cb_decode_cost_ms(max_new_tokens, coeffs),
+        })
     return rows
 
 

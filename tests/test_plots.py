@@ -43,6 +43,13 @@ def test_bucket_figures_save(tmp_path, dists):
     assert "2 buckets, padding 0%" in fig.axes[0].get_title()
 
 
+def test_svg_is_the_same_on_every_save(tmp_path, dists):
+    items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COEFFS)) for d in dists[:2]]
+    first = plots.save_figure(plots.plot_bucket_grid(items), tmp_path / "a", "grid")[1].read_bytes()
+    second = plots.save_figure(plots.plot_bucket_grid(items), tmp_path / "b", "grid")[1].read_bytes()
+    assert first == second and matplotlib.rcParams["svg.hashsalt"] is None  # the user's setting untouched
+
+
 def test_curve_sweep_and_route_figures(dists):
     rows = analysis.num_buckets_rows(dists, GEO, COEFFS, max_num_buckets=5)
     assert len(plots.plot_num_buckets_curves(rows).axes) == 2
