@@ -30,6 +30,7 @@ from rollout_lab.bench_runner import (
     MANUAL_PATHS, OUR_PATHS, PATHS, PEER_PATHS, PathRunner, check_attn_implementation, check_paths,
     output_sequences, release_memory, timed_call,
 )
+from rollout_lab.model_cli import positive_int
 from rollout_lab.workloads import WORKLOADS, get_workload, lengths_to_prompts, padding_share
 
 __all__ = [
@@ -267,8 +268,8 @@ def register_cli(subparsers: Any) -> None:
     parser.add_argument("--scale", type=float, default=None,
                         help="multiply every prompt length (default 0.25 for --tiny, 1 for presets)")
     parser.add_argument("--paths", nargs="+", default=None, help=f"paths to run (default all: {', '.join(PATHS)})")
-    parser.add_argument("--repetitions", type=_positive_int, default=3, help="timed rounds after the warm-up")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=16, help="tokens generated per request")
+    parser.add_argument("--repetitions", type=positive_int, default=3, help="timed rounds after the warm-up")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
     parser.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: reference coefficients)")
     parser.add_argument("--override-costs", action="store_true",
                         help="use --costs even if its metadata does not match this run")
@@ -278,9 +279,3 @@ def register_cli(subparsers: Any) -> None:
                         help="our CB decode stepper (default: the engine's, graph on CUDA)")
     parser.add_argument("--out", help="output stem (default data/results/sweep_<model>_<dtype>_<device>)")
     parser.set_defaults(func=cmd_sweep)
-
-
-def _positive_int(text: str) -> int:
-    from rollout_lab.calibrate import _positive_int as parse
-
-    return parse(text)
