@@ -1,6 +1,9 @@
-"""Print a sweep record as the README's markdown table: E2E ms per path, Auto's choice, Auto/best.
+"""Print sweep records as one README markdown table: E2E ms per path, Auto's choice, Auto/best.
 
-    python scripts/results_table.py data/results/sweep_qwen2.5-3b_bfloat16_cuda.json
+    python scripts/results_table.py data/results/sweep_qwen2.5-3b_bfloat16_cuda.json [more.json ...]
+
+Several records (e.g. one process per workload) give one table, a row per workload, with the
+paths of the first record as columns.
 """
 from __future__ import annotations
 
@@ -12,10 +15,17 @@ OURS = ("nocb", "equal_width", "aligned", "bucketed", "auto")
 PEERS = ("hf_static", "hf_generate_batch")
 
 
-def markdown(record: dict) -> str:
-    paths = [p for p in (*OURS, *PEERS) if p in record["config"]["paths"]]
+def markdown(records: list[dict]) -> str:
+    paths = [p for p in (*OURS, *PEERS) if p in records[0]["config"]["paths"]]
     head = "| workload | " + " | ".join(paths) + " | Auto's route | Auto / best manual | Auto / best peer |"
     lines = [head, "|---|" + "---:|" * len(paths) + "---|---:|---:|"]
+    for record in records:
+        lines += _rows(record, paths)
+    return "\n".join(lines)
+
+
+def _rows(record: dict, paths: list[str]) -> list[str]:
+    lines = []
     summary = {w["workload"]: w for w in record["summary"]["workloads"]}
     for name, workload in record["workloads"].items():
         cells = []
@@ -28,9 +38,10 @@ def markdown(record: dict) -> str:
         peer = s.get("auto_over_best_peer")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {route} {buckets} | "
                      f"{s['auto_over_best_manual']:.3f} | {'—' if peer is None else f'{peer:.2f}'} |")
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":
-    for path in sys.argv[1:]:
-        print(markdown(load_results(path)))
+    if len(sys.argv) < 2:
+        sys.exit("usage: results_table.py SWEEP.json [SWEEP.json ...]")
+    print(markdown([load_results(path) for path in sys.argv[1:]]))

@@ -19,9 +19,13 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
   fi
   $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
   step 25 $PY -m pytest -q -x tests/test_graph.py tests/test_attention.py
-  step 115 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $COSTS --max-new-tokens 16 \
-      --workloads long_tail moderate_tail short_similar spread short_tail gsm8k_32 \
-      --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_16
+  # one process per workload: twice a sweep crashed in the workload after HF's compiled peer
+  # (torch.compile's CUDA-graph trees) had run in the same process, before our next capture
+  for W in long_tail moderate_tail short_similar spread short_tail gsm8k_32; do
+    step 60 $PY -m rollout_lab.cli sweep $M3 $EXTRA --no-progress --costs $COSTS --max-new-tokens 16 \
+        --workloads $W --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_16_$W
+  done
+  $PY scripts/results_table.py $OUT/sweep_3b_16_*.json
   [ -z "${GRPO:-}" ] || step 60 $PY scripts/bench_grpo.py $GT --out $OUT/grpo_3b
 } > $OUT/log.txt 2>&1
 tail -c 11000 $OUT/log.txt
