@@ -38,6 +38,8 @@ class _Row:
 
 @dataclass(frozen=True)
 class BatchSettings:
+    """What one ``generate`` call asks of the batcher (checked by ``RolloutConfig`` and ``generate``)."""
+
     route: str
     max_new_tokens: int
     num_slots: int
@@ -48,7 +50,6 @@ class BatchSettings:
     repetition_penalty: float
     cache_kwarg: str
     sampling: SamplingParams | None = None  # None: greedy
-
 
 
 def plan_admission(
