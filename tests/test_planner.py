@@ -177,5 +177,6 @@ def test_choose_route_bad_settings(kwargs, match):
 def test_planner_imports_no_torch():
     import subprocess
 
-    code = "import rollout_lab.planner, rollout_lab.cost, sys; assert 'torch' not in sys.modules"
+    code = ("import rollout_lab.planner, rollout_lab.bucket_dp, rollout_lab.decode_steps, rollout_lab.cost, "
+            "rollout_lab.replication, rollout_lab.sharding, sys; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
