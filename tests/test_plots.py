@@ -90,3 +90,27 @@ def test_explorer_widget_builds_without_frontend():
     sliders[0].value = 100.0  # a redraw must not raise
     with pytest.raises(ValueError, match="kind must be one of"):
         explore.Settings(kind="zipf")
+
+
+def test_grpo_figure_from_a_record(tmp_path):
+    from rollout_lab.plots_grpo import plot_grpo
+
+    ours = {"prefill_ms": 40.0, "cache_ms": 5.0, "decode_ms": 900.0}
+    record = {
+        "config": {"model": "tiny-qwen2", "dtype": "float32", "device": "cpu", "max_new_tokens": 8},
+        "workload": {"num_prompts": 4, "num_samples": 2},
+        "results": {
+            "shared": {"ms": [950.0, 960.0], "mean_ms": 955.0, "num_prefill_rows": 4, **ours},
+            "unshared": {"ms": [990.0, 1000.0], "mean_ms": 995.0, "num_prefill_rows": 8, **ours},
+            "hf_generate": {"ms": [1500.0], "mean_ms": 1500.0, "num_prefill_rows": 8},
+        },
+    }
+    fig = plot_grpo(record)
+    left, right = fig.axes[:2]
+    assert [round(p.get_height()) for p in left.patches] == [955, 995, 1500]
+    assert len(right.patches) == 3 * 2  # three phases for each of our two paths, none for HF
+    assert "4 prompts x 2 samples x 8 tokens" in left.get_title()
+    with pytest.raises(ValueError, match="no results"):
+        plot_grpo(dict(record, results={}))
+    written = plots.save_figure(fig, tmp_path, "grpo")
+    assert all(p.stat().st_size > 0 for p in written)

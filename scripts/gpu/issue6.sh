@@ -2,7 +2,7 @@
 # The H200 run behind the README's GPU tables (issues 6 and 7). Writes everything under $OUT.
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/issue6.sh     # the same steps on the tiny CPU model
 # Each step has its own time limit so that a slow step cannot cost the results of the others;
-# sweeps write their record after every workload.
+# sweeps write their record after every workload. Unpack with tar -xzf results.tar.gz.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -26,6 +26,10 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
         --workloads $W --paths nocb equal_width aligned bucketed auto hf_static --out $OUT/sweep_3b_16_$W
   done
   $PY scripts/results_table.py $OUT/sweep_3b_16_*.json
-  [ -z "${GRPO:-}" ] || step 60 $PY scripts/bench_grpo.py $GT --out $OUT/grpo_3b
+  [ -z "${GRPO:-}" ] || { step 60 $PY scripts/bench_grpo.py $GT --out $OUT/grpo_3b \
+      && step 30 $PY scripts/plot_grpo.py $OUT/grpo_3b.json --out $OUT; }
 } > $OUT/log.txt 2>&1
+# the device tool brings back at most 8 files: everything but the log goes into one archive
+(cd $OUT && find . -maxdepth 1 -type f ! -name log.txt ! -name results.tar.gz -printf '%P\n' \
+    | tar -czf results.tar.gz -T - --remove-files)
 tail -c 11000 $OUT/log.txt
