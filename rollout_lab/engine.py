@@ -136,26 +136,10 @@ class Rollout:
         """
         start = time.perf_counter()
         cfg = self.config
-        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
-        if num_beams != 1:
-            raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
-        if num_return_sequences != 1:
-            raise ValueError(
-                f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
-        if not is_int(num_samples) or num_samples < 1:
-            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-        if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        prompts = prompt_lists(prompts, attention_mask)
-        self._check_prompts(prompts, max_new_tokens)
-        eos_ids = cfg.eos_token_ids
-        pad_id = self._padtoken_id()
-        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
-            for token in ids:
-                if token >= self.vocab_size:
-                    raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
-        if sampling is not None and seed is None:
-            seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
+        prompts, sampling, seed, eos_ids, pad_id = self._check_call(
+            prompts, attention_mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            num_beams=num_beams, num_return_sequences=num_return_sequences)
         profile = Profile()
         timer = Timer(profile, self.device, enabled=cfg.profile or cfg.online_recalibration)
         if cfg.profile or cfg.online_recalibration:
@@ -193,11 +177,10 @@ class Rollout:
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     cache_kwarg=self.cache_kwarg, sampling=sampling,
                 )
-                batcher = ContinuousBatcher(
+                sequences, plans = ContinuousBatcher(
                     self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
                     profile=profile, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
-                )
-                sequences, plans = batcher.run()
+                ).run()
         if num_samples > 1:  # plans name rows; report requests
             plans = [_plan_of_requests(plan, num_samples) for plan in plans]
         profile.num_generated_tokens = sum(len(s) for s in sequences)
@@ -208,6 +191,31 @@ class Rollout:
                              num_samples, seed)
 
     # -- checks -----------------------------------------------------------------------------
+    def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,
+                    temperature, top_k, top_p, seed, num_beams, num_return_sequences):
+        """Every check of a call, before any forward: (prompt lists, sampling, seed, eos ids, pad id)."""
+        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
+        if num_beams != 1:
+            raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
+        if num_return_sequences != 1:
+            raise ValueError(
+                f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
+        if not is_int(num_samples) or num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        prompts = prompt_lists(prompts, attention_mask)
+        self._check_prompts(prompts, max_new_tokens)
+        eos_ids = self.config.eos_token_ids
+        pad_id = self._pad_token_id()
+        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
+            for token in ids:
+                if token >= self.vocab_size:
+                    raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
+        if sampling is not None and seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
+        return prompts, sampling, seed, eos_ids, pad_id
+
     def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         for index, ids in enumerate(prompts):
             if not ids:
@@ -223,7 +231,7 @@ class Rollout:
                     f"exceeds the model's context of {self.max_positions} positions"
                 )
 
-    def _padtoken_id(self) -> int:
+    def _pad_token_id(self) -> int:
         if self.config.pad_token_id is not None:
             return self.config.pad_token_id
         model_pad = getattr(self.model_config, "pad_token_id", None)
