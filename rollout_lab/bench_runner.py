@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from rollout_lab.timing import timed_ms
+
 OUR_PATHS = ("nocb", "equal_width", "aligned", "bucketed", "auto")
 MANUAL_PATHS = ("nocb", "equal_width", "aligned", "bucketed")
 PEER_PATHS = ("hf_static", "hf_generate_batch")
@@ -44,26 +46,13 @@ def release_memory(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _synchronize(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_call(fn: Callable[[], Any], device: Any) -> tuple[float, Any, int | None]:
     """(ms, output, peak allocated bytes or None) of one whole call."""
-    import time
-
     import torch
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    _synchronize(device)
-    ms = (time.perf_counter() - start) * 1e3
+    ms, out = timed_ms(fn, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return ms, out, peak
 

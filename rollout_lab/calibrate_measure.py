@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+
+from rollout_lab.timing import timed_ms
 
 DEFAULT_MAX_BATCH_TOKENS = 32768
 STATISTICS = {"median": statistics.median, "min": min}
@@ -72,21 +73,6 @@ class CalibrationGrid:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-def _synchronize(device: Any) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_ms(fn: Callable[[], Any], device: Any) -> tuple[float, Any]:
-    """Wall-clock milliseconds of ``fn()`` with the device synchronised before and after."""
-    _synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    _synchronize(device)
-    return (time.perf_counter() - start) * 1e3, out
 
 
 def _random_prompts(batch: int, width: int, config: Any, seed: int) -> list[list[int]]:

@@ -27,6 +27,7 @@ from rollout_lab.engine import Rollout, RolloutConfig
 from rollout_lab.sharding import (  # re-exported: the sharding API lives with the DP rollout
     METHODS, check_partition, predicted_makespan, predicted_rank_costs, shard_requests,
 )
+from rollout_lab.timing import synchronize
 
 __all__ = [
     "DistributedResult", "distributed_generate", "launch", "METHODS", "check_partition",
@@ -88,11 +89,11 @@ def distributed_generate(
     mine = shards[rank]
 
     device = rollout.device
-    _sync(device)
+    synchronize(device)
     dist.barrier(group)
     begin = time.perf_counter()
     result = rollout.generate([prompts[i] for i in mine], max_new_tokens=max_new_tokens)
-    _sync(device)
+    synchronize(device)
     elapsed_s = time.perf_counter() - begin
 
     gathered: list[Any] = [None] * world_size
@@ -131,11 +132,6 @@ def _check_same_everywhere(prompts, shards, method, max_new_tokens, group, world
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- launching

@@ -25,9 +25,8 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,6 +36,7 @@ from rollout_lab.engine import Rollout, RolloutConfig
 from rollout_lab.io import write_json_atomic, write_text_atomic
 from rollout_lab.models import PRESETS, TINY_FAMILIES, from_preset, tiny_model
 from rollout_lab.provenance import provenance
+from rollout_lab.timing import synchronize, timed_ms
 from rollout_lab.workloads import DATASETS, lengths_to_prompts, padding_share, sample_lengths, scale_lengths
 
 PATHS = ("shared", "unshared", "hf_generate")
@@ -79,11 +79,6 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
         torch.set_num_threads(1)  # tiny shapes: more threads only contend
         return tiny_model(args.tiny, dtype=dtype).to(args.device), f"tiny-{args.tiny}"
     return from_preset(args.preset, dtype=dtype, device=args.device), args.preset
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Paths:
@@ -132,14 +127,6 @@ class Paths:
             torch.cuda.empty_cache()
 
 
-def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    _sync(device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return (time.perf_counter() - start) * 1e3, out
-
-
 def memory_pass(paths: Paths, path: str, device: torch.device) -> dict[str, Any]:
     """The path alone on the device: peak allocated over the weights, and our profile."""
     paths.release()
@@ -147,7 +134,7 @@ def memory_pass(paths: Paths, path: str, device: torch.device) -> dict[str, Any]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sequences, result = paths.call(path, profile=path != "hf_generate")
-    _sync(device)
+    synchronize(device)
     info: dict[str, Any] = {"peak_memory_bytes": None, "num_generated_tokens": sum(map(len, sequences))}
     if baseline is not None:
         info["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device) - baseline)
@@ -184,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs: dict[str, list[list[int]]] = {}
     for rep in range(args.reps + 1):  # round 0 is the warm-up
         for path in args.paths:
-            ms, (sequences, _) = timed(lambda: paths.call(path), device)
+            ms, (sequences, _) = timed_ms(lambda: paths.call(path), device)
             outputs[path] = sequences
             if rep > 0:
                 samples[path].append(ms)
