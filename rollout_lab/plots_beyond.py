@@ -11,8 +11,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from rollout_lab.planner import BucketPlan, split_prompt
-
-_PALETTE = plt.get_cmap("tab10")
+from rollout_lab.plots_base import PALETTE
 
 
 def plot_chunked_plan(lengths: Sequence[int], plan: BucketPlan, *, limit: int) -> Figure:
@@ -22,7 +21,7 @@ def plot_chunked_plan(lengths: Sequence[int], plan: BucketPlan, *, limit: int) -
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     for y, r in enumerate(order):
         widths = split_prompt(lengths[r], limit)
-        color = _PALETTE(bucket_of[r] % 10)
+        color = PALETTE(bucket_of[r] % 10)
         ax.barh(y, widths[0], color=color, edgecolor="black", linewidth=0.5)
         left = widths[0]
         for width in widths[1:]:
@@ -43,8 +42,8 @@ def plot_eos_prior(rows: Sequence[Mapping[str, Any]]) -> Figure:
         xs = range(len(mine))
         ref = [r["reference_e2e_ms"] for r in mine]
         aware = [r["eos_aware_e2e_ms"] for r in mine]
-        ax.bar([x - 0.2 for x in xs], ref, width=0.4, label="reference Auto (T - 1 steps)", color=_PALETTE(0))
-        ax.bar([x + 0.2 for x in xs], aware, width=0.4, label="EOS-aware Auto (prior)", color=_PALETTE(2))
+        ax.bar([x - 0.2 for x in xs], ref, width=0.4, label="reference Auto (T - 1 steps)", color=PALETTE(0))
+        ax.bar([x + 0.2 for x in xs], aware, width=0.4, label="EOS-aware Auto (prior)", color=PALETTE(2))
         for x, r in zip(xs, mine):
             ax.text(x - 0.2, r["reference_e2e_ms"], r["reference_route"], ha="center", va="bottom", fontsize=7)
             ax.text(x + 0.2, r["eos_aware_e2e_ms"], r["eos_aware_route"], ha="center", va="bottom", fontsize=7)
@@ -62,14 +61,14 @@ def plot_online(rows: Sequence[Mapping[str, Any]]) -> Figure:
     calls = [r["call"] for r in rows]
     for key, label, k in (("prefill_rel_error", "prefill", 0), ("decode_rel_error", "decode", 1),
                           ("rel_error", "prefill + decode", 2)):
-        ax.plot(calls, [abs(r[key]) for r in rows], marker="o", label=label, color=_PALETTE(k))
+        ax.plot(calls, [abs(r[key]) for r in rows], marker="o", label=label, color=PALETTE(k))
     ax.set_yscale("log")
     ax.set_ylabel("|predicted - measured| / measured")
     ax.set_title("online recalibration from the default coefficients")
     ax.legend(fontsize=8)
-    ax2.scatter(calls, [1 if r["is_wrong"] else 0 for r in rows], label="online Auto", marker="o", color=_PALETTE(2))
+    ax2.scatter(calls, [1 if r["is_wrong"] else 0 for r in rows], label="online Auto", marker="o", color=PALETTE(2))
     ax2.scatter(calls, [0.5 if r["default_is_wrong"] else -0.5 for r in rows], label="default Auto",
-                marker="x", color=_PALETTE(3))
+                marker="x", color=PALETTE(3))
     ax2.set_yticks([-0.5, 0, 0.5, 1], ["defaults right", "online right", "defaults wrong", "online wrong"], fontsize=7)
     ax2.set_xlabel("call")
     fig.tight_layout()
