@@ -30,7 +30,7 @@ from rollout_lab.bench_runner import (
     MANUAL_PATHS, OUR_PATHS, PATHS, PEER_PATHS, PathRunner, check_attn_implementation, check_paths,
     output_sequences, release_memory, timed_call,
 )
-from rollout_lab.model_cli import positive_int
+from rollout_lab.model_cli import add_model_arguments, positive_int
 from rollout_lab.workloads import WORKLOADS, get_workload, lengths_to_prompts, padding_share
 
 __all__ = [
@@ -256,8 +256,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: Any) -> None:
-    from rollout_lab.calibrate import add_model_arguments
-
     parser = subparsers.add_parser(
         "sweep", help="time every route and the HF peers on named workloads; JSON + CSV",
         description="One warm-up, then interleaved timed repetitions of each path; a profiling call per path.",
