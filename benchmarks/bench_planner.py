@@ -13,11 +13,10 @@ import random
 import statistics
 import time
 
-from rollout_lab.cost import CostCoefficients, ModelGeometry
-from rollout_lab.io import write_json_atomic, write_text_atomic
-from rollout_lab.paths import DATA
-from rollout_lab.planner import plan_buckets, plan_buckets_quadratic
-from rollout_lab.provenance import provenance
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.planner.bucket_dp import plan_buckets, plan_buckets_quadratic
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.workspace import DATA, write_json_atomic, write_text_atomic
 
 CASES = [(32, 65536), (128, 65536), (256, 65536), (4096, 65536), (65536, 65536),
          (4096, 512), (65536, 512), (4096, 4096), (65536, 4096),

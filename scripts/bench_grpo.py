@@ -30,14 +30,22 @@ from typing import Any
 
 import torch
 
-from rollout_lab.cost import CostCoefficients
-from rollout_lab.decode import left_padded
-from rollout_lab.engine import Rollout, RolloutConfig
-from rollout_lab.io import write_json_atomic, write_text_atomic
-from rollout_lab.models import PRESETS, TINY_FAMILIES, from_preset, tiny_model
-from rollout_lab.provenance import provenance
-from rollout_lab.timing import synchronize, timed_ms
-from rollout_lab.workloads import DATASETS, lengths_to_prompts, padding_share, sample_lengths, scale_lengths
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.prefill import left_padded
+from rollout_lab.engine.profile import synchronize, timed_ms
+from rollout_lab.engine.rollout import Rollout
+from rollout_lab.measure.models import TINY_FAMILIES, from_preset, tiny_model
+from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.workloads import (
+    DATASETS,
+    lengths_to_prompts,
+    padding_share,
+    sample_lengths,
+    scale_lengths,
+)
+from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.workspace import write_json_atomic, write_text_atomic
 
 PATHS = ("shared", "unshared", "hf_generate")
 

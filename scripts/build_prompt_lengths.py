@@ -42,8 +42,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rollout_lab.io import write_text_atomic
-from rollout_lab.paths import PROMPT_LENGTHS
+from rollout_lab.workspace import PROMPT_LENGTHS, write_text_atomic
 
 TOKENIZER_NAME = "qwen2.5-72b-instruct"
 SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

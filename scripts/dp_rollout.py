@@ -17,12 +17,14 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from rollout_lab.distributed import METHODS, distributed_generate
-from rollout_lab.engine import RolloutConfig
-from rollout_lab.io import write_json_atomic
-from rollout_lab.models import PRESETS, from_preset, tiny_model
-from rollout_lab.provenance import provenance
-from rollout_lab.workloads import WORKLOADS, get_workload, lengths_to_prompts
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.distributed import distributed_generate
+from rollout_lab.measure.models import from_preset, tiny_model
+from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.workloads import WORKLOADS, get_workload, lengths_to_prompts
+from rollout_lab.planner.sharding import METHODS
+from rollout_lab.workspace import write_json_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

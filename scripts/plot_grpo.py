@@ -14,9 +14,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from rollout_lab.paths import FIGURES  # noqa: E402
-from rollout_lab.plots_base import save_figure  # noqa: E402
-from rollout_lab.plots_grpo import plot_grpo  # noqa: E402
+from rollout_lab.plots.grpo import plot_grpo  # noqa: E402
+from rollout_lab.plots.style import save_figure  # noqa: E402
+from rollout_lab.workspace import FIGURES  # noqa: E402
 
 
 def main() -> None:

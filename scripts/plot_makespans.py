@@ -8,14 +8,15 @@ figures/makespans.png. Cost-model numbers only: no torch, no device.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from rollout_lab.cost import CostCoefficients, ModelGeometry
-from rollout_lab.io import write_json_atomic
-from rollout_lab.paths import FIGURES, TABLES
-from rollout_lab.plots_distributed import (
-    WORKLOADS, WORLD_SIZES, makespan_rows, plot_makespans, write_rows_csv,
-)
-from rollout_lab.provenance import provenance
+from rollout_lab.measure.makespans import COLUMNS, WORKLOADS, WORLD_SIZES, makespan_rows
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.plots.makespans import plot_makespans
+from rollout_lab.workspace import Workspace, write_csv, write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -24,21 +25,23 @@ def main() -> None:
     parser.add_argument("--continuous-batch-size", type=int, default=None, help="slots per rank")
     parser.add_argument("--costs", default=None, help="a cost file (default: the seed coefficients)")
     parser.add_argument("--element-bytes", type=int, default=4, help="KV element size (4 = fp32)")
+    parser.add_argument("--out-dir", default=str(REPO), help="workspace (default: this checkout)")
     args = parser.parse_args()
+    ws = Workspace.resolve(args.out_dir)
     coeffs = CostCoefficients.from_json(args.costs) if args.costs else CostCoefficients()
     geometry = ModelGeometry.qwen25_3b(args.element_bytes)
     rows = makespan_rows(WORKLOADS, WORLD_SIZES, geometry=geometry, coeffs=coeffs,
                          max_new_tokens=args.max_new_tokens,
                          continuous_batch_size=args.continuous_batch_size)
-    write_rows_csv(rows, TABLES / "makespans.csv")
-    write_json_atomic(TABLES / "makespans.json", {
+    write_csv(rows, ws.tables / "makespans.csv", columns=COLUMNS)
+    write_json_atomic(ws.tables / "makespans.json", {
         "provenance": provenance(config=dict(
             geometry=geometry.__dict__, coefficients=coeffs.to_dict(),
             max_new_tokens=args.max_new_tokens, continuous_batch_size=args.continuous_batch_size,
         )),
         "rows": rows,
     })
-    plot_makespans(rows, FIGURES / "makespans.png")
+    plot_makespans(rows, ws.figures / "makespans.png")
     for r in rows:
         print(f"{r['workload']:16s} ranks={r['world_size']} {r['method']:15s} "
               f"{r['predicted_makespan_ms']:9.1f} ms  x{r['vs_balanced']:.3f}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from rollout_lab.bench import load_results
+from rollout_lab.measure.sweep import load_results
 
 OURS = ("nocb", "equal_width", "aligned", "bucketed", "auto")
 PEERS = ("hf_static", "hf_generate_batch")

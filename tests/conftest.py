@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.models import TINY_FAMILIES, tiny_model
+from rollout_lab.measure.models import TINY_FAMILIES, tiny_model
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
 

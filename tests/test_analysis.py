@@ -7,13 +7,19 @@ import random
 
 import pytest
 
-from rollout_lab.analysis import (
-    fixed_cost_rows, geometry_for, load_coeffs, num_buckets_rows, plan_buckets_k, plan_padding_share,
-    plans_by_num_buckets, resolve_distribution, resolve_distributions, route_map, summary_rows, write_csv,
+from rollout_lab.measure.bucket_choices import (
+    fixed_cost_rows,
+    num_buckets_rows,
+    plan_padding_share,
+    route_map,
+    summary_rows,
 )
-from rollout_lab.cost import CostCoefficients, prefill_cost_ms
-from rollout_lab.planner import choose_route, plan_buckets
-from rollout_lab.workloads import scale_lengths
+from rollout_lab.measure.presets import geometry_for
+from rollout_lab.measure.workloads import resolve_distribution, resolve_distributions, scale_lengths
+from rollout_lab.planner.bucket_dp import plan_buckets, plan_buckets_k, plans_by_num_buckets
+from rollout_lab.planner.cost import CostCoefficients, prefill_cost_ms, read_cost_file
+from rollout_lab.planner.routes import choose_route
+from rollout_lab.workspace import write_csv
 
 GEO = geometry_for("qwen2.5-3b", "float32")
 
@@ -72,7 +78,7 @@ def test_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="unknown preset"):
         geometry_for("gpt-5")
     with pytest.raises(ValueError, match="does not exist"):
-        load_coeffs("/nonexistent/costs.json")
+        read_cost_file("/nonexistent/costs.json")
 
 
 def test_distributions_resolve():

@@ -1,7 +1,7 @@
 import torch
-
-from rollout_lab.attention import gqa_decode_attention
 from transformers.integrations.sdpa_attention import repeat_kv
+
+from rollout_lab.engine.attention import gqa_decode_attention
 
 
 class _Module(torch.nn.Module):
@@ -39,11 +39,11 @@ def test_prefill_goes_to_hf_sdpa():
 
 
 def test_decode_steps_use_it_and_hf_paths_keep_sdpa():
+    from conftest import get_tiny
     from transformers import AttentionInterface
 
-    from conftest import get_tiny
     from rollout_lab import Rollout, RolloutConfig
-    from rollout_lab.attention import NAME, register
+    from rollout_lab.engine.attention import NAME, register
 
     register()
     model = get_tiny("qwen2")  # 4 query heads, 2 KV heads

@@ -3,11 +3,19 @@ import json
 
 import pytest
 
-from rollout_lab import bench
-from rollout_lab import calibrate as cal
 from rollout_lab.cli import main as cli_main
-from rollout_lab.models import tiny_model
-from rollout_lab.workloads import get_workload
+from rollout_lab.engine.config import MANUAL_ROUTES, MODES
+from rollout_lab.measure.models import tiny_model
+from rollout_lab.measure.sweep import (
+    PATHS,
+    PEER_PATHS,
+    load_results,
+    results_table,
+    run_sweep,
+    summary_table,
+    write_results,
+)
+from rollout_lab.measure.workloads import get_workload
 
 WORKLOADS = {
     "long_tail": get_workload("long_tail", scale=0.05),  # 1x26 + 31x1
@@ -18,18 +26,18 @@ WORKLOADS = {
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "tiny"
-    record = bench.run_sweep(tiny_model("qwen2"), workloads=WORKLOADS, repetitions=1, max_new_tokens=3,
+    record = run_sweep(tiny_model("qwen2"), workloads=WORKLOADS, repetitions=1, max_new_tokens=3,
                              model_name="tiny-qwen2", progress=False, out=out)
     return record, out
 
 
 def test_sweep_writes_json_and_csv(sweep):
     record, out = sweep
-    assert bench.load_results(out) == json.loads(json.dumps(record))
-    assert bench.load_results(out.with_suffix(".json"))["kind"] == "sweep"
+    assert load_results(out) == json.loads(json.dumps(record))
+    assert load_results(out.with_suffix(".json"))["kind"] == "sweep"
     with out.with_name("tiny.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert len(rows) == len(WORKLOADS) * len(bench.PATHS)
+    assert len(rows) == len(WORKLOADS) * len(PATHS)
     assert {"workload", "path", "mean_ms", "tokens_per_s", "route", "matches_nocb", "prefill_ms"} <= set(rows[0])
     prov = record["provenance"]
     assert prov["model_name"] == "tiny-qwen2" and prov["git_sha"] and prov["dtype"] == "float32"
@@ -39,7 +47,7 @@ def test_sweep_record_per_path(sweep):
     record, _ = sweep
     for name, w in record["workloads"].items():
         assert w["lengths"] == WORKLOADS[name]
-        for path in bench.OUR_PATHS:
+        for path in MODES:
             r = w["paths"][path]
             assert len(r["samples_ms"]) == 1 and r["mean_ms"] > 0 and r["tokens_per_s"] > 0
             assert r["matches_nocb"] is True and r["matches_oracle"] is True, (name, path)
@@ -48,27 +56,26 @@ def test_sweep_record_per_path(sweep):
             assert r["peak_mem_bytes"] is None  # CPU
         assert w["paths"]["auto"]["route"] in ("nocb", "bucketed")
         assert all(rows == 1 for rows, _ in w["paths"]["aligned"]["buckets"])  # one forward per prompt
-        for peer in bench.PEER_PATHS:
+        for peer in PEER_PATHS:
             r = w["paths"][peer]
             assert r["skipped"] is not None or r["matches_nocb"] is True, (name, peer, r)
         s = w["summary"]
-        assert s["best_manual_path"] in bench.MANUAL_PATHS
+        assert s["best_manual_path"] in MANUAL_ROUTES
         assert s["auto_over_best_manual"] > 0 and s["regression"] >= 0
     worst = record["summary"]["worst_regression"]
     assert worst["workload"] in WORKLOADS
-    rows = bench.results_table(record)
-    assert len(rows) == len(WORKLOADS) * len(bench.PATHS)
-    assert bench.summary_table(record)[0]["auto_vs_best"] == record["workloads"]["long_tail"]["summary"]["auto_over_best_manual"]
+    rows = results_table(record)
+    assert len(rows) == len(WORKLOADS) * len(PATHS)
+    assert summary_table(record)[0]["auto_vs_best"] == record["workloads"]["long_tail"]["summary"]["auto_over_best_manual"]
 
 
 def test_failing_peer_is_skipped_with_reason(monkeypatch):
-    from rollout_lab import peers
 
     def broken(*args, **kwargs):
         raise RuntimeError("no paged cache today")
 
-    monkeypatch.setattr(peers, "hf_generate_batch", broken)
-    record = bench.run_sweep(tiny_model("qwen2"), workloads={"two": [3, 1]}, paths=["nocb", "auto", "hf_generate_batch"],
+    monkeypatch.setattr("rollout_lab.measure.sweep.hf_generate_batch", broken)
+    record = run_sweep(tiny_model("qwen2"), workloads={"two": [3, 1]}, paths=["nocb", "auto", "hf_generate_batch"],
                              repetitions=1, max_new_tokens=2, progress=False)
     r = record["workloads"]["two"]["paths"]["hf_generate_batch"]
     assert r["skipped"] == "RuntimeError: no paged cache today" and r["mean_ms"] is None
@@ -77,34 +84,34 @@ def test_failing_peer_is_skipped_with_reason(monkeypatch):
 
 def test_bad_workload_or_path_errors_before_work():
     with pytest.raises(ValueError, match="unknown workloads.*nope"):
-        bench.run_sweep(None, workloads=["long_tail", "nope"])  # never touches the model
+        run_sweep(None, workloads=["long_tail", "nope"])  # never touches the model
     with pytest.raises(ValueError, match="unknown paths"):
-        bench.run_sweep(None, workloads=["long_tail"], paths=["nocb", "vllm"])
+        run_sweep(None, workloads=["long_tail"], paths=["nocb", "vllm"])
     with pytest.raises(ValueError, match="positive ints"):
-        bench.run_sweep(None, workloads={"bad": [3, 0]})
+        run_sweep(None, workloads={"bad": [3, 0]})
 
 
 def test_atomic_write_leaves_no_partial_file(sweep, tmp_path):
     record, _ = sweep
     stem = tmp_path / "res"
-    bench.write_results(record, stem)
+    write_results(record, stem)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     broken = dict(record, provenance={**record["provenance"], "oops": object()})  # unserialisable
     with pytest.raises(TypeError):
-        bench.write_results(broken, stem)
+        write_results(broken, stem)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files, no truncation
     fresh = tmp_path / "fresh"
     with pytest.raises(TypeError):
-        bench.write_results(broken, fresh)
+        write_results(broken, fresh)
     assert not any(p.name.startswith("fresh") or p.name.startswith(".fresh") for p in tmp_path.iterdir())
 
 
 def test_load_results_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        bench.load_results(tmp_path / "missing")
+        load_results(tmp_path / "missing")
     (tmp_path / "x.json").write_text('{"kind": "other"}')
     with pytest.raises(ValueError, match="not a sweep record"):
-        bench.load_results(tmp_path / "x.json")
+        load_results(tmp_path / "x.json")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -114,7 +121,7 @@ def test_load_results_errors(tmp_path):
     (["--device", "tpu"], "--device"),
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch):
-    monkeypatch.setattr(cal, "build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
+    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
     with pytest.raises(SystemExit) as err:
         cli_main(["sweep", "--tiny", "qwen2", *argv])
     assert message in str(err.value)
@@ -126,6 +133,6 @@ def test_cli_tiny_sweep(tmp_path, capsys):
                      "--paths", "nocb", "bucketed", "auto", "--repetitions", "1", "--max-new-tokens", "2",
                      "--no-progress", "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
-    record = bench.load_results(out)
+    record = load_results(out)
     assert record["config"]["paths"] == ["nocb", "bucketed", "auto"]
     assert record["workloads"]["short_tail"]["lengths"] == get_workload("short_tail", scale=0.1)

@@ -6,17 +6,18 @@ import itertools
 import random
 
 import pytest
-
 from conftest import get_tiny
+
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.beyond import forward_shapes, random_prompts
-from rollout_lab.cost import CostCoefficients, ModelGeometry
-from rollout_lab.length_prior import ResponseLengthPrior
-from rollout_lab.models import TINY_VOCAB_SIZE
-from rollout_lab.online import OnlineCalibrator
-from rollout_lab.planner import (
-    choose_route, expected_decode_steps, plan_buckets, plan_chunked, split_prompt, validate_lengths,
-)
+from rollout_lab.measure.adaptation import forward_shapes
+from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.workloads import lengths_to_prompts
+from rollout_lab.planner.bucket_dp import plan_buckets, validate_lengths
+from rollout_lab.planner.chunks import plan_chunked, split_prompt
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.decode_steps import ResponseLengthPrior, expected_decode_steps
+from rollout_lab.planner.fit import OnlineCalibrator
+from rollout_lab.planner.routes import choose_route
 
 GEO = ModelGeometry(36, 16, 2, 128, 4)
 LIMIT = 16
@@ -68,7 +69,7 @@ def test_plan_chunked_is_the_dp_over_heads(seed):
 def test_chunked_prefill_matches_oracle_within_the_limit(family, mode, slots, oracle):
     model = get_tiny(family)
     lengths = [40, 5, 3, 70, 16, 17, 1]
-    prompts = random_prompts(lengths, vocab_size=TINY_VOCAB_SIZE, seed=7)
+    prompts = lengths_to_prompts(lengths, vocab_size=TINY_VOCAB_SIZE, seed=7, special_ids=[0])
     config = RolloutConfig(mode=mode, costs=CostCoefficients(prefill_max_tokens=LIMIT), profile=True,
                            continuous_batch_size=slots, repetition_penalty=1.3)
     with forward_shapes(model) as shapes:
@@ -86,7 +87,7 @@ def test_chunked_prefill_matches_oracle_within_the_limit(family, mode, slots, or
 
 def test_chunked_prefill_with_eos(oracle):
     model = get_tiny("qwen2")
-    prompts = random_prompts([50, 4, 33], vocab_size=TINY_VOCAB_SIZE, seed=2)
+    prompts = lengths_to_prompts([50, 4, 33], vocab_size=TINY_VOCAB_SIZE, seed=2, special_ids=[0])
     free = oracle(model, prompts, max_new_tokens=8)
     eos = free[0][2]
     result = Rollout(model, RolloutConfig(mode="bucketed", eos_token_id=eos,
@@ -143,7 +144,7 @@ def test_length_prior_ewma():
 
 def test_rollout_keeps_the_prior_across_calls():
     model = get_tiny("qwen2")
-    prompts = random_prompts([30] + [3] * 7, vocab_size=TINY_VOCAB_SIZE, seed=4)
+    prompts = lengths_to_prompts([30] + [3] * 7, vocab_size=TINY_VOCAB_SIZE, seed=4, special_ids=[0])
     config = RolloutConfig(mode="auto", prior_ewma=1.0)
     rollout = Rollout(model, config)
     assert rollout.length_prior.current() is None
@@ -168,7 +169,7 @@ def test_refit_recovers_known_coefficients():
                              prefill_kv_cost_ms=0.04, continuous_decode_cost_ms=0.6, nocb_decode_cost_ms=1.1)  # kv kept: CB rows only
     geo = ModelGeometry(2, 4, 2, 16, 4)
     calib = OnlineCalibrator(geo, CostCoefficients(), window=64)
-    from rollout_lab.online import predicted_ms
+    from rollout_lab.planner.fit import predicted_ms
     records = []
     for b, w in [(1, 8), (4, 16), (8, 64), (2, 200), (16, 8), (1, 300)]:
         r = {"kind": "prefill", "batch": b, "width": w}
@@ -198,7 +199,7 @@ def test_online_recalibration_converges_on_this_machine():
     so the route fix is checked with a scripted clock below."""
     model = get_tiny("qwen2")
     workloads = [[200] + [8] * 15, [8] * 16]
-    prompts = [random_prompts(w, vocab_size=TINY_VOCAB_SIZE, seed=i) for i, w in enumerate(workloads)]
+    prompts = [lengths_to_prompts(w, vocab_size=TINY_VOCAB_SIZE, seed=i, special_ids=[0]) for i, w in enumerate(workloads)]
     config = RolloutConfig(mode="auto", online_recalibration=True, online_window=64)
     rollout = Rollout(model, config)
     routes = [rollout.generate(prompts[i % 2], max_new_tokens=17).route for i in range(6)]
@@ -219,7 +220,7 @@ TRUTH = CostCoefficients(prefill_fixed_cost_ms=0.5, prefill_token_cost_ms=0.001,
 @pytest.fixture
 def scripted_clock(monkeypatch):
     """Every profiled forward "took" TRUTH's prediction for its shape: the calibrator sees those ms."""
-    from rollout_lab.online import predicted_ms
+    from rollout_lab.planner.fit import predicted_ms
 
     geometry = ModelGeometry.from_config(get_tiny("qwen2").config, "float32")
     real_observe = OnlineCalibrator.observe
@@ -234,7 +235,7 @@ def scripted_clock(monkeypatch):
 
 def test_online_recalibration_fixes_the_defaults_route(scripted_clock):
     model = get_tiny("qwen2")
-    prompts = random_prompts([8] * 16, vocab_size=TINY_VOCAB_SIZE, seed=1)
+    prompts = lengths_to_prompts([8] * 16, vocab_size=TINY_VOCAB_SIZE, seed=1, special_ids=[0])
     assert Rollout(model, RolloutConfig(mode="auto")).generate(prompts, max_new_tokens=17).route == "nocb"
     rollout = Rollout(model, RolloutConfig(mode="auto", online_recalibration=True, online_window=64))
     assert rollout.geometry == scripted_clock

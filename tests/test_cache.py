@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import get_tiny
-from rollout_lab.cache import AlignedKVCache
-from rollout_lab.decode import cache_kwarg_name, prefill_bucket
+
+from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
 
 
 def small_cache(**overrides) -> AlignedKVCache:

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_lab import calibrate as cal
 from rollout_lab.cli import main as cli_main
-from rollout_lab.cost import CostCoefficients, ModelGeometry, attention_gflops, kv_mib, read_cost_file
-from rollout_lab.models import tiny_model
-from rollout_lab.nnls import nnls
+from rollout_lab.measure.calibrate import CalibrationGrid, CalibrationResult, calibrate, load_calibration
+from rollout_lab.measure.models import tiny_model
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, attention_gflops, kv_mib, read_cost_file
+from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
 
 QWEN3B_BF16 = ModelGeometry.qwen25_3b(2)
 
@@ -48,7 +48,7 @@ def test_nnls_exact_nonnegative_solution_and_zero_column():
 
 
 def _synthetic(coeffs, copy_fixed_ms, noise, seed):
-    shapes = cal.CalibrationGrid().shapes()
+    shapes = CalibrationGrid().shapes()
     rng = np.random.default_rng(seed)
     fwd_fixed = coeffs.prefill_fixed_cost_ms - copy_fixed_ms
     forward = [(fwd_fixed + coeffs.prefill_token_cost_ms * b * w
@@ -63,7 +63,7 @@ def _synthetic(coeffs, copy_fixed_ms, noise, seed):
 def test_synthetic_coefficients_are_recovered(seed):
     true = CostCoefficients(20.0, 0.004, 0.02, 0.05, 3.0)
     shapes, forward, copy = _synthetic(true, copy_fixed_ms=1.0, noise=0.02, seed=seed)
-    coeffs, fit, r2 = cal.fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=3.0)
+    coeffs, fit, r2 = fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=3.0)
     assert coeffs.prefill_fixed_cost_ms == pytest.approx(20.0, rel=0.05)
     assert coeffs.prefill_token_cost_ms == pytest.approx(0.004, rel=0.1)
     assert coeffs.prefill_attention_cost_ms == pytest.approx(0.02, rel=0.2)
@@ -76,7 +76,7 @@ def test_synthetic_coefficients_are_recovered(seed):
 def test_noise_free_fit_is_exact_and_negative_decode_overhead_clips():
     true = CostCoefficients(12.0, 0.01, 0.5, 0.2, 0.0)
     shapes, forward, copy = _synthetic(true, copy_fixed_ms=0.5, noise=0.0, seed=0)
-    coeffs, fit, r2 = cal.fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=-4.0)
+    coeffs, fit, r2 = fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=-4.0)
     assert coeffs.prefill_fixed_cost_ms == pytest.approx(12.0, rel=1e-6)
     assert coeffs.prefill_attention_cost_ms == pytest.approx(0.5, rel=1e-6)
     assert coeffs.continuous_decode_cost_ms == 0.0
@@ -85,12 +85,12 @@ def test_noise_free_fit_is_exact_and_negative_decode_overhead_clips():
 
 def test_grid_validation_and_shapes():
     with pytest.raises(ValueError, match="batches"):
-        cal.CalibrationGrid(batches=(0, 4))
+        CalibrationGrid(batches=(0, 4))
     with pytest.raises(ValueError, match=">= 2 batches"):
-        cal.CalibrationGrid(batches=(4,))
+        CalibrationGrid(batches=(4,))
     with pytest.raises(ValueError, match="repeats"):
-        cal.CalibrationGrid(repeats=0)
-    grid = cal.CalibrationGrid(batches=(1, 32), widths=(16, 1024), max_batch_tokens=4096)
+        CalibrationGrid(repeats=0)
+    grid = CalibrationGrid(batches=(1, 32), widths=(16, 1024), max_batch_tokens=4096)
     assert grid.shapes() == [(1, 16), (32, 16), (1, 1024)]
     assert grid.shapes(max_width=512) == [(1, 16), (32, 16)]
 
@@ -102,7 +102,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def calibrated(tiny, tmp_path_factory):
-    result = cal.calibrate(tiny, grid=cal.CalibrationGrid.tiny(), model_name="tiny-qwen2", progress=False)
+    result = calibrate(tiny, grid=CalibrationGrid.tiny(), model_name="tiny-qwen2", progress=False)
     path = result.save(tmp_path_factory.mktemp("cal") / "tiny.json")
     return result, path
 
@@ -111,7 +111,7 @@ def test_tiny_calibration_end_to_end(calibrated):
     result, path = calibrated
     c = result.coeffs
     assert all(np.isfinite(v) and v >= 0 for k, v in c.to_dict().items() if k != "prefill_max_tokens")
-    assert len(result.fit) == len(cal.CalibrationGrid.tiny().shapes())
+    assert len(result.fit) == len(CalibrationGrid.tiny().shapes())
     assert np.isfinite(result.r2) and result.worst_rel_error >= 0
     assert result.decode and result.decode[0]["nocb_ms_per_step"] > 0
     meta = result.metadata
@@ -121,15 +121,15 @@ def test_tiny_calibration_end_to_end(calibrated):
     assert meta["dtype"] == "float32" and meta["attn_implementation"] == "sdpa"
     coeffs, saved = read_cost_file(path)  # the plain cost-file reader (``plan --costs``) accepts it
     assert coeffs == c and saved["fit"]["shapes"][0]["measured_ms"] > 0
-    again = cal.CalibrationResult.load(path)
+    again = CalibrationResult.load(path)
     assert again.coeffs == c and again.fit == result.fit and again.r2 == pytest.approx(result.r2)
 
 
 def test_load_accepts_the_same_run(calibrated, tiny):
     result, path = calibrated
-    assert cal.load_calibration(path, model=tiny) == result.coeffs
-    assert cal.load_calibration(path, model=tiny, model_name="tiny-qwen2") == result.coeffs
-    assert cal.load_calibration(path) == result.coeffs  # versions only
+    assert load_calibration(path, model=tiny) == result.coeffs
+    assert load_calibration(path, model=tiny, model_name="tiny-qwen2") == result.coeffs
+    assert load_calibration(path) == result.coeffs  # versions only
 
 
 def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
@@ -140,18 +140,18 @@ def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="torch") as err:
-        cal.load_calibration(other, model=tiny)
+        load_calibration(other, model=tiny)
     assert "attn_implementation" in str(err.value) and "dtype" not in str(err.value)
     with pytest.raises(ValueError, match="dtype.*geometry|geometry.*dtype"):
-        cal.load_calibration(path, model=tiny, dtype=torch.bfloat16)
+        load_calibration(path, model=tiny, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="model_name"):
-        cal.load_calibration(path, model=tiny, model_name="qwen2.5-3b")
-    assert cal.load_calibration(other, model=tiny, override=True) == result.coeffs
+        load_calibration(path, model=tiny, model_name="qwen2.5-3b")
+    assert load_calibration(other, model=tiny, override=True) == result.coeffs
 
 
 def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
     with pytest.raises(ValueError, match="dtype"):
-        cal.calibrate(tiny, dtype=torch.bfloat16, progress=False)
+        calibrate(tiny, dtype=torch.bfloat16, progress=False)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -161,7 +161,7 @@ def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
     (["--preset", "qwen9"], "unknown --preset"),
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
-    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: pytest.fail("calibrated despite bad arguments"))
+    monkeypatch.setattr("rollout_lab.measure.calibrate.calibrate", lambda *a, **k: pytest.fail("calibrated despite bad arguments"))
     with pytest.raises(SystemExit) as err:
         cli_main(["calibrate", *argv, "--out", "/nonexistent/x.json"])
     assert message in str(err.value)
@@ -175,7 +175,7 @@ def test_cli_rejects_a_bad_dtype(capsys):
 
 def test_decode_costs_keep_the_reference_form_or_give_both():
     slower = [{"cb_ms_per_step": 12.0, "nocb_ms_per_step": 10.0}, {"cb_ms_per_step": 14.0, "nocb_ms_per_step": 10.0}]
-    assert cal.decode_costs(slower) == pytest.approx((3.0, 0.0))
+    assert decode_costs(slower) == pytest.approx((3.0, 0.0))
     faster = [{"cb_ms_per_step": 6.0, "nocb_ms_per_step": 30.0}]
-    assert cal.decode_costs(faster) == (6.0, 30.0)
-    assert cal.decode_costs([]) == (0.0, 0.0)
+    assert decode_costs(faster) == (6.0, 30.0)
+    assert decode_costs([]) == (0.0, 0.0)

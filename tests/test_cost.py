@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from rollout_lab.cost import (
+from rollout_lab.planner.cost import (
     CostCoefficients,
     ModelGeometry,
     attention_gflops,

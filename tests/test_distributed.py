@@ -5,13 +5,18 @@ from collections import Counter
 
 import pytest
 
-from rollout_lab.cost import CostCoefficients, ModelGeometry
-from rollout_lab.planner import choose_route
-from rollout_lab.sharding import (
-    METHODS, RankCost, check_partition, contiguous_shards, predicted_makespan,
-    predicted_rank_costs, shard_requests,
+from rollout_lab.measure.workloads import get_workload, sample_lengths
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.routes import choose_route
+from rollout_lab.planner.sharding import (
+    METHODS,
+    RankCost,
+    check_partition,
+    contiguous_shards,
+    predicted_makespan,
+    predicted_rank_costs,
+    shard_requests,
 )
-from rollout_lab.workloads import get_workload, sample_lengths
 
 GEO = ModelGeometry.qwen25_3b()  # fp32
 COSTS = CostCoefficients()
@@ -155,10 +160,11 @@ def test_check_partition_names_the_problem():
 # ---------------------------------------------------------------- distributed (gloo, spawned)
 
 torch = pytest.importorskip("torch")
-from rollout_lab.distributed import distributed_generate, launch  # noqa: E402
-from rollout_lab.engine import Rollout, RolloutConfig  # noqa: E402
-from rollout_lab.models import TINY_VOCAB_SIZE, tiny_model  # noqa: E402
-from rollout_lab.workloads import lengths_to_prompts  # noqa: E402
+from rollout_lab.engine.config import RolloutConfig  # noqa: E402
+from rollout_lab.engine.distributed import distributed_generate, launch  # noqa: E402
+from rollout_lab.engine.rollout import Rollout  # noqa: E402
+from rollout_lab.measure.models import TINY_VOCAB_SIZE, tiny_model  # noqa: E402
+from rollout_lab.measure.workloads import lengths_to_prompts  # noqa: E402
 
 LENGTHS = [3, 40, 5, 5, 17, 2, 60, 9, 9, 9, 31, 4]
 MAX_NEW = 10

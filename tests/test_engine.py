@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import get_tiny
+
 from rollout_lab import Rollout, RolloutConfig, RolloutResult
-from rollout_lab.cost import CostCoefficients
-from rollout_lab.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.planner.cost import CostCoefficients
 
 ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "auto")
 CB_ROUTES = ("equal_width", "aligned", "bucketed", "auto")

@@ -5,12 +5,12 @@ import random
 
 import pytest
 import torch
-
 from conftest import get_tiny
+
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.cost import CostCoefficients
-from rollout_lab.graph import resolve_decode_mode
-from rollout_lab.models import TINY_VOCAB_SIZE, tiny_model
+from rollout_lab.engine.steppers import resolve_decode_mode
+from rollout_lab.measure.models import TINY_VOCAB_SIZE, tiny_model
+from rollout_lab.planner.cost import CostCoefficients
 
 SPLIT = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

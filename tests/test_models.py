@@ -4,10 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_lab.cost import ModelGeometry
-from rollout_lab.models import (
-    PRESETS, TINY_FAMILIES, TINY_VOCAB_SIZE, from_preset, load_pretrained, preset_config, tiny_model,
+from rollout_lab.measure.models import (
+    TINY_FAMILIES,
+    TINY_VOCAB_SIZE,
+    from_preset,
+    load_pretrained,
+    preset_config,
+    tiny_model,
 )
+from rollout_lab.measure.presets import PRESETS
+from rollout_lab.planner.cost import ModelGeometry
 
 # hidden / layers / heads / kv heads / head_dim / intermediate / vocab (DESIGN.md)
 PRESET_SHAPES = {

@@ -19,8 +19,7 @@ pm = pytest.importorskip("papermill")
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("matplotlib")
 
-from rollout_lab import paths  # noqa: E402
-from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks  # noqa: E402
+from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, notebook_path, run_notebooks  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -44,7 +43,7 @@ def assert_figure(directory: Path, stem: str, *, svg: bool = True) -> None:
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     out = tmp_path_factory.mktemp("notebooks")
-    notebooks = run_notebooks(out_dir=out / "executed", output_dir=out, extra=SMOKE_PARAMETERS, progress=False)
+    notebooks = run_notebooks(out_dir=out, extra=SMOKE_PARAMETERS, progress=False)
     return out, notebooks
 
 
@@ -52,7 +51,7 @@ def executed(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_committed_notebook_is_clean(name):
-    nb = nbformat.read(paths.NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nb = nbformat.read(notebook_path(name), as_version=4)
     assert nb.cells[0].cell_type == "markdown"
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1 and tagged[0] is nb.cells[1]
@@ -65,7 +64,7 @@ def test_committed_notebook_is_clean(name):
             tree = ast.parse(cell.source)
             defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
             assert not defs, f"{name}: notebooks define no functions or classes"
-    declared = pm.inspect_notebook(str(paths.NOTEBOOKS / f"{name}.ipynb"))
+    declared = pm.inspect_notebook(str(notebook_path(name)))
     assert {"output_dir", "interactive"} <= set(declared)
     assert set(SMOKE_PARAMETERS[name]) <= set(declared)
 
@@ -93,7 +92,7 @@ def test_02_figures(executed):
 
 def test_02_bucket_costs_never_above_one_bucket(executed):
     out, _ = executed
-    rows = read_csv(out / "tables" / "02_cost_by_num_buckets.csv")
+    rows = read_csv(out / "data" / "tables" / "02_cost_by_num_buckets.csv")
     groups: dict[tuple[str, str], list[dict[str, str]]] = {}
     for r in rows:
         groups.setdefault((r["distribution"], r["seed"]), []).append(r)
@@ -110,7 +109,7 @@ def test_02_bucket_costs_never_above_one_bucket(executed):
         assert best <= costs[1] * (1 + 1e-9), key
         assert best <= min(costs.values()) * (1 + 1e-9), key
         assert all(float(r["cost_vs_one_bucket"]) > 0 for r in group)
-    summary = read_csv(out / "tables" / "02_summary.csv")
+    summary = read_csv(out / "data" / "tables" / "02_summary.csv")
     for r in summary:
         assert float(r["dp_cost_ms"]) <= float(r["one_bucket_cost_ms"]) * (1 + 1e-9)
         assert 0.0 <= float(r["dp_padding_share"]) <= float(r["one_bucket_padding_share"]) + 1e-12 <= 1.0 + 1e-12
@@ -122,7 +121,7 @@ def test_02_bucket_costs_never_above_one_bucket(executed):
 
 def test_02_fixed_cost_sweep_and_route_map(executed):
     out, _ = executed
-    sweep = read_csv(out / "tables" / "02_fixed_cost_sweep.csv")
+    sweep = read_csv(out / "data" / "tables" / "02_fixed_cost_sweep.csv")
     for label in {r["distribution"] for r in sweep}:
         mine = sorted((r for r in sweep if r["distribution"] == label), key=lambda r: float(r["fixed_cost_ms"]))
         ks = [int(r["num_buckets"]) for r in mine]
@@ -131,7 +130,7 @@ def test_02_fixed_cost_sweep_and_route_map(executed):
             assert float(r["cost_ms"]) <= float(r["one_bucket_cost_ms"]) * (1 + 1e-9)
         sizes = {sum(int(s) for s in r["bucket_sizes"].split(";")) for r in mine}
         assert len(sizes) == 1, f"{label}: every plan covers every prompt"
-    route = read_csv(out / "tables" / "02_route_map.csv")
+    route = read_csv(out / "data" / "tables" / "02_route_map.csv")
     assert {r["route"] for r in route} == {"nocb", "bucketed"}
     for r in route:
         nocb, cb = float(r["nocb_cost_ms"]), float(r["cb_cost_ms"])
@@ -142,11 +141,11 @@ def test_02_fixed_cost_sweep_and_route_map(executed):
 
 def test_01_calibration_outputs(executed):
     out, _ = executed
-    cost_file = out / "calibration" / "tiny-qwen2_float32_cpu.json"
+    cost_file = out / "data" / "calibration" / "tiny-qwen2_float32_cpu.json"
     data = json.loads(cost_file.read_text())
     assert all(v is None or (math.isfinite(v) and v >= 0) for v in data["coefficients"].values())
     assert data["metadata"]["model_name"] == "tiny-qwen2"
-    fit = read_csv(out / "tables" / "01_calibration_fit_tiny_qwen2.csv")
+    fit = read_csv(out / "data" / "tables" / "01_calibration_fit_tiny_qwen2.csv")
     assert len(fit) == 4  # smoke grid: 2 batches x 2 widths
     for r in fit:
         assert float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) >= 0
@@ -158,15 +157,15 @@ def test_01_calibration_outputs(executed):
 
 def test_03_latency_outputs(executed):
     out, _ = executed
-    record = json.loads((out / "results" / "sweep_tiny-qwen2_float32_cpu.json").read_text())
+    record = json.loads((out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.json").read_text())
     assert set(record["workloads"]) == {"long_tail", "spread"}
-    table = read_csv(out / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
+    table = read_csv(out / "data" / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
     assert [r["workload"] for r in table] == ["long_tail", "spread"]
     for r in table:
         assert r["auto_route"] in ("nocb", "bucketed")
         assert all(float(r[f"{p}_ms"]) > 0 for p in ("nocb", "equal_width", "aligned", "bucketed", "auto"))
         assert float(r["auto_vs_best"]) > 0
-    rows = read_csv(out / "tables" / "03_results_tiny_qwen2_float32_cpu.csv")
+    rows = read_csv(out / "data" / "tables" / "03_results_tiny_qwen2_float32_cpu.csv")
     for r in rows:
         assert r["matches_nocb"] == "True"
         assert int(r["num_prefill_forwards"]) >= 1
@@ -176,28 +175,28 @@ def test_03_latency_outputs(executed):
 
 def test_03_renders_a_saved_results_file(executed, tmp_path):
     out, _ = executed
-    saved = out / "results" / "sweep_tiny-qwen2_float32_cpu.json"
-    run_notebooks(names=["03_latency_tables"], out_dir=tmp_path / "executed", output_dir=tmp_path,
+    saved = out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.json"
+    run_notebooks(names=["03_latency_tables"], out_dir=tmp_path,
                   extra={"03_latency_tables": {"results_file": str(saved)}}, progress=False)
-    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+    assert not (tmp_path / "data" / "results").exists() or not any((tmp_path / "data" / "results").iterdir())
     assert_figure(tmp_path / "figures", "03_e2e_tiny_qwen2_float32_cpu")
-    assert read_csv(tmp_path / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
+    assert read_csv(tmp_path / "data" / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
 
 
 # ---------------------------------------------------------------- 04: beyond the reference planner
 
-def test_04_beyond_outputs(executed):
+def test_04_adaptation_outputs(executed):
     out, _ = executed
-    for r in read_csv(out / "tables" / "04_chunked.csv"):
+    for r in read_csv(out / "data" / "tables" / "04_chunked.csv"):
         assert r["matches_reference"] == "True" and r["within_limit"] == "True"
         assert int(r["max_forward_tokens"]) <= int(r["limit"]) and int(r["num_chunked_prompts"]) >= 1
-    eos = read_csv(out / "tables" / "04_eos_prior.csv")
+    eos = read_csv(out / "data" / "tables" / "04_eos_prior.csv")
     assert {r["source"] for r in eos} == {"tiny model, natural EOS", "scripted geometric lengths, cost model"}
     for r in eos:
         assert float(r["eos_aware_e2e_ms"]) > 0 and float(r["reference_e2e_ms"]) > 0
     scripted = [r for r in eos if r["source"].startswith("scripted")]
     assert all(float(r["eos_aware_vs_reference"]) <= 1 + 1e-9 for r in scripted)  # priced by the model itself
-    online = read_csv(out / "tables" / "04_online.csv")
+    online = read_csv(out / "data" / "tables" / "04_online.csv")
     assert len(online) == 6 and all(math.isfinite(float(r["prefill_rel_error"])) for r in online)
     for stem in ("04_chunked_plan", "04_eos_prior", "04_online_convergence"):
         assert_figure(out / "figures", stem)
@@ -214,9 +213,8 @@ def test_executed_copies_have_outputs(executed):
 
 def test_01_cost_file_feeds_02_and_03(executed):
     out, _ = executed
-    from rollout_lab.analysis import load_coeffs
-    from rollout_lab.cost import CostCoefficients
+    from rollout_lab.planner.cost import CostCoefficients, read_cost_file
 
-    cost_file = out / "calibration" / "tiny-qwen2_float32_cpu.json"
-    coeffs = load_coeffs(cost_file)
+    cost_file = out / "data" / "calibration" / "tiny-qwen2_float32_cpu.json"
+    coeffs = read_cost_file(cost_file)[0]
     assert coeffs == CostCoefficients.from_dict(json.loads(cost_file.read_text())["coefficients"])

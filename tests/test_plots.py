@@ -9,11 +9,25 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from rollout_lab import analysis, explore, plots  # noqa: E402
-from rollout_lab.cost import CostCoefficients  # noqa: E402
-from rollout_lab.planner import plan_buckets  # noqa: E402
+from rollout_lab.measure.bucket_choices import fixed_cost_rows, num_buckets_rows, route_map
+from rollout_lab.measure.presets import geometry_for
+from rollout_lab.measure.workloads import resolve_distributions
+from rollout_lab.planner.bucket_dp import plan_buckets  # noqa: E402
+from rollout_lab.planner.cost import CostCoefficients  # noqa: E402
+from rollout_lab.plots.buckets import (
+    plot_bucket_grid,
+    plot_bucket_map_vs_fixed_cost,
+    plot_buckets,
+    plot_fixed_cost_sweep,
+    plot_num_buckets_curves,
+    plot_route_maps,
+)
+from rollout_lab.plots.calibration import plot_calibration_fit
+from rollout_lab.plots.explorer import KINDS, Settings, explorer_widget, show
+from rollout_lab.plots.latency import plot_breakdown, plot_e2e, plot_throughput_memory
+from rollout_lab.plots.style import save_figure, slug
 
-GEO = analysis.geometry_for("qwen2.5-3b")
+GEO = geometry_for("qwen2.5-3b")
 COEFFS = CostCoefficients()
 
 
@@ -25,75 +39,73 @@ def _close_figures():
 
 @pytest.fixture(scope="module")
 def dists():
-    return analysis.resolve_distributions(
+    return resolve_distributions(
         [{"kind": "seed", "name": "long_tail"}, {"kind": "real", "dataset": "gsm8k"}], batch_size=16, seeds=[0, 1])
 
 
-def test_output_dirs(tmp_path):
-    figures, tables = plots.output_dirs(tmp_path)
-    assert figures == tmp_path / "figures" and tables == tmp_path / "tables" and figures.is_dir()
-    assert plots.slug("lognormal(med 120, σ 0.6)") == "lognormal_med_120_0_6"
+def test_slug():
+    assert slug("lognormal(med 120, σ 0.6)") == "lognormal_med_120_0_6"
 
 
 def test_bucket_figures_save(tmp_path, dists):
     items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COEFFS)) for d in dists]
-    written = plots.save_figure(plots.plot_bucket_grid(items), tmp_path, "grid")
+    written = save_figure(plot_bucket_grid(items), tmp_path, "grid")
     assert [p.suffix for p in written] == [".png", ".svg"] and all(p.stat().st_size > 0 for p in written)
-    fig = plots.plot_buckets(*items[0][1:], title="long_tail")
+    fig = plot_buckets(*items[0][1:], title="long_tail")
     assert "2 buckets, padding 0%" in fig.axes[0].get_title()
 
 
 def test_svg_is_the_same_on_every_save(tmp_path, dists):
     items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COEFFS)) for d in dists[:2]]
-    first = plots.save_figure(plots.plot_bucket_grid(items), tmp_path / "a", "grid")[1].read_bytes()
-    second = plots.save_figure(plots.plot_bucket_grid(items), tmp_path / "b", "grid")[1].read_bytes()
+    first = save_figure(plot_bucket_grid(items), tmp_path / "a", "grid")[1].read_bytes()
+    second = save_figure(plot_bucket_grid(items), tmp_path / "b", "grid")[1].read_bytes()
     assert first == second and matplotlib.rcParams["svg.hashsalt"] is None  # the user's setting untouched
 
 
 def test_curve_sweep_and_route_figures(dists):
-    rows = analysis.num_buckets_rows(dists, GEO, COEFFS, max_num_buckets=5)
-    assert len(plots.plot_num_buckets_curves(rows).axes) == 2
-    sweep = analysis.fixed_cost_rows(dists, GEO, COEFFS, fixed_costs_ms=[0.1, 10, 1000])
-    plots.plot_fixed_cost_sweep(sweep)
-    plots.plot_bucket_map_vs_fixed_cost("gsm8k", dists[1].lengths, sweep)
+    rows = num_buckets_rows(dists, GEO, COEFFS, max_num_buckets=5)
+    assert len(plot_num_buckets_curves(rows).axes) == 2
+    sweep = fixed_cost_rows(dists, GEO, COEFFS, fixed_costs_ms=[0.1, 10, 1000])
+    plot_fixed_cost_sweep(sweep)
+    plot_bucket_map_vs_fixed_cost("gsm8k", dists[1].lengths, sweep)
     with pytest.raises(ValueError, match="no fixed-cost rows"):
-        plots.plot_bucket_map_vs_fixed_cost("nope", [1], sweep)
-    maps = [analysis.route_map(d.label, d.lengths, GEO, COEFFS, max_lengths=[16, 256, 2048], budgets=[1, 64, 1024])
+        plot_bucket_map_vs_fixed_cost("nope", [1], sweep)
+    maps = [route_map(d.label, d.lengths, GEO, COEFFS, max_lengths=[16, 256, 2048], budgets=[1, 64, 1024])
             for d in dists]
-    plots.plot_route_maps(maps)
+    plot_route_maps(maps)
 
 
 def test_calibration_and_latency_figures():
     fit = [{"batch": b, "width": w, "measured_ms": 1 + b * w / 100, "predicted_ms": 1 + b * w / 110,
             "rel_error": 0.05} for b in (1, 4) for w in (8, 32)]
-    plots.plot_calibration_fit(fit)
+    plot_calibration_fit(fit)
     rows = [{"workload": w, "path": p, "mean_ms": 10.0 + i, "tokens_per_s": 100.0, "peak_mem_bytes": None,
              "prefill_ms": 4.0, "decode_ms": 5.0, "cache_ms": 0.5, "num_prefill_forwards": 1 + i}
             for w in ("a", "b") for i, p in enumerate(("nocb", "bucketed", "auto"))]
     summary = [{"workload": "a", "auto_vs_best": 1.2, "auto_route": "bucketed"}]
-    plots.plot_e2e(rows, summary)
-    plots.plot_throughput_memory(rows)
-    assert len(plots.plot_breakdown(rows).axes) == 2
+    plot_e2e(rows, summary)
+    plot_throughput_memory(rows)
+    assert len(plot_breakdown(rows).axes) == 2
 
 
-@pytest.mark.parametrize("kind", explore.KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_explorer_static_view_every_kind(kind):
-    fig = explore.show(coeffs=COEFFS, geometry=GEO, settings=explore.Settings(kind=kind, batch_size=12))
+    fig = show(coeffs=COEFFS, geometry=GEO, settings=Settings(kind=kind, batch_size=12))
     assert len(fig.axes) >= 3
 
 
 def test_explorer_widget_builds_without_frontend():
     pytest.importorskip("ipywidgets")
-    widget = explore.explorer_widget(explore.Settings(), GEO, COEFFS)
+    widget = explorer_widget(Settings(), GEO, COEFFS)
     sliders = [c for box in widget.children[0].children for c in box.children]
     assert len(sliders) == 14
     sliders[0].value = 100.0  # a redraw must not raise
     with pytest.raises(ValueError, match="kind must be one of"):
-        explore.Settings(kind="zipf")
+        Settings(kind="zipf")
 
 
 def test_grpo_figure_from_a_record(tmp_path):
-    from rollout_lab.plots_grpo import plot_grpo
+    from rollout_lab.plots.grpo import plot_grpo
 
     ours = {"prefill_ms": 40.0, "cache_ms": 5.0, "decode_ms": 900.0}
     record = {
@@ -112,5 +124,5 @@ def test_grpo_figure_from_a_record(tmp_path):
     assert "4 prompts x 2 samples x 8 tokens" in left.get_title()
     with pytest.raises(ValueError, match="no results"):
         plot_grpo(dict(record, results={}))
-    written = plots.save_figure(fig, tmp_path, "grpo")
+    written = save_figure(fig, tmp_path, "grpo")
     assert all(p.stat().st_size > 0 for p in written)

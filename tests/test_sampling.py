@@ -6,15 +6,22 @@ import random
 
 import pytest
 import torch
-
 from conftest import get_tiny
+
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.cost import CostCoefficients, ModelGeometry
-from rollout_lab.models import TINY_VOCAB_SIZE
-from rollout_lab.replication import choose_shared_route, prompt_groups, replication_cost_ms
-from rollout_lab.sampling import (
-    SamplingParams, _mix64, _mix64_int, _signed, filter_logits, sample_key, sample_tokens, uniforms,
+from rollout_lab.engine.sampling import (
+    SamplingParams,
+    _mix64,
+    _mix64_int,
+    _signed,
+    filter_logits,
+    sample_key,
+    sample_tokens,
+    uniforms,
 )
+from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.routes import choose_shared_route, prompt_groups, replication_cost_ms
 
 ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "auto")
 CB_ROUTES = ("equal_width", "aligned", "bucketed", "auto")

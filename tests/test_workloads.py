@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_lab import workloads as wl
+from rollout_lab.measure import workloads as wl
 
 
 def test_seed_workloads_exact():
@@ -50,7 +50,7 @@ def test_csv_counts_and_values(dataset, count):
 
 def test_optional_csvs_sane():
     for dataset in ("gpqa_diamond", "aime2025"):
-        if (wl.PROMPT_LENGTHS / f"{dataset}.csv").exists():
+        if (wl.PROMPT_LENGTHS / f"{dataset}.csv").is_file():
             assert all(n > 29 for n in wl.load_lengths(dataset))
 
 

@@ -1,0 +1,370 @@
+"""Continuous batching over the aligned cache: admit, prefill buckets, decode, retire, compact, trim.
+
+Slots stay dense: live rows occupy slots ``[0, num_live)``; retiring rows leave holes that the last
+live rows fill (compaction), and queued requests are admitted, in input order, into the free tail.
+Each admission is re-planned (``equal_width``: one bucket; ``aligned``: one per request;
+``bucketed``: the DP). A request is admitted only when the cache can hold it and every live row to
+the end of their budgets; otherwise it waits for rows to retire. Dead left columns are trimmed when
+``trim_cache`` is set or when the front would otherwise run past the capacity.
+
+Here a "request" is one row of the call: (request, sample) of ``Rollout.generate``. Shared
+prefill: rows of one ``groups`` id (identical prompts) admitted together are planned and
+prefilled as one row whose KV (and first-token logits) are replicated into their slots; a group
+split across admissions (fewer free slots than its rows) is prefilled once per admission.
+
+
+[from chunked] Chunked prefill of one over-long prompt: its tail chunks, run in order after its head.
+
+The planner (``planner.plan_chunked``) cuts a prompt of more than ``prefill_max_tokens`` tokens into
+a head, prefilled in an ordinary bucket (``decode.prefill_bucket``, possibly beside short prompts),
+and tail chunks of exactly the limit. ``extend_prefill`` runs the tails one forward each over a
+``DynamicCache`` that already holds the head (and then every earlier chunk), with position ids
+continuing from it, so chunk k attends to chunks < k; the caller copies the whole span into the
+prompt's slot (``AlignedKVCache.admit``) and takes the first token from the last chunk's logits.
+
+    logits, layer_kv = extend_prefill(model, head_kv, [prompt[h:h + c], ...], cache_kwarg="cache")
+
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from rollout_lab.engine.decode import seen_from_ids, select_tokens
+from rollout_lab.engine.prefill import prefill_bucket
+from rollout_lab.engine.profile import Profile, Timer
+from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.engine.steppers import EagerStepper, StepperKey
+from rollout_lab.planner.bucket_dp import BucketPlan
+from rollout_lab.planner.chunks import plan_chunked
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+
+
+@dataclass
+class _Row:
+    request: int
+    num_generated: int
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """What one ``generate`` call asks of the batcher (checked by ``RolloutConfig`` and ``generate``)."""
+
+    route: str
+    max_new_tokens: int
+    num_slots: int
+    capacity: int
+    trim_cache: bool
+    eos_token_ids: frozenset[int]
+    pad_token_id: int
+    repetition_penalty: float
+    cache_kwarg: str
+    sampling: SamplingParams | None = None  # None: greedy
+
+
+def plan_admission(
+    route: str, requests: Sequence[int], lengths: Sequence[int],
+    geometry: ModelGeometry, costs: CostCoefficients,
+) -> BucketPlan:
+    """The buckets, as tuples of request indices, for the requests admitted together."""
+    widths = [lengths[r] for r in requests]
+    if route == "equal_width":
+        width = max(widths)
+        return BucketPlan((tuple(requests),), (width,), prefill_cost_ms(len(requests), width, geometry, costs))
+    if route == "aligned":
+        cost = sum(prefill_cost_ms(1, w, geometry, costs) for w in widths)
+        return BucketPlan(tuple((r,) for r in requests), tuple(widths), cost)
+    plan = plan_chunked(widths, geometry, costs)  # plan_buckets unless a prompt is over the limit
+    buckets = tuple(tuple(requests[i] for i in bucket) for bucket in plan.buckets)
+    chunks = tuple((requests[i], tail) for i, tail in plan.chunks)
+    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks)
+
+
+class ContinuousBatcher:
+    """Runs one call's requests through the aligned cache; ``run()`` -> (sequences, plans)."""
+
+    def __init__(
+        self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], settings: BatchSettings, *,
+        geometry: ModelGeometry, costs: CostCoefficients, profile: Profile, timer: Timer,
+        stepper: "EagerStepper | None" = None, groups: Sequence[int] | None = None,
+        sample_keys: Sequence[int] | None = None,
+    ):
+        self.model, self.prompts, self.s = model, prompts, settings
+        self.geometry, self.costs = geometry, costs
+        self.profile, self.timer = profile, timer
+        self.lengths = [len(p) for p in prompts]
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.device = next(model.parameters()).device
+        # per row: the first row with the same prompt (shared prefill) and the sampling key
+        self.groups = list(range(len(prompts))) if groups is None else list(groups)
+        keys = [0] * len(prompts) if sample_keys is None else list(sample_keys)
+        self.sample_keys = torch.tensor(keys, dtype=torch.long, device=self.device)  # [rows]
+        with timer.phase("cache_ms"):
+            if stepper is None:
+                sampling = settings.sampling or SamplingParams()
+                stepper = EagerStepper(model, StepperKey(
+                    settings.num_slots, settings.capacity, settings.repetition_penalty,
+                    settings.repetition_penalty != 1.0, settings.cache_kwarg,
+                    settings.sampling is not None, sampling.temperature, sampling.top_k,
+                    sampling.top_p))
+            else:
+                stepper.reset()
+        self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
+        profile.cache_bytes = self.cache.num_bytes
+        self.rows: list[_Row] = []  # index = slot
+        self.queue = list(range(len(prompts)))  # not yet admitted, input order
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.plans: list[BucketPlan] = []
+        self.tails: dict[int, tuple[int, ...]] = {}  # request -> tail chunk widths (this admission)
+        self._spans: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket row -> whole KV
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
+        while self.queue or self.rows:
+            while self.queue and len(self.rows) < self.s.num_slots and self._admit():
+                pass
+            if not self.rows:
+                if not self.queue:
+                    break  # the last admissions all finished on their first token
+                raise RuntimeError("no request is admissible into an empty cache (capacity check missed)")
+            # Without EOS ids nothing retires before the nearest budget: run those steps without
+            # reading tokens back, so the host never waits on the device in between.
+            burst = 1
+            if not self.s.eos_token_ids:
+                burst = min(self.s.max_new_tokens - row.num_generated for row in self.rows)
+            num_rows = len(self.rows)
+            with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
+                steps = [self.stepper.step(num_rows) for _ in range(burst)]
+                tokens = (steps[0][:, None] if burst == 1 else torch.stack(steps, 1)).tolist()
+                self.cache.front_int += burst
+            self.profile.num_decode_forwards += burst
+            self._note_peak()
+            for row, row_tokens in zip(self.rows, tokens):
+                for token in row_tokens:
+                    self._append(row, token)
+            self._retire()
+        return self.outputs, self.plans
+
+    def _append(self, row: _Row, token: int) -> None:
+        self.outputs[row.request].append(token)
+        row.num_generated += 1
+
+    def _is_done(self, row: _Row) -> bool:
+        last = self.outputs[row.request][-1]
+        return last in self.s.eos_token_ids or row.num_generated >= self.s.max_new_tokens
+
+    def _note_peak(self) -> None:
+        self.profile.peak_cache_columns = max(self.profile.peak_cache_columns, self.cache.front_int)
+
+    # -- admission --------------------------------------------------------------------------
+    def _admissible(self) -> tuple[list[int], int | None]:
+        """The longest queue prefix that fits the free slots and the cache, and the front it needs."""
+        free = self.s.num_slots - len(self.rows)
+        live_span, live_remaining = self._live_needs()
+        best: tuple[list[int], int | None] = ([], None)
+        longest_new = 0
+        for count in range(1, min(free, len(self.queue)) + 1):
+            longest_new = max(longest_new, self.lengths[self.queue[count - 1]])
+            front = self._choose_front(
+                max(live_span, longest_new), max(live_remaining, self.s.max_new_tokens - 1)
+            )
+            if front is None:
+                break
+            best = (self.queue[:count], front)
+        return best
+
+    def _live_needs(self) -> tuple[int, int]:
+        """(widest live span, most decode columns a live row still needs)."""
+        front, budget = self.cache.front_int, self.s.max_new_tokens
+        span = max((front - self.cache.row_starts[slot] for slot in range(len(self.rows))), default=0)
+        remaining = max((budget - row.num_generated for row in self.rows), default=0)
+        return span, remaining
+
+    def _choose_front(self, span: int, remaining: int) -> int | None:
+        """The front column that holds ``span`` columns left of it and ``remaining`` right of it.
+
+        None if the capacity cannot; with ``trim_cache`` the lowest such front, else the nearest.
+        """
+        lower, upper = span, self.s.capacity - remaining
+        if lower > upper:
+            return None
+        if self.s.trim_cache:
+            return lower
+        return min(max(self.cache.front_int, lower), upper)
+
+    def _set_front(self, new_front: int) -> None:
+        delta = new_front - self.cache.front_int
+        if delta == 0:
+            return
+        with self.timer.phase("cache_ms"):
+            self.profile.moved_bytes += self.cache.shift_columns(len(self.rows), delta)
+        if delta < 0 and self.rows:
+            self.profile.num_trims += 1
+            self.profile.trimmed_columns += -delta
+
+    def _admit(self) -> bool:
+        requests, front = self._admissible()
+        if not requests:
+            return False
+        del self.queue[: len(requests)]
+        self._set_front(front)
+        members: dict[int, list[int]] = {}  # first admitted row of a group -> its admitted rows
+        first_of: dict[int, int] = {}
+        for r in requests:
+            members.setdefault(first_of.setdefault(self.groups[r], r), []).append(r)
+        with self.timer.phase("planning_ms"):
+            plan = plan_admission(self.s.route, list(members), self.lengths, self.geometry, self.costs)
+        self.plans.append(plan)
+        self.tails = dict(plan.chunks)
+        slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
+        self.rows.extend(_Row(r, 0) for r in requests)
+        for bucket, width in zip(plan.buckets, plan.widths):
+            with self.timer.record("prefill", batch=len(bucket), width=width):
+                self._prefill(bucket, [members[r] for r in bucket], slot_of)
+        self._note_peak()
+        self._retire()
+        return True
+
+    def _prefill(
+        self, requests: Sequence[int], members: Sequence[Sequence[int]], slot_of: dict[int, int]
+    ) -> None:
+        """Prefill ``requests`` (one per group) and fill the slots of every row in ``members``."""
+        prompts = [self.prompts[r] for r in requests]
+        rows = [m for group in members for m in group]  # the rows that get a slot
+        source = [i for i, group in enumerate(members) for _ in group]  # their prefilled row
+        slots = [slot_of[r] for r in rows]
+        lengths = [self.lengths[r] for r in rows]
+        with self.timer.phase("prefill_ms"):
+            logits, layer_kv = self._bucket_forward(requests)
+            index = None
+            if len(rows) != len(requests):
+                index = torch.tensor(source, dtype=torch.long, device=logits.device)
+                logits = logits.index_select(0, index)  # [rows, vocab]
+            seen = None
+            if self.state.seen is not None:
+                seen = self._seen_of(prompts)
+                seen = seen if index is None else seen.index_select(0, index)
+            keys = self.sample_keys[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            first = select_tokens(
+                logits, seen, self.s.repetition_penalty, sampling=self.s.sampling,
+                sample_keys=keys, steps=torch.zeros_like(keys),
+            )  # [rows], the token of step 0
+            if seen is not None:
+                seen.scatter_(1, first[:, None], True)
+        self.profile.num_prefill_forwards += 1
+        self.profile.num_prefill_rows += len(requests)
+        self.profile.num_replicated_rows += len(rows) - len(requests)
+        with self.timer.phase("cache_ms"):
+            self.cache.admit(slots, layer_kv, lengths, source_rows=source)
+            self._admit_spans(slots, source)
+            self.state.admit(slots, first, lengths, seen, sample_keys=keys)
+        for slot, token in zip(slots, first.tolist()):
+            self._append(self.rows[slot], token)
+
+    def _seen_of(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            valid[row, : len(prompt)] = True
+        return seen_from_ids(ids.to(self.device), valid.to(self.device), self.vocab_size)
+
+    # -- chunked prefill (planner.plan_chunked) ---------------------------------------------
+    def _bucket_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list]:
+        """The bucket's forward over each request's head; a chunked request's tails run after it
+        (chunk k over a cache of chunks < k), its logits replace the head's and its whole KV
+        waits in ``_spans`` for ``_admit_spans``."""
+        heads = [self.prompts[r][: self.lengths[r] - sum(self.tails.get(r, ()))] for r in requests]
+        logits, layer_kv = prefill_bucket(
+            self.model, heads, pad_token_id=self.s.pad_token_id, cache_kwarg=self.s.cache_kwarg
+        )
+        self._spans = {}
+        for row, r in enumerate(requests):
+            if r not in self.tails:
+                continue
+            start, chunks = len(heads[row]), []
+            for width in self.tails[r]:
+                chunks.append(self.prompts[r][start : start + width])
+                start += width
+            row_logits, kv = extend_prefill(
+                self.model, head_kv_of_row(layer_kv, row, len(heads[row])), chunks,
+                cache_kwarg=self.s.cache_kwarg,
+                record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o),
+            )
+            logits = logits.clone() if not self._spans else logits
+            logits[row] = row_logits[0]
+            self._spans[row] = kv
+            self.profile.num_prefill_forwards += len(chunks)
+        return logits, layer_kv
+
+    def _admit_spans(self, slots: Sequence[int], source_rows: Sequence[int] | None = None) -> None:
+        """Overwrite each chunked request's slot with its whole prompt (``admit`` wrote the head)."""
+        for j, slot in enumerate(slots):
+            kv = self._spans.get(j if source_rows is None else source_rows[j])
+            if kv is not None:
+                self.cache.admit([slot], kv, [kv[0][0].shape[2]])
+
+    # -- retirement -------------------------------------------------------------------------
+    def _retire(self) -> None:
+        """Drop finished rows, fill their holes with the last live rows, then trim if asked."""
+        keep = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
+        if len(keep) == len(self.rows):
+            return
+        num_live = len(keep)
+        kept = set(keep)
+        holes = [slot for slot in range(num_live) if slot not in kept]
+        movers = [slot for slot in keep if slot >= num_live]
+        with self.timer.phase("cache_ms"):
+            self.profile.moved_bytes += self.cache.move_rows(movers, holes)
+            self.state.move_rows(movers, holes)
+            self.stepper.retire_tail(num_live)
+        rows = self.rows
+        for src, dst in zip(movers, holes):
+            rows[dst] = rows[src]
+        self.rows = rows[:num_live]
+        if self.s.trim_cache and self.rows and not self.queue:
+            front = self._choose_front(*self._live_needs())
+            if front is not None:
+                self._set_front(front)
+
+
+def head_kv_of_row(
+    layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], row: int, head_length: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row ``row``'s effective (last ``head_length``) columns of a left-padded bucket's KV."""
+    return [(k[row : row + 1, :, -head_length:], v[row : row + 1, :, -head_length:]) for k, v in layer_kv]
+
+
+@torch.no_grad()
+def extend_prefill(
+    model: torch.nn.Module,
+    head_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    chunks: Sequence[Sequence[int]],
+    *,
+    cache_kwarg: str,
+    record: Callable[[int, int], AbstractContextManager] | None = None,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Forwards of ``chunks`` after ``head_kv`` (per layer, ``[1, kv_heads, head, head_dim]``):
+    (last logits ``[1, vocab]``, per-layer (keys, values) of the whole prompt). Each forward runs
+    inside ``record(width, offset)`` (the profile's ``Timer.record``) when given."""
+    if not chunks:
+        raise ValueError("extend_prefill needs at least one chunk")
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    for layer, (keys, values) in enumerate(head_kv):
+        cache.update(keys, values, layer)
+    offset = head_kv[0][0].shape[2]
+    out = None
+    for chunk in chunks:
+        ids = torch.tensor([list(chunk)], dtype=torch.long, device=device)  # [1, width]
+        positions = torch.arange(offset, offset + len(chunk), device=device)[None]  # [1, width]
+        with record(len(chunk), offset) if record is not None else nullcontext():
+            out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{cache_kwarg: cache})
+        offset += len(chunk)
+    return out.logits[:, -1], [(layer.keys, layer.values) for layer in cache.layers]

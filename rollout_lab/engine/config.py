@@ -1,0 +1,168 @@
+"""What a rollout is asked to do and what it gives back: ``RolloutConfig``, ``RolloutResult``.
+
+Every check of a user's value lives here, so a bad value fails before any model work:
+``RolloutConfig.__post_init__`` for the config, ``sampling_params`` for ``generate``'s sampling
+arguments, ``prompt_lists`` for the prompts.
+
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from rollout_lab.engine.profile import Profile
+from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.planner.bucket_dp import BucketPlan
+from rollout_lab.planner.checks import as_int, is_int
+from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.planner.decode_steps import check_prior_settings
+from rollout_lab.planner.fit import check_window
+
+# The routes, in the order tables and figures show them: the four a user can force, then Auto's choice.
+MANUAL_ROUTES = ("nocb", "equal_width", "aligned", "bucketed")
+CB_ROUTES = MANUAL_ROUTES[1:]  # prefill into the aligned cache, then continuous batching
+MODES = MANUAL_ROUTES + ("auto",)
+DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager elsewhere
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How to run a rollout. ``eos_token_id`` may be an int, a list of ints or None (no early stop)."""
+
+    mode: str = "auto"
+    continuous_batch_size: int | None = None  # slots; None = all requests at once
+    costs: CostCoefficients = field(default_factory=CostCoefficients)
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None  # None: the model's, else the first EOS, else 0
+    repetition_penalty: float = 1.0
+    cache_capacity: int | None = None  # columns; None = longest prompt + max_new_tokens
+    trim_cache: bool = False
+    profile: bool = False
+    decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
+    share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
+    # EOS-aware decode (rollout_lab.length_prior): recent response lengths; with prior_ewma the
+    # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
+    response_length_prior: tuple[int, ...] | None = None
+    prior_ewma: float | None = None
+    # refit the coefficients from every call's forwards (rollout_lab.online); state on the Rollout
+    online_recalibration: bool = False
+    online_window: int = 256  # observations kept (a ring buffer)
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {self.decode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        for name in ("continuous_batch_size", "cache_capacity"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if isinstance(self.costs, (str, os.PathLike)):
+            object.__setattr__(self, "costs", CostCoefficients.from_json(self.costs))
+        if not isinstance(self.costs, CostCoefficients):
+            raise ValueError(f"costs must be a CostCoefficients or a cost file path, got {self.costs!r}")
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            if not all(is_int(e) and e >= 0 for e in eos):
+                raise ValueError(f"eos_token_id must hold non-negative ints, got {eos!r}")
+        elif eos is not None and (not is_int(eos) or eos < 0):
+            raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+        if self.pad_token_id is not None and (not is_int(self.pad_token_id) or self.pad_token_id < 0):
+            raise ValueError(f"pad_token_id must be a non-negative int or None, got {self.pad_token_id!r}")
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
+                or penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
+        check_prior_settings(self.response_length_prior, self.prior_ewma)
+        check_window(self.online_window)
+        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
+            raise ValueError(
+                "mode='nocb' runs HF generate and has no aligned cache: "
+                "cache_capacity and trim_cache need a continuous-batching mode"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """Per (request, sample), request-major, the generated ids up to and including the first EOS.
+
+    ``sequences[r * num_samples + s]`` is sample s of request r (HF's ``num_return_sequences``
+    order); ``grouped()`` gives one list of samples per request. ``seed`` is the seed sampling used
+    (drawn from torch's global generator when none was given), None for greedy.
+    """
+
+    sequences: list[list[int]]
+    route: str
+    plans: tuple[BucketPlan, ...]  # one per admission; buckets hold request indices
+    profile: Profile | None
+    num_samples: int = 1
+    seed: int | None = None
+
+    def grouped(self) -> list[list[list[int]]]:
+        """Per request, its ``num_samples`` sequences."""
+        k = self.num_samples
+        return [self.sequences[i : i + k] for i in range(0, len(self.sequences), k)]
+
+
+def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParams | None:
+    """None for greedy; sampling parameters without ``do_sample=True`` are an error."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
+    if seed is not None and (not is_int(seed) or seed < 0):
+        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+    if not do_sample:
+        given = {name: value for name, value, default in (
+            ("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
+            ("seed", seed, None)) if value != default}
+        if given:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} only apply to sampling: "
+                "pass do_sample=True (greedy is the default)")
+        return None
+    return SamplingParams(temperature, top_k, top_p)
+
+
+def prompt_lists(prompts, attention_mask=None) -> list[list[int]]:
+    """Token-id lists from a list of id lists (tensors and numpy ints accepted) or from a
+    left-padded ``input_ids`` tensor with its ``attention_mask``; the error names the request."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, width], got shape {tuple(prompts.shape)}")
+        mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
+        if mask.shape != prompts.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(prompts.shape)}")
+        out = []
+        for index, (ids, row) in enumerate(zip(prompts.tolist(), mask.tolist())):
+            num_pad = row.count(0)
+            if any(row[:num_pad]) or not all(row[num_pad:]):
+                raise ValueError(f"request {index}: attention_mask must be left-padded 0...0 1...1")
+            out.append(ids[num_pad:])
+        return out
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only accepted with an input_ids tensor")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of token-id lists or a tensor, got {type(prompts).__name__}")
+    out = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"request {index}: a prompt must be a list of token ids, got {prompt!r}")
+        ids = [as_int(t) for t in prompt]
+        if None in ids:
+            raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
+        out.append(ids)
+    return out

@@ -1,0 +1,129 @@
+"""Prefill of one bucket, the fixed-slot decode step, and the token choice they share.
+
+``decode_step`` touches only static buffers (``DecodeState``, ``AlignedKVCache``) and updates them in
+place, with no host sync, so a CUDA-graph-captured version can replace it one-for-one (one graph
+per row count). The host reads the returned tokens afterwards, outside the step.
+
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rollout_lab.engine.attention import decode_attention
+from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.sampling import SamplingParams, sample_tokens
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """HF's rule on the ids present so far: logit < 0 ? logit * p : logit / p. ``seen``: [rows, vocab] bool."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def seen_from_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] bool: which ids occur at the ``valid`` positions of ``ids`` [rows, T]."""
+    seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    seen.scatter_(1, torch.where(valid, ids, vocab_size), True)  # invalid -> spare column
+    return seen[:, :vocab_size]
+
+
+class DecodeState:
+    """Static per-slot decode inputs: next input id, logical position, ids seen (for the penalty),
+    and for seeded sampling each row's key and step (the number of tokens it has generated)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device):
+        self.input_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
+        self.position_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
+        self.seen = (
+            torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+            if track_seen else None
+        )  # [slots, vocab]
+        self.sample_keys = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+        self.steps = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        seen = [self.seen] if self.seen is not None else []
+        return [self.input_ids, self.position_ids, self.sample_keys, self.steps] + seen
+
+    def reset(self) -> None:
+        for buf in self._buffers():
+            buf.zero_()
+
+    def admit(
+        self, slots: Sequence[int], first_tokens: torch.Tensor, positions: Sequence[int],
+        seen: torch.Tensor | None, sample_keys: torch.Tensor | None = None,
+    ) -> None:
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.input_ids.device)
+        self.input_ids.index_copy_(0, index, first_tokens[:, None])
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.input_ids.device)
+        self.position_ids.index_copy_(0, index, pos[:, None])
+        if self.seen is not None:
+            self.seen.index_copy_(0, index, seen)
+        if sample_keys is not None:
+            self.sample_keys.index_copy_(0, index, sample_keys)
+        self.steps.index_fill_(0, index, 1)  # the first token (step 0) came from the prefill
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        if not src:
+            return
+        device = self.input_ids.device
+        src_t = torch.tensor(list(src), dtype=torch.long, device=device)
+        dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
+        for buf in self._buffers():
+            buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+
+
+def select_tokens(
+    logits: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float, *,
+    sampling: SamplingParams | None = None, sample_keys: torch.Tensor | None = None,
+    steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Greedy (``sampling`` None) or seeded sampling, in fp32 after the repetition penalty;
+    ``logits`` [rows, vocab], ``sample_keys`` and ``steps`` [rows] int64."""
+    logits = logits.float()
+    if seen is not None and repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if sampling is not None:
+        return sample_tokens(logits, sample_keys, steps, sampling)
+    return logits.argmax(dim=-1)
+
+
+@torch.no_grad()
+def decode_step(
+    model: torch.nn.Module,
+    cache: AlignedKVCache,
+    state: DecodeState,
+    num_rows: int,
+    *,
+    repetition_penalty: float,
+    cache_kwarg: str,
+    sampling: SamplingParams | None = None,
+) -> torch.Tensor:
+    """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids."""
+    mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
+    mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
+    with decode_attention(model):  # GQA without repeat_kv
+        out = model(
+            input_ids=state.input_ids[:num_rows],
+            position_ids=state.position_ids[:num_rows],
+            attention_mask=mask,
+            use_cache=True,
+            **{cache_kwarg: cache.hf_cache(num_rows)},
+        )
+    seen = None if state.seen is None else state.seen[:num_rows]
+    steps = state.steps[:num_rows]
+    tokens = select_tokens(
+        out.logits[:, -1], seen, repetition_penalty, sampling=sampling,
+        sample_keys=state.sample_keys[:num_rows], steps=steps,
+    )  # [rows]
+    state.input_ids[:num_rows, 0].copy_(tokens)
+    state.position_ids[:num_rows].add_(1)
+    steps.add_(1)
+    if seen is not None:
+        seen.scatter_(1, tokens[:, None], True)
+    cache.front.add_(1)
+    return tokens

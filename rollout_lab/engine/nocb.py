@@ -1,0 +1,139 @@
+"""The nocb route: one left-padded HF ``generate`` call over all rows, greedy or with our sampler.
+
+HF's own ``generate`` (dynamic cache) is the no-continuous-batching reference. Our seeded sampler
+and a padding-aware repetition penalty go in as logits processors, so nocb gives the same tokens
+as the continuous-batching routes; forward hooks time its prefill and decode for the profile.
+
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids
+from rollout_lab.engine.prefill import left_padded
+from rollout_lab.engine.profile import Profile, Timer
+from rollout_lab.engine.sampling import SamplingParams, filter_logits, gumbel_noise
+from rollout_lab.planner.bucket_dp import BucketPlan
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+
+
+def run_nocb(
+    model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: Sequence[int],
+    pad_id: int, repetition_penalty: float, vocab_size: int, geometry: ModelGeometry,
+    costs: CostCoefficients, profile: Profile, timer: Timer, sampling: SamplingParams | None = None,
+    keys: Sequence[int] = (),
+) -> tuple[list[list[int]], list[BucketPlan]]:
+    """(sequences cut after the first EOS, the one-bucket plan) of one HF ``generate`` call."""
+    device = next(model.parameters()).device
+    ids, mask = left_padded(prompts, pad_id, device)
+    width = ids.shape[1]
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, repetition_penalty=1.0,
+    )
+    processors = LogitsProcessorList()
+    penalty = float(repetition_penalty)
+    if penalty != 1.0:
+        processors.append(_PaddedRepetitionPenalty(penalty, mask.bool(), vocab_size))
+    if sampling is not None:  # after the penalty, as in our decode; HF's greedy argmax then picks
+        key_t = torch.tensor(list(keys), dtype=torch.long, device=device)
+        processors.append(_HashGumbelSampler(sampling, key_t, width))
+    with _neutral_generation_config(model), _count_forwards(model, profile, timer):
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=gen_config,
+            logits_processor=processors,
+        )
+    eos = set(eos_ids)
+    sequences = [_cut_at_eos(row, eos) for row in out[:, width:].tolist()]
+    profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
+    if profile.forwards is not None and profile.num_decode_forwards:  # HF's loop overhead included
+        profile.forwards.append({"kind": "nocb_decode", "rows": len(prompts),
+                                 "steps": profile.num_decode_forwards, "ms": profile.decode_ms})
+    profile.peak_cache_columns = width + profile.num_decode_forwards
+    profile.cache_bytes = len(prompts) * profile.peak_cache_columns * 2 * geometry.num_layers \
+        * geometry.num_kv_heads * geometry.head_dim * geometry.element_bytes
+    profile.num_prefill_rows = len(prompts)  # HF generate prefills every row
+    cost = prefill_cost_ms(len(prompts), width, geometry, costs, include_kv=False)
+    return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)]
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+class _HashGumbelSampler(LogitsProcessor):
+    """Our seeded sampler inside HF ``generate``: filtered / temperature + the rows' hash-Gumbel
+    noise at step = tokens generated so far, so HF's greedy argmax draws our tokens."""
+
+    def __init__(self, params: SamplingParams, sample_keys: torch.Tensor, prompt_width: int):
+        self.params, self.sample_keys, self.prompt_width = params, sample_keys, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        steps = torch.full_like(self.sample_keys, input_ids.shape[1] - self.prompt_width)
+        scores = filter_logits(scores.float(), self.params)
+        return scores + gumbel_noise(self.sample_keys, steps, scores.shape[-1])
+
+
+class _PaddedRepetitionPenalty(LogitsProcessor):
+    """HF's repetition penalty over each row's own ids, left padding excluded (HF's counts pad ids)."""
+
+    def __init__(self, penalty: float, prompt_mask: torch.Tensor, vocab_size: int):
+        self.penalty, self.prompt_mask, self.vocab_size = penalty, prompt_mask, vocab_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        width = self.prompt_mask.shape[1]
+        valid = torch.ones_like(input_ids, dtype=torch.bool)
+        valid[:, :width] = self.prompt_mask
+        seen = seen_from_ids(input_ids, valid, scores.shape[-1])
+        return apply_repetition_penalty(scores, seen, self.penalty)
+
+
+@contextmanager
+def _neutral_generation_config(model: torch.nn.Module) -> Iterator[None]:
+    """generate() fills unset (None) fields from model.generation_config -- eos among them."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@contextmanager
+def _count_forwards(model: torch.nn.Module, profile: Profile, timer: Timer) -> Iterator[None]:
+    """Count generate's forwards: the first is the prefill, the rest decode steps."""
+    starts: list[float] = []
+
+    def before(module, args, kwargs):
+        timer.sync()
+        starts.append(time.perf_counter())
+
+    def after(module, args, kwargs, output):
+        timer.sync()
+        elapsed = (time.perf_counter() - starts[-1]) * 1e3
+        if profile.num_prefill_forwards == 0:
+            profile.num_prefill_forwards, profile.prefill_ms = 1, elapsed
+            if profile.forwards is not None:
+                batch, width = (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape
+                profile.forwards.append({"kind": "nocb_prefill", "batch": batch, "width": width, "ms": elapsed})
+        else:
+            profile.num_decode_forwards += 1
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        with timer.phase("decode_ms"):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,114 @@
+"""The rollout profile: device-synchronised phase times and the counts that explain them.
+
+[from timing] Device-synchronised wall-clock timing of one call: the one helper calibration, sweeps, the
+data-parallel rollout and the benchmark scripts share.
+
+    ms, out = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=16), device)
+
+torch is imported only when a call runs, so the CLI modules that use this stay torch-free at import.
+
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+@dataclass
+class Profile:
+    """Times in ms (device-synchronised); counts of one ``generate`` call.
+
+    ``moved_bytes`` counts every KV byte the cache moved: trims, right shifts and compaction.
+    ``peak_cache_columns`` is the highest front column reached (+1 per decode step past it);
+    ``cache_bytes`` the KV memory allocated for the call. ``num_prefill_rows`` counts the rows
+    actually prefilled (one per unique prompt per admission with shared prefill) and
+    ``num_replicated_rows`` the rows whose KV was copied from such a row instead.
+    ``forwards`` (only when profiling or recalibrating online) lists every prefill forward
+    (``kind`` prefill/chunk/nocb_prefill, ``batch``, ``width``, ``ms``; a chunk also ``offset``)
+    and decode burst (``kind`` decode/nocb_decode, ``rows``, ``steps``, ``ms``), for ``online``.
+    """
+
+    planning_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    cache_ms: float = 0.0
+    total_ms: float = 0.0
+    num_prefill_forwards: int = 0
+    num_decode_forwards: int = 0
+    num_generated_tokens: int = 0
+    num_trims: int = 0
+    trimmed_columns: int = 0
+    moved_bytes: int = 0
+    peak_cache_columns: int = 0
+    cache_bytes: int = 0
+    num_prefill_rows: int = 0
+    num_replicated_rows: int = 0
+    forwards: list[dict[str, Any]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Timer:
+    """Adds wall-clock ms to ``Profile`` fields; synchronises the device only when enabled."""
+
+    def __init__(self, profile: Profile, device: torch.device, *, enabled: bool):
+        self.profile = profile
+        self.device = torch.device(device)
+        self.enabled = enabled
+
+    def sync(self) -> None:
+        if self.enabled and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, field: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            setattr(self.profile, field, getattr(self.profile, field) + elapsed_ms)
+
+    @contextmanager
+    def record(self, kind: str, **shape: int) -> Iterator[None]:
+        """Append ``{kind, **shape, ms}`` to ``profile.forwards`` (when it is a list); the ms exclude
+        records nested inside (a bucket's tail chunks)."""
+        forwards = self.profile.forwards
+        if forwards is None:
+            yield
+            return
+        self.sync()
+        first, start = len(forwards), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed = (time.perf_counter() - start) * 1e3 - sum(r["ms"] for r in forwards[first:])
+            forwards.append({"kind": kind, **shape, "ms": elapsed})
+
+
+def synchronize(device: Any) -> None:
+    """Wait for the device's queued work (a no-op off CUDA); ``device`` may be a string."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Callable[[], Any], device: Any) -> tuple[float, Any]:
+    """Wall-clock milliseconds of ``fn()`` with the device synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3, out

@@ -1,0 +1,315 @@
+"""The rollout engine: five routes over a Hugging Face causal LM that give the same tokens.
+
+    from rollout_lab import Rollout, RolloutConfig
+    result = Rollout(model, RolloutConfig(mode="auto", eos_token_id=2)).generate(
+        [[5, 6, 7], [8]], max_new_tokens=16)
+    result.sequences, result.route, result.plans, result.profile
+
+Routes: ``nocb`` (one left-padded HF ``generate``), ``equal_width`` (one prefill at the common
+width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets) -- the last three
+decode by continuous batching over the right-aligned cache -- and ``auto`` (``choose_route``).
+
+Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
+counter-based hash of (``seed``, request, sample, step) (``rollout_lab.sampling``), so every
+route, slot count and refill order gives the same tokens; ``num_samples`` rows per request share
+one prefill (``rollout_lab.replication``). nocb runs HF ``generate`` with our sampler as a logits
+processor (then HF's greedy argmax), so it gives the same tokens too.
+
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+
+from rollout_lab.engine.batching import BatchSettings, ContinuousBatcher
+from rollout_lab.engine.config import RolloutConfig, RolloutResult, prompt_lists, sampling_params
+from rollout_lab.engine.nocb import run_nocb
+from rollout_lab.engine.prefill import cache_kwarg_name
+from rollout_lab.engine.profile import Profile, Timer
+from rollout_lab.engine.sampling import SamplingParams, sample_key
+from rollout_lab.engine.steppers import (
+    EagerStepper,
+    StepperKey,
+    describe,
+    graph_capacity,
+    make_stepper,
+    resolve_decode_mode,
+)
+from rollout_lab.planner.bucket_dp import BucketPlan
+from rollout_lab.planner.checks import check_max_new_tokens, is_int
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.decode_steps import ResponseLengthPrior
+from rollout_lab.planner.fit import OnlineCalibrator
+from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
+
+
+class Rollout:
+    """Generates responses (greedy, or seeded sampling) for a batch of prompts through the configured
+    route; keeps the captured decode graph, the learned costs and the length prior across calls."""
+
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig | None = None):
+        self.model = model
+        self.config = config if config is not None else RolloutConfig()
+        if not isinstance(self.config, RolloutConfig):
+            raise ValueError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
+        self.model_config = model.config.get_text_config(decoder=True)
+        param = next(model.parameters())
+        self.device = param.device
+        self.geometry = ModelGeometry.from_config(self.model_config, param.dtype)
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.max_positions = getattr(self.model_config, "max_position_embeddings", None)
+        self.cache_kwarg = cache_kwarg_name(model)
+        # chosen before any routing decision: graph replay on CUDA, eager elsewhere
+        self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
+        self._stepper: EagerStepper | None = None
+        # learned across calls; the frozen config is never changed
+        self.costs: CostCoefficients = self.config.costs
+        self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
+        self.online = OnlineCalibrator(self.geometry, self.config.costs, window=self.config.online_window) \
+            if self.config.online_recalibration else None
+        self._explored = False
+
+    @property
+    def prediction_errors(self) -> list[dict]:
+        """Per call (online recalibration): predicted vs measured prefill and decode ms."""
+        return [] if self.online is None else list(self.online.errors)
+
+    def close(self) -> None:
+        """Release the captured graph and the aligned cache; the rollout stays usable."""
+        if self._stepper is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._stepper.close()
+            self._stepper = None
+
+    def __enter__(self) -> "Rollout":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stepper_info(self) -> dict:
+        """What decodes: kind, captures and replays so far, slots and capacity."""
+        return describe(self._stepper)
+
+    def _stepper_for(
+        self, num_slots: int, capacity: int, explicit_capacity: bool,
+        sampling: SamplingParams | None = None,
+    ) -> EagerStepper:
+        """Reuse the kept stepper when it fits this call, else build (and capture) a new one."""
+        penalty = float(self.config.repetition_penalty)
+        old = self._stepper
+        if self.decode_mode == "graph" and not explicit_capacity:
+            capacity = graph_capacity(capacity)
+            if old is not None and old.key.num_slots == num_slots and \
+                    capacity <= old.key.capacity <= 2 * capacity:
+                capacity = old.key.capacity
+        params = sampling or SamplingParams()  # greedy keys keep the neutral values
+        key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
+                         sampling is not None, params.temperature, params.top_k, params.top_p)
+        if old is not None and old.fits(self.model, key):
+            return old
+        self.close()  # drop the old cache and graph before allocating their replacement
+        self._stepper = make_stepper(self.model, key, decode=self.decode_mode)
+        return self._stepper
+
+    # -- public -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | torch.Tensor,
+        *,
+        max_new_tokens: int,
+        num_samples: int = 1,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_beams: int = 1,
+        num_return_sequences: int = 1,
+        profile: bool | None = None,
+    ) -> RolloutResult:
+        """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
+        before the first forward.
+
+        With ``do_sample=True``, ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off)
+        shape the distribution and ``seed`` (an int >= 0; None draws one from torch's global
+        generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
+        any of them without ``do_sample=True`` is an error, not a silent greedy run. ``profile``
+        overrides ``config.profile`` for this call (None keeps it).
+        """
+        start = time.perf_counter()
+        cfg = self.config
+        if profile is not None and not isinstance(profile, bool):
+            raise ValueError(f"profile must be a bool or None, got {profile!r}")
+        profiling = cfg.profile if profile is None else profile
+        prompts, sampling, seed, eos_ids, pad_id = self._check_call(
+            prompts, attention_mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            num_beams=num_beams, num_return_sequences=num_return_sequences)
+        stats = Profile()
+        timer = Timer(stats, self.device, enabled=profiling or cfg.online_recalibration)
+        if profiling or cfg.online_recalibration:
+            stats.forwards = []
+        lengths = [len(p) for p in prompts]
+        # rows, request-major: row = request * num_samples + sample
+        row_prompts = [p for p in prompts for _ in range(num_samples)]
+        groups = prompt_groups(prompts, num_samples=num_samples, share=cfg.share_prefill)
+        keys = [0] * len(row_prompts)
+        if sampling is not None:
+            keys = [sample_key(seed, r, s) for r in range(len(prompts)) for s in range(num_samples)]
+        with timer.phase("planning_ms"):
+            route = self._route(lengths, max_new_tokens, num_samples=num_samples, groups=groups)
+        if not prompts:
+            return RolloutResult([], route, (), stats if profiling else None, num_samples, seed)
+        capacity = self._capacity(lengths, max_new_tokens, route)
+        num_rows = len(row_prompts)
+        num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
+        stepper = None
+        if route != "nocb":
+            with timer.phase("cache_ms"):
+                stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling)
+            capacity = stepper.key.capacity
+        with torch.no_grad():
+            if route == "nocb":
+                sequences, plans = run_nocb(
+                    self.model, row_prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                    pad_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
+                    vocab_size=self.vocab_size, geometry=self.geometry, costs=self.costs,
+                    profile=stats, timer=timer, sampling=sampling, keys=keys)
+            else:
+                settings = BatchSettings(
+                    route=route, max_new_tokens=max_new_tokens, num_slots=num_slots,
+                    capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
+                    pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
+                    cache_kwarg=self.cache_kwarg, sampling=sampling,
+                )
+                sequences, plans = ContinuousBatcher(
+                    self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
+                    profile=stats, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
+                ).run()
+        if num_samples > 1:  # plans name rows; report requests
+            plans = [_plan_of_requests(plan, num_samples) for plan in plans]
+        stats.num_generated_tokens = sum(len(s) for s in sequences)
+        timer.sync()
+        stats.total_ms = (time.perf_counter() - start) * 1e3
+        self._learn(route, sequences, stats)
+        return RolloutResult(sequences, route, tuple(plans), stats if profiling else None,
+                             num_samples, seed)
+
+    # -- checks -----------------------------------------------------------------------------
+    def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,
+                    temperature, top_k, top_p, seed, num_beams, num_return_sequences):
+        """Every check of a call, before any forward: (prompt lists, sampling, seed, eos ids, pad id)."""
+        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
+        if num_beams != 1:
+            raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
+        if num_return_sequences != 1:
+            raise ValueError(
+                f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
+        if not is_int(num_samples) or num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        check_max_new_tokens(max_new_tokens)
+        prompts = prompt_lists(prompts, attention_mask)
+        self._check_prompts(prompts, max_new_tokens)
+        eos_ids = self.config.eos_token_ids
+        pad_id = self._pad_token_id()
+        for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
+            for token in ids:
+                if token >= self.vocab_size:
+                    raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
+        if sampling is not None and seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
+        return prompts, sampling, seed, eos_ids, pad_id
+
+    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        for index, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"request {index}: the prompt is empty")
+            bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {index}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
+            if self.max_positions is not None and len(ids) + max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"request {index}: prompt length {len(ids)} + max_new_tokens {max_new_tokens} "
+                    f"exceeds the model's context of {self.max_positions} positions"
+                )
+
+    def _pad_token_id(self) -> int:
+        if self.config.pad_token_id is not None:
+            return self.config.pad_token_id
+        model_pad = getattr(self.model_config, "pad_token_id", None)
+        if is_int(model_pad) and 0 <= model_pad < self.vocab_size:
+            return model_pad
+        eos = self.config.eos_token_ids
+        return eos[0] if eos else 0
+
+    def _route(
+        self, lengths: list[int], max_new_tokens: int, *, num_samples: int = 1,
+        groups: Sequence[int] | None = None,
+    ) -> str:
+        cfg = self.config
+        n, slots = len(lengths) * num_samples, cfg.continuous_batch_size
+        if cfg.mode == "nocb":
+            if slots is not None and n > slots:
+                raise ValueError(
+                    f"mode='nocb' runs all {n} rows (requests x num_samples) at once, more than "
+                    f"continuous_batch_size={slots}"
+                )
+            return "nocb"
+        if cfg.mode == "bucketed":
+            # a prompt over prefill_max_tokens is chunked (planner.plan_chunked)
+            return "bucketed"
+        if cfg.mode != "auto":
+            return cfg.mode
+        sizes = group_sizes(groups if groups is not None else range(n))
+        plan = choose_shared_route(
+            [lengths[g // num_samples] for g in sizes], list(sizes.values()),
+            max_new_tokens=max_new_tokens, continuous_batch_size=slots,
+            geometry=self.geometry, coeffs=self.costs,
+            nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
+            response_lengths=self.length_prior.current(), chunk_long_prompts=True,
+        )
+        self._explored = False
+        if self.online is not None and plan.nocb_cost_ms is not None:
+            other = "bucketed" if plan.route == "nocb" else "nocb"
+            if not self.online.has_decode(other):  # its decode cost is still a guess: measure it
+                self._explored = True
+                return other
+        return plan.route
+
+    def _learn(self, route: str, sequences: list[list[int]], profile: Profile) -> None:
+        """After a call: fold its response lengths into the prior; refit the costs online."""
+        self.length_prior.update([len(s) for s in sequences])
+        if self.online is not None and profile.forwards is not None:
+            self.online.observe(profile.forwards, self.costs, route=route, explored=self._explored,
+                                total_ms=profile.total_ms)
+            self.costs = self.online.refit(self.costs)
+
+    def _capacity(self, lengths: list[int], max_new_tokens: int, route: str) -> int:
+        longest = max(lengths)
+        capacity = self.config.cache_capacity
+        if capacity is None:
+            return longest + max_new_tokens
+        needed = longest + max_new_tokens - 1  # the last token is never written back
+        if route != "nocb" and capacity < needed:
+            index = lengths.index(longest)
+            raise ValueError(
+                f"cache_capacity={capacity} is too small for request {index} (prompt {longest} "
+                f"+ max_new_tokens {max_new_tokens}); it needs at least {needed} columns, "
+                "and trimming cannot free columns a single request needs"
+            )
+        return capacity
+
+
+def _plan_of_requests(plan: BucketPlan, num_samples: int) -> BucketPlan:
+    """A plan over rows (request * num_samples + sample) restated over request indices."""
+    buckets = tuple(tuple(r // num_samples for r in bucket) for bucket in plan.buckets)
+    return dataclasses.replace(plan, buckets=buckets)

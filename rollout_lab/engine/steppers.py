@@ -1,0 +1,172 @@
+"""Fixed-slot decode steppers: eager, and CUDA-graph-captured over the aligned static cache.
+
+A stepper owns the aligned cache, the decode buffers and (for the graph) one captured decode step
+over every slot. ``Rollout`` keeps its stepper across calls: the graph is captured once and replayed
+while the slot count, the capacity, the penalty and the weights' storage are unchanged; replacing a
+parameter or buffer (a new tensor, dtype, shape or layout) triggers a recapture. ``Rollout.close()``
+releases it.
+
+    stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
+    tokens = stepper.step(num_rows)                           # [num_rows] ids, device tensor
+
+Capture happens on a fresh cache: the warm-up steps write one column and open one mask column, so
+everything they touched is reset afterwards, and every call starts from ``reset()``.
+
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.config import DECODE_MODES
+from rollout_lab.engine.decode import DecodeState, decode_step
+from rollout_lab.engine.sampling import SamplingParams
+
+GRAPH_CAPACITY_STEP = 64  # graph capacities are rounded up so that nearby shapes share a capture
+
+
+def graph_supported(device: torch.device | str) -> bool:
+    """CUDA graphs need a CUDA device; decided before any routing decision."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def resolve_decode_mode(decode: str, device: torch.device | str) -> str:
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {decode!r}")
+    if decode == "auto":
+        return "graph" if graph_supported(device) else "eager"
+    if decode == "graph" and not graph_supported(device):
+        raise ValueError(f"decode='graph' needs a CUDA device, the model is on {torch.device(device)}")
+    return decode
+
+
+def weights_signature(model: torch.nn.Module) -> tuple:
+    """Address, dtype, shape and strides of every parameter and buffer: what a graph bakes in."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device) for t in tensors)
+
+
+@dataclass(frozen=True)
+class StepperKey:
+    """What a captured decode step bakes in; the sampling fields only count when ``do_sample``."""
+
+    num_slots: int
+    capacity: int
+    repetition_penalty: float
+    track_seen: bool
+    cache_kwarg: str
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def sampling(self) -> SamplingParams | None:
+        if not self.do_sample:
+            return None
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+class EagerStepper:
+    """The plain decode step over the first ``num_rows`` slots."""
+
+    kind = "eager"
+
+    def __init__(self, model: torch.nn.Module, key: StepperKey):
+        self.model, self.key = model, key
+        device = next(model.parameters()).device
+        vocab = model.get_input_embeddings().weight.shape[0]
+        self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
+        self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device)
+        self.sampling = key.sampling
+        self.num_captures = 0
+        self.num_replays = 0
+
+    def fits(self, model: torch.nn.Module, key: StepperKey) -> bool:
+        return model is self.model and key == self.key
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.state.reset()
+
+    def step(self, num_rows: int) -> torch.Tensor:
+        return decode_step(
+            self.model, self.cache, self.state, num_rows,
+            repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
+            sampling=self.sampling,
+        )
+
+    def retire_tail(self, num_live: int) -> None:
+        """Slots past ``num_live`` are dead; nothing to do when they are not computed."""
+
+    def close(self) -> None:
+        self.cache = self.state = None  # type: ignore[assignment]
+
+
+class GraphStepper(EagerStepper):
+    """One CUDA graph of the decode step over all slots; dead slots compute ignored tokens."""
+
+    kind = "graph"
+
+    def __init__(self, model: torch.nn.Module, key: StepperKey, *, num_warmups: int = 2):
+        super().__init__(model, key)
+        self.signature = weights_signature(model)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens: torch.Tensor | None = None
+        self._capture(num_warmups)
+
+    def fits(self, model: torch.nn.Module, key: StepperKey) -> bool:
+        return super().fits(model, key) and weights_signature(model) == self.signature
+
+    def _capture(self, num_warmups: int) -> None:
+        n = self.key.num_slots
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(num_warmups):
+                super().step(n)
+        torch.cuda.current_stream().wait_stream(side)
+        self.reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tokens = super().step(n)  # recorded, not run: the buffers keep their reset values
+        self.graph, self.tokens = graph, tokens
+        self.num_captures += 1
+        torch.cuda.synchronize()
+        self.reset()
+
+    def step(self, num_rows: int) -> torch.Tensor:
+        self.graph.replay()
+        self.num_replays += 1
+        return self.tokens[:num_rows].clone()  # the static output is overwritten by the next replay
+
+    def retire_tail(self, num_live: int) -> None:
+        # dead slots keep decoding in the graph: keep their positions in range (learned tables)
+        self.state.position_ids[num_live:].zero_()
+
+    def close(self) -> None:
+        self.graph = self.tokens = None
+        super().close()
+
+
+def graph_capacity(needed: int) -> int:
+    step = GRAPH_CAPACITY_STEP
+    return -(-needed // step) * step
+
+
+def make_stepper(model: torch.nn.Module, key: StepperKey, *, decode: str) -> EagerStepper:
+    if decode == "graph":
+        return GraphStepper(model, key)
+    return EagerStepper(model, key)
+
+
+def describe(stepper: Any) -> dict[str, Any]:
+    if stepper is None:
+        return {"kind": None}
+    return {"kind": stepper.kind, "num_captures": stepper.num_captures,
+            "num_replays": stepper.num_replays, "num_slots": stepper.key.num_slots,
+            "capacity": stepper.key.capacity}

@@ -1,0 +1,385 @@
+"""Calibrate the prefill cost model per model, device and dtype, and save it with its provenance.
+
+    rollout-lab calibrate --tiny qwen2                     # CPU, seconds -> <out-dir>/data/calibration/
+    rollout-lab calibrate --preset qwen2.5-3b --dtype bfloat16 --device cuda
+
+    from rollout_lab.measure.calibrate import calibrate, load_calibration, CalibrationGrid
+    result = calibrate(model, grid=CalibrationGrid.tiny(), model_name="tiny-qwen2")
+    result.r2, result.worst_rel_error; result.save(path)
+    coeffs = load_calibration(path, model=model)   # ValueError naming the fields that differ
+
+What is measured, with the engine's own code paths (warm-up passes are never timed, and the device
+is synchronised around every clock read):
+- ``forward_ms``: one prefill forward of a uniform (batch, width) bucket (``prefill.prefill_bucket``);
+- ``kv_copy_ms``: copying that bucket's KV into the aligned cache (``AlignedKVCache.admit``);
+- CB and nocb decode per step, each from whole ``Rollout.generate`` calls with ``decode_steps + 1``
+  and 1 new tokens; the decode coefficients come from them (``planner.fit.decode_costs``).
+KV MiB is proportional to B*L, so ``token`` and ``kv`` cannot be told apart from forwards alone:
+fixed/token/attention are fitted (NNLS, relative weights, ``planner.fit.fit_coefficients``) to the
+forwards, and kv (plus the copy's own per-call cost, added to ``fixed``) to the copies. The reported
+fit compares the sum forward + copy with C(B, L). ``prefill_replicate_cost_ms`` (shared prefill's KV
+copies into the other samples' slots) is the same copy, so it takes kv's slope.
+
+The metadata: the fields in ``CHECKED_FIELDS`` (model, geometry, dtype, device, attention
+implementation, library versions, TF32) must agree between a cost file and the run that loads it:
+coefficients measured on another setting would steer the planner wrongly without any error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
+from rollout_lab.engine.profile import timed_ms
+from rollout_lab.engine.rollout import Rollout
+from rollout_lab.measure.models import load_model
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.workloads import lengths_to_prompts
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, read_cost_file
+from rollout_lab.planner.fit import decode_costs, fit_coefficients
+from rollout_lab.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Fitted coefficients, the run's metadata, and the fit per shape (JSON-ready dicts)."""
+
+    coeffs: CostCoefficients
+    metadata: dict[str, Any]
+    fit: tuple[dict[str, Any], ...]  # batch, width, measured_ms, predicted_ms, rel_error, ...
+    decode: tuple[dict[str, Any], ...] = field(default=())  # batch, nocb/cb ms per step, overhead
+    r2: float = float("nan")
+
+    @property
+    def worst_rel_error(self) -> float:
+        return max((abs(r["rel_error"]) for r in self.fit), default=float("nan"))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Atomically write coefficients + metadata + fit (readable by ``read_cost_file``)."""
+        metadata = dict(self.metadata)
+        metadata["fit"] = {
+            "r2": self.r2, "worst_rel_error": self.worst_rel_error,
+            "shapes": list(self.fit), "decode": list(self.decode),
+        }
+        return self.coeffs.to_json(path, metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CalibrationResult":
+        """Read a saved calibration back as a result (no metadata check: for plots and reports)."""
+        coeffs, metadata = read_cost_file(path)
+        fit = metadata.pop("fit", None) or {}
+        return cls(coeffs, metadata, tuple(fit.get("shapes", ())), tuple(fit.get("decode", ())),
+                   float(fit.get("r2", float("nan"))))
+
+
+# -- the whole calibration ---------------------------------------------------------------------
+
+
+def calibrate(
+    model: Any,
+    *,
+    grid: CalibrationGrid | None = None,
+    dtype: Any = None,
+    device: Any = None,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Measure the grid on ``model`` (already on its device, in its dtype) and fit the coefficients.
+
+    ``dtype``/``device`` default to the model's; when given they must match it.
+    """
+    import torch
+
+    grid = CalibrationGrid() if grid is None else grid
+    param = next(model.parameters())
+    if dtype is not None and param.dtype != dtype:
+        raise ValueError(f"dtype={dtype} but the model's parameters are {param.dtype}; convert the model first")
+    if device is not None and torch.device(device).type != param.device.type:
+        raise ValueError(f"device={device} but the model is on {param.device}; move the model first")
+    metadata = run_metadata(model, dtype=param.dtype, device=param.device, model_name=model_name)
+    metadata["grid"] = grid.to_dict()
+    prefill = measure_prefill(model, grid, progress=progress)
+    decode = measure_decode_overhead(model, grid, progress=progress)
+    cb_ms, nocb_ms = decode_costs(decode)
+    geometry = ModelGeometry(**metadata["geometry"])
+    coeffs, fit, r2 = fit_coefficients(
+        [(r["batch"], r["width"]) for r in prefill], [r["forward_ms"] for r in prefill],
+        [r["kv_copy_ms"] for r in prefill], geometry,
+        continuous_decode_cost_ms=cb_ms, nocb_decode_cost_ms=nocb_ms,
+    )
+    for record, measured in zip(fit, prefill):
+        record["forward_samples_ms"] = measured["forward_samples_ms"]
+        record["kv_copy_samples_ms"] = measured["kv_copy_samples_ms"]
+    return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2)
+
+
+def calibration_grid(grid: str | Mapping[str, Any]) -> Any:
+    """"tiny", "default", or a dict of ``CalibrationGrid`` fields over the tiny grid (lists allowed)."""
+
+    if grid == "tiny":
+        return CalibrationGrid.tiny()
+    if grid == "default":
+        return CalibrationGrid()
+    if not isinstance(grid, Mapping):
+        raise ValueError(f"grid must be 'tiny', 'default' or a dict of CalibrationGrid fields, got {grid!r}")
+    fields = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in grid.items()}
+    return replace(CalibrationGrid.tiny(), **fields)
+
+
+def calibration_path(name: str, dtype: str, device: str, workspace: Workspace) -> Path:
+    """``<workspace>/data/calibration/<name>_<dtype>_<device type>.json``."""
+    return workspace.calibration / f"{name}_{dtype}_{str(device).split(':')[0]}.json"
+
+
+def calibrate_or_load(
+    *, calibration_file: str | None, model: str, dtype: str, device: str, grid: Any,
+    output_path: str | None, output_dir: str | Path | None, progress: bool = False,
+) -> tuple[Any, Path]:
+    """Render a saved calibration (``calibration_file``), or measure one and save it: (result, path)."""
+
+    if calibration_file is not None:
+        path = Path(calibration_file)
+        if not path.is_file():
+            raise ValueError(f"calibration_file {str(path)!r} does not exist")
+        return CalibrationResult.load(path), path
+    net, name = load_model(model, dtype=dtype, device=device)
+    result = calibrate(net, grid=calibration_grid(grid), model_name=name, progress=progress)
+    path = Path(output_path) if output_path else calibration_path(name, dtype, device, Workspace.resolve(output_dir))
+    result.save(path)
+    return result, path
+
+DEFAULT_MAX_BATCH_TOKENS = 32768
+STATISTICS = {"median": statistics.median, "min": min}
+
+
+@dataclass(frozen=True)
+class CalibrationGrid:
+    """Uniform (batch, width) prefill shapes and the decode probe; shapes over the limits are skipped."""
+
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    widths: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    repeats: int = 5  # timed passes over the whole grid (median per shape), after one warm-up pass
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS  # skip shapes with batch * width above this
+    decode_batches: tuple[int, ...] = (8, 32)  # requests in the decode probe; () = not measured
+    decode_width: int = 64  # prompt length in the decode probe
+    decode_steps: int = 8  # decode steps measured (calls with decode_steps + 1 and 1 new tokens)
+    decode_repeats: int = 3
+    statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
+
+    def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"CalibrationGrid.statistic must be one of {list(STATISTICS)}, got {self.statistic!r}")
+        for name in ("batches", "widths", "decode_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value
+            ):
+                raise ValueError(f"CalibrationGrid.{name} must be a tuple of positive ints, got {value!r}")
+        if len(self.batches) < 2 or len(self.widths) < 2:
+            raise ValueError(
+                f"CalibrationGrid needs >= 2 batches and >= 2 widths to separate the terms, "
+                f"got batches={self.batches}, widths={self.widths}"
+            )
+        for name in ("repeats", "max_batch_tokens", "decode_width", "decode_steps", "decode_repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CalibrationGrid.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def tiny(cls) -> "CalibrationGrid":
+        """A few seconds on CPU with a tiny model: for tests and the notebooks' tiny default."""
+        return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=5, decode_batches=(4,),
+                   decode_width=8, decode_steps=4, decode_repeats=3, statistic="min")
+
+    def shapes(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        """(batch, width) pairs within ``max_batch_tokens`` and the model's ``max_width``."""
+        return [
+            (b, w) for w in sorted(set(self.widths)) for b in sorted(set(self.batches))
+            if b * w <= self.max_batch_tokens and (max_width is None or w <= max_width)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _special_ids(config: Any) -> list[int]:
+    """PAD, EOS and BOS ids of a model config: never drawn into a probe's prompts."""
+    return [t for t in (config.pad_token_id, config.eos_token_id, config.bos_token_id) if isinstance(t, int)]
+
+
+def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True) -> list[dict[str, Any]]:
+    """Median forward and KV-copy milliseconds per grid shape, interleaved over the passes."""
+    import torch
+    from tqdm.auto import tqdm
+
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    shapes = grid.shapes(getattr(config, "max_position_embeddings", None))
+    if len(shapes) < 3:
+        raise ValueError(f"the grid leaves {len(shapes)} shapes within the limits; need >= 3: {grid}")
+    max_width = max(w for _, w in shapes)
+    cache = AlignedKVCache.for_model(model, num_slots=max(b for b, _ in shapes), capacity=max_width + 1)
+    cache.set_front(max_width)
+    kwarg = cache_kwarg_name(model)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    special = _special_ids(config)
+    prompts = {(b, w): lengths_to_prompts([w] * b, vocab_size=config.vocab_size, seed=i, special_ids=special)
+               for i, (b, w) in enumerate(shapes)}
+    samples: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in shapes}
+    bar = tqdm(total=(grid.repeats + 1) * len(shapes), desc="calibrate prefill", disable=not progress)
+    with torch.no_grad():
+        for repeat in range(grid.repeats + 1):  # pass 0 is the warm-up
+            for shape in shapes:
+                batch, width = shape
+                fwd_ms, (_, layer_kv) = timed_ms(
+                    lambda: prefill_bucket(model, prompts[shape], pad_token_id=pad, cache_kwarg=kwarg), device)
+                copy_ms, _ = timed_ms(lambda: cache.admit(range(batch), layer_kv, [width] * batch), device)
+                del layer_kv
+                if repeat > 0:
+                    samples[shape].append((fwd_ms, copy_ms))
+                bar.update()
+    bar.close()
+    stat = STATISTICS[grid.statistic]
+    return [
+        {"batch": b, "width": w,
+         "forward_ms": stat([f for f, _ in samples[(b, w)]]),
+         "kv_copy_ms": stat([c for _, c in samples[(b, w)]]),
+         "forward_samples_ms": [f for f, _ in samples[(b, w)]],
+         "kv_copy_samples_ms": [c for _, c in samples[(b, w)]]}
+        for b, w in shapes
+    ]
+
+
+def measure_decode_overhead(
+    model: Any, grid: CalibrationGrid, *, progress: bool = True
+) -> list[dict[str, Any]]:
+    """Per decode step: nocb and CB ms (from whole calls with steps+1 and 1 tokens), and CB - nocb."""
+    import torch
+    from tqdm.auto import tqdm
+
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    modes = ("nocb", "bucketed")
+    budgets = (1, grid.decode_steps + 1)
+    engines = {m: Rollout(model, RolloutConfig(mode=m, eos_token_id=None, pad_token_id=pad)) for m in modes}
+    records = []
+    bar = tqdm(total=len(grid.decode_batches) * (grid.decode_repeats + 1) * 4,
+               desc="calibrate decode", disable=not progress)
+    with torch.no_grad():
+        for batch in grid.decode_batches:
+            prompts = lengths_to_prompts([grid.decode_width] * batch, vocab_size=config.vocab_size,
+                                         seed=1000 + batch, special_ids=_special_ids(config))
+            times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in budgets}
+            for repeat in range(grid.decode_repeats + 1):
+                for mode in modes:
+                    for n in budgets:
+                        ms, _ = timed_ms(lambda: engines[mode].generate(prompts, max_new_tokens=n), device)
+                        if repeat > 0:
+                            times[(mode, n)].append(ms)
+                        bar.update()
+            stat = STATISTICS[grid.statistic]
+            per_step = {
+                m: (stat(times[(m, budgets[1])]) - stat(times[(m, budgets[0])]))
+                / grid.decode_steps
+                for m in modes
+            }
+            records.append({
+                "batch": batch, "width": grid.decode_width, "steps": grid.decode_steps,
+                "nocb_ms_per_step": per_step["nocb"], "cb_ms_per_step": per_step["bucketed"],
+                "overhead_ms_per_step": per_step["bucketed"] - per_step["nocb"],
+            })
+    bar.close()
+    for engine in engines.values():
+        if hasattr(engine, "close"):
+            engine.close()
+    return records
+
+# Metadata fields that must agree between a cost file and the run that loads it.
+CHECKED_FIELDS = (
+    "model_name", "geometry", "dtype", "device_name", "attn_implementation",
+    "torch", "transformers", "tf32_matmul",
+)
+
+
+def run_metadata(model: Any, *, dtype: Any = None, device: Any = None, model_name: str | None = None) -> dict[str, Any]:
+    """The checked fields (see ``CHECKED_FIELDS``) plus provenance, for the current process."""
+    import torch
+
+    param = next(model.parameters())
+    dtype = param.dtype if dtype is None else dtype
+    device = param.device if device is None else torch.device(device)
+    info = provenance(device=device, dtype=dtype)
+    info["model_name"] = model_name or _default_model_name(model)
+    info["geometry"] = dataclasses.asdict(ModelGeometry.from_config(model.config, dtype))
+    info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    info["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    return info
+
+
+def _default_model_name(model: Any) -> str:
+    config = model.config
+    return getattr(config, "name_or_path", "") or f"{config.model_type}-{config.num_hidden_layers}L-{config.hidden_size}h"
+
+
+def metadata_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved, current)} for every checked field present in ``current`` that differs."""
+    return {
+        name: (saved.get(name, "<missing>"), current[name])
+        for name in CHECKED_FIELDS
+        if name in current and saved.get(name, "<missing>") != current[name]
+    }
+
+
+def load_calibration(
+    path: str | os.PathLike,
+    *,
+    model: Any = None,
+    dtype: Any = None,
+    device: Any = None,
+    model_name: str | None = None,
+    override: bool = False,
+) -> CostCoefficients:
+    """Coefficients of a cost file, after checking its metadata against this run.
+
+    Without ``model`` only what is known is checked: library versions, and dtype/device when given.
+    A mismatch raises ValueError naming each differing field; ``override=True`` accepts it.
+    """
+    coeffs, saved = read_cost_file(path)
+    if model is not None:
+        current = run_metadata(model, dtype=dtype, device=device, model_name=model_name)
+        if model_name is None:
+            current.pop("model_name")  # a default name is a guess; geometry is checked instead
+    else:
+        current = _library_metadata(dtype=dtype, device=device)
+        if model_name is not None:
+            current["model_name"] = model_name
+    diffs = metadata_mismatches(saved, current)
+    if diffs and not override:
+        detail = "; ".join(f"{k}: file has {v[0]!r}, this run has {v[1]!r}" for k, v in diffs.items())
+        raise ValueError(
+            f"cost file {str(path)!r} was calibrated for a different setting ({detail}). "
+            "Recalibrate with `rollout-lab calibrate`, or pass override=True (--override-costs)."
+        )
+    return coeffs
+
+
+def _library_metadata(*, dtype: Any, device: Any) -> dict[str, Any]:
+    import torch
+
+    info = provenance(device=device)
+    current = {"torch": info["torch"], "transformers": info["transformers"]}
+    if device is not None:
+        current["device_name"] = info["device_name"]
+    if dtype is not None:
+        current["dtype"] = str(dtype).replace("torch.", "")
+    if device is not None and torch.device(device).type == "cuda":
+        current["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    return current

@@ -1,0 +1,41 @@
+"""The real architectures we emulate with random weights, by name: one table for the models, the CLI
+and the cost model's geometry. Pure data, no torch, so ``rollout-lab plan --preset`` stays fast.
+
+    geometry_for("qwen2.5-3b", "bfloat16")   # ModelGeometry(36, 16, 2, 128, 2)
+    from rollout_lab.measure.models import from_preset   # builds the model itself (torch)
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from rollout_lab.planner.cost import ModelGeometry
+
+# hidden / layers / heads / kv heads / head_dim / intermediate / vocab from the published configs
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(
+        family="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
+    ),
+    "qwen2.5-3b": dict(
+        family="qwen2", hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        family="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-32b": dict(
+        family="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, intermediate_size=25600, tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+}
+
+
+def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
+    """The cost model's geometry of a named preset with ``dtype`` KV elements."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    return ModelGeometry.from_config(SimpleNamespace(**PRESETS[preset]), dtype)

@@ -1,0 +1,471 @@
+"""Interleaved sweeps of every route against the HF peers, written as JSON + CSV with provenance.
+
+    rollout-lab sweep --tiny qwen2 --workloads long_tail spread --scale 0.25 --out data/results/tiny
+    rollout-lab sweep --preset qwen2.5-3b --costs data/calibration/qwen2.5-3b_bfloat16_cuda.json
+
+    from rollout_lab.bench import run_sweep, write_results, results_table
+    record = run_sweep(model, workloads={"lt": get_workload("long_tail", scale=0.05)}, repetitions=2)
+
+Per workload: one warm-up call of every path, then ``repetitions`` interleaved rounds (each call
+timed whole, device synchronised before and after), then one profiling call per path. EOS is
+disabled (``eos_token_id=None`` for ours, ``min_new_tokens = max_new_tokens`` for HF), so every
+path generates the same number of tokens. Peers that fail are skipped with the reason recorded.
+
+This module runs the sweep and its CLI; the path names and one timed call are in ``bench_runner``,
+the summaries, tables and files in ``bench_records`` (both re-exported here).
+
+
+[from bench_runner] The paths a sweep times (our routes and the HF peers), and how one call of a path is made and timed.
+
+    runner = PathRunner(model, "auto", prompts, max_new_tokens=16, costs=None, pad=0,
+                        repetition_penalty=1.0, decode=None)
+    ms, out, peak_bytes = timed_call(runner.call, device)
+
+Each call is timed whole, the device synchronised before and after. Our paths keep one Rollout
+across the warm-up, the timed calls and the profiling call; torch is imported only when a call runs.
+
+
+[from bench_records] A sweep record once measured: its summaries, its flat tables, and its JSON + CSV files.
+
+    from rollout_lab.bench_records import load_results, results_table, summary_table
+    record = load_results("data/results/tiny")  # the stem, or the .json file
+    rows = results_table(record)  # one row per (workload, path), profile fields inlined
+
+``write_results`` serialises both files before writing either, and writes each atomically.
+No torch; the record is plain JSON data.
+
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from rollout_lab.engine.attention import set_attn_implementation
+from rollout_lab.engine.config import MANUAL_ROUTES, MODES, RolloutConfig
+from rollout_lab.engine.profile import timed_ms
+from rollout_lab.engine.rollout import Rollout
+from rollout_lab.measure.calibrate import load_calibration, run_metadata
+from rollout_lab.measure.models import TINY_VOCAB_SIZE, load_model, tiny_model
+from rollout_lab.measure.peers import hf_generate, hf_generate_batch, oracle_sequences
+from rollout_lab.measure.workloads import WORKLOADS, get_workload, lengths_to_prompts, padding_share
+from rollout_lab.planner.checks import check_max_new_tokens
+from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.workspace import Workspace, csv_text, json_text, write_text_atomic
+
+PEER_PATHS = ("hf_static", "hf_generate_batch")
+PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
+PROFILE_FIELDS = ("planning_ms", "prefill_ms", "decode_ms", "cache_ms", "total_ms",
+                  "num_prefill_forwards", "num_decode_forwards", "num_generated_tokens")
+SEED_WORKLOADS = ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread")
+DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
+
+
+def resolve_workloads(
+    workloads: Sequence[str] | Mapping[str, Sequence[int]], *, scale: float = 1.0
+) -> dict[str, list[int]]:
+    """Names (scaled by ``scale``) or explicit {name: lengths}; raises ValueError before any work."""
+    if isinstance(workloads, str):
+        workloads = [workloads]
+    if isinstance(workloads, Mapping):
+        out = {}
+        for name, lengths in workloads.items():
+            lengths = list(lengths)
+            if not lengths or any(isinstance(n, bool) or int(n) != n or n < 1 for n in lengths):
+                raise ValueError(f"workload {name!r} must be a non-empty list of positive ints")
+            out[str(name)] = [int(n) for n in lengths]
+        return out
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        raise ValueError(f"unknown workloads {unknown or '(none given)'}; valid names: {', '.join(WORKLOADS)}")
+    return {name: get_workload(name, scale=scale) for name in workloads}
+
+
+def run_sweep(
+    model: Any,
+    *,
+    workloads: Sequence[str] | Mapping[str, Sequence[int]],
+    paths: Sequence[str] | None = None,
+    repetitions: int = 3,
+    max_new_tokens: int = 16,
+    costs: Any = None,
+    model_name: str | None = None,
+    progress: bool = True,
+    out: str | os.PathLike | None = None,
+    workload_scale: float = 1.0,
+    repetition_penalty: float = 1.0,
+    oracle_max_tokens: int = DEFAULT_ORACLE_MAX_TOKENS,
+    costs_source: str | None = None,
+    decode: str | None = None,
+) -> dict[str, Any]:
+    """Time every path on every workload; a JSON-ready record (also written to ``out`` after each
+    workload, when given, so an interrupted sweep keeps what it finished).
+
+    ``costs`` (CostCoefficients, default: the engine's) drive auto and bucketed; ``decode``
+    ("graph", "eager", "auto"; None = the engine's default) picks our CB decode stepper. The oracle
+    (one-request unpadded HF generate) is checked on workloads whose prompt + generated tokens
+    are at most ``oracle_max_tokens`` (0 = never); elsewhere ``matches_oracle`` is None.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    lengths_by_name = resolve_workloads(workloads, scale=workload_scale)
+    paths = check_paths(paths)
+    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
+        raise ValueError(f"repetitions must be an int >= 1, got {repetitions!r}")
+    check_max_new_tokens(max_new_tokens)
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    special = [t for t in (config.pad_token_id, config.eos_token_id, config.bos_token_id) if isinstance(t, int)]
+    record: dict[str, Any] = {
+        "kind": "sweep",
+        "provenance": run_metadata(model, model_name=model_name),
+        "config": {
+            "paths": list(paths), "repetitions": repetitions, "max_new_tokens": max_new_tokens,
+            "repetition_penalty": repetition_penalty, "workload_scale": workload_scale,
+            "oracle_max_tokens": oracle_max_tokens, "decode": decode or "engine default",
+            "costs": None if costs is None else costs.to_dict(), "costs_source": costs_source or (
+                "engine defaults" if costs is None else "given"),
+        },
+        "workloads": {},
+    }
+    calls_per_workload = len(paths) * (repetitions + 2)
+    bar = tqdm(total=calls_per_workload * len(lengths_by_name), desc="sweep", disable=not progress)
+    # no_grad, not inference_mode: generate_batch's worker thread must update tensors made here
+    with torch.no_grad():
+        for name, lengths in lengths_by_name.items():
+            prompts = lengths_to_prompts(lengths, vocab_size=config.vocab_size, seed=0, special_ids=special)
+            bar.set_postfix_str(name)
+            record["workloads"][name] = _sweep_workload(
+                model, prompts, paths, device=device, repetitions=repetitions,
+                max_new_tokens=max_new_tokens, costs=costs, pad=pad,
+                repetition_penalty=repetition_penalty, oracle_max_tokens=oracle_max_tokens,
+                decode=decode, bar=bar,
+            )
+            record["summary"] = summarize(record)
+            if out is not None:
+                write_results(record, out)
+    bar.close()
+    record["summary"] = summarize(record)
+    return record
+
+
+def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_tokens, costs, pad,
+                    repetition_penalty, oracle_max_tokens, decode, bar) -> dict[str, Any]:
+    runners = {p: PathRunner(model, p, prompts, max_new_tokens=max_new_tokens, costs=costs, pad=pad,
+                             repetition_penalty=repetition_penalty, decode=decode) for p in paths}
+    try:
+        return _run_workload(model, prompts, paths, runners, device=device, repetitions=repetitions,
+                             max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+                             oracle_max_tokens=oracle_max_tokens, bar=bar)
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_new_tokens,
+                  repetition_penalty, oracle_max_tokens, bar) -> dict[str, Any]:
+    lengths = [len(p) for p in prompts]
+    attn_implementation = getattr(model.config, "_attn_implementation", None)
+    results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for path in paths:  # warm-up (compiles, allocator); a failing peer is skipped with its reason
+        try:
+            _, out, _ = timed_call(runners[path].call, device)
+            outputs[path] = output_sequences(out)
+            results[path] = {"samples_ms": [], "peak_mem_bytes": None, "skipped": None}
+        except Exception as err:  # noqa: BLE001 - recorded, and only for peers
+            if path in MODES:
+                raise
+            results[path] = {"skipped": f"{type(err).__name__}: {err}"[:500]}
+        if path == "hf_generate_batch":
+            release_memory(device)
+            set_attn_implementation(model, attn_implementation)
+        bar.update()
+    live = [p for p in paths if results[p].get("skipped") is None]
+    for _ in range(repetitions):
+        for path in live:
+            ms, _, peak = timed_call(runners[path].call, device)
+            if path == "hf_generate_batch":
+                release_memory(device)
+                set_attn_implementation(model, attn_implementation)
+            results[path]["samples_ms"].append(ms)
+            if peak is not None:
+                results[path]["peak_mem_bytes"] = max(peak, results[path]["peak_mem_bytes"] or 0)
+            bar.update()
+        bar.update(len(paths) - len(live))
+    num_tokens = len(prompts) * max_new_tokens
+    is_small = oracle_max_tokens > 0 and sum(lengths) + num_tokens <= oracle_max_tokens
+    oracle = None
+    if is_small:
+
+        oracle = oracle_sequences(model, prompts, max_new_tokens=max_new_tokens,
+                                  repetition_penalty=repetition_penalty)
+    for path in paths:
+        entry = results[path]
+        if entry.get("skipped") is not None:
+            entry.update({"mean_ms": None, "samples_ms": [], "tokens_per_s": None, "peak_mem_bytes": None,
+                          "route": None, "buckets": None, "profile": None,
+                          "matches_nocb": None, "matches_oracle": None})
+            bar.update()
+            continue
+        info = runners[path].profile()
+        bar.update()
+        seqs = outputs[path]
+        mean_ms = statistics.fmean(entry["samples_ms"])
+        entry.update({
+            "mean_ms": mean_ms,
+            "std_ms": statistics.pstdev(entry["samples_ms"]),
+            "tokens_per_s": sum(len(s) for s in seqs) / (mean_ms / 1e3),
+            **info,
+            "matches_nocb": (seqs == outputs["nocb"]) if "nocb" in outputs else None,
+            "matches_oracle": (seqs == oracle) if oracle is not None else None,
+        })
+    return {"lengths": lengths, "num_requests": len(lengths), "padding_share": padding_share(lengths),
+            "paths": results, "summary": workload_summary(results)}
+
+
+
+def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:
+    paths = PATHS if paths is None else tuple(paths)
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"unknown paths {unknown or '(none given)'}; valid: {', '.join(PATHS)}")
+    return tuple(dict.fromkeys(paths))
+
+
+def release_memory(device: Any) -> None:
+    """After generate_batch: drop its paged cache (~all free GPU memory) before the next path runs."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed_call(fn: Callable[[], Any], device: Any) -> tuple[float, Any, int | None]:
+    """(ms, output, peak allocated bytes or None) of one whole call."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms, out = timed_ms(fn, device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return ms, out, peak
+
+
+class PathRunner:
+    """One path's calls: ``call()`` (timed), ``profile()`` -> info or None, ``close()``.
+
+    Our paths keep one Rollout (its captured decode graph and cache) for the warm-up, the timed
+    calls and the profiling call after them; it is closed when the workload ends.
+    """
+
+    def __init__(self, model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty, decode):
+        self.model, self.path, self.prompts, self.max_new_tokens = model, path, prompts, max_new_tokens
+        self.pad, self.repetition_penalty = pad, repetition_penalty
+        self.settings = dict(mode=path, eos_token_id=None, pad_token_id=pad,
+                             repetition_penalty=repetition_penalty)
+        if costs is not None:
+            self.settings["costs"] = costs
+        if decode is not None:
+            self.settings["decode"] = decode
+        self._rollout = None
+
+    def _engine(self) -> Rollout:
+        if self._rollout is None:
+            self._rollout = Rollout(self.model, RolloutConfig(**self.settings))
+        return self._rollout
+
+    def call(self) -> Any:
+        if self.path in MODES:
+            return self._engine().generate(self.prompts, max_new_tokens=self.max_new_tokens)
+        if self.path == "hf_static":
+            return hf_generate(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
+                                     pad_token_id=self.pad, cache_implementation="static",
+                                     repetition_penalty=self.repetition_penalty)
+        return hf_generate_batch(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
+                                       pad_token_id=self.pad)
+
+    def profile(self) -> dict[str, Any]:
+        if self.path not in MODES:  # peers have no profile: no extra call
+            return {"route": None, "buckets": None, "profile": None}
+        # The timed calls' Rollout, profiling this call: its decode graph is already captured, so
+        # the profile is a steady-state call's and no capture happens after the peers compiled.
+        result = self._engine().generate(self.prompts, max_new_tokens=self.max_new_tokens, profile=True)
+        self.close()
+        return _engine_info(result)
+
+    def close(self) -> None:
+        if self._rollout is not None:
+            close = getattr(self._rollout, "close", None)
+            if close is not None:
+                close()
+            self._rollout = None
+
+
+def _engine_info(result: Any) -> dict[str, Any]:
+    profile = result.profile
+    profile = profile.to_dict() if hasattr(profile, "to_dict") else (dict(vars(profile)) if profile else None)
+    buckets = [[len(b), int(w)] for plan in (result.plans or []) for b, w in zip(plan.buckets, plan.widths)]
+    return {"route": result.route, "buckets": buckets, "num_admissions": len(result.plans or []),
+            "profile": profile}
+
+
+def output_sequences(out: Any) -> list[list[int]]:
+    seqs = getattr(out, "sequences", out)
+    return [list(map(int, s)) for s in seqs]
+
+
+def workload_summary(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """One workload's Auto route, and Auto against the best manual path and the best peer."""
+    def best(names):
+        timed = [(results[p]["mean_ms"], p) for p in names if results.get(p, {}).get("mean_ms") is not None]
+        return min(timed) if timed else (None, None)
+
+    auto = results.get("auto", {}).get("mean_ms")
+    manual_ms, manual = best(MANUAL_ROUTES)
+    peer_ms, peer = best(PEER_PATHS)
+    over_manual = auto / manual_ms if auto is not None and manual_ms else None
+    return {
+        "auto_route": results.get("auto", {}).get("route"),
+        "best_manual_path": manual, "best_peer_path": peer,
+        "auto_over_best_manual": over_manual,
+        "auto_over_best_peer": auto / peer_ms if auto is not None and peer_ms else None,
+        "regression": None if over_manual is None else max(0.0, over_manual - 1.0),
+    }
+
+
+def summarize(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-workload summaries, and the worst regression of Auto against the best manual path."""
+    rows = summary_table(record)
+    rated = [r for r in rows if r["regression"] is not None]
+    worst = max(rated, key=lambda r: r["regression"], default=None)
+    return {
+        "workloads": rows,
+        "worst_regression": None if worst is None else {
+            "workload": worst["workload"], "regression": worst["regression"],
+            "auto_over_best_manual": worst["auto_over_best_manual"],
+        },
+    }
+
+
+def summary_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per workload: Auto / best manual (also as ``auto_vs_best``), Auto / best peer."""
+    rows = []
+    for name, w in record["workloads"].items():
+        s = w["summary"]
+        rows.append({"workload": name, "num_requests": w["num_requests"], **s,
+                     "auto_vs_best": s["auto_over_best_manual"]})
+    return rows
+
+
+def results_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per (workload, path), profile fields inlined: for plots and the CSV."""
+    rows = []
+    for name, w in record["workloads"].items():
+        for path, r in w["paths"].items():
+            profile = r.get("profile") or {}
+            rows.append({
+                "workload": name, "path": path, "num_requests": w["num_requests"],
+                "padding_share": w["padding_share"], "mean_ms": r.get("mean_ms"),
+                "std_ms": r.get("std_ms"), "samples_ms": ";".join(f"{x:.3f}" for x in r.get("samples_ms") or []),
+                "tokens_per_s": r.get("tokens_per_s"), "peak_mem_bytes": r.get("peak_mem_bytes"),
+                "route": r.get("route"), "num_buckets": None if r.get("buckets") is None else len(r["buckets"]),
+                "buckets": None if r.get("buckets") is None else " ".join(f"{b}x{wd}" for b, wd in r["buckets"]),
+                "matches_nocb": r.get("matches_nocb"), "matches_oracle": r.get("matches_oracle"),
+                "skipped": r.get("skipped"),
+                **{f: profile.get(f) for f in PROFILE_FIELDS},
+            })
+    return rows
+
+
+def write_results(record: Mapping[str, Any], stem: str | os.PathLike) -> tuple[Path, Path]:
+    """Write ``<stem>.json`` and ``<stem>.csv`` atomically; both are serialised before either is written."""
+
+    stem = Path(stem)
+    if stem.suffix in (".json", ".csv"):
+        stem = stem.with_suffix("")
+    json_body = json_text(record)
+    csv_body = csv_text(results_table(record))
+    json_path = write_text_atomic(stem.with_name(stem.name + ".json"), json_body)
+    csv_path = write_text_atomic(stem.with_name(stem.name + ".csv"), csv_body)
+    return json_path, csv_path
+
+
+def load_results(path: str | os.PathLike) -> dict[str, Any]:
+    """A record written by ``write_results`` (``path`` may be the stem or the .json file)."""
+    path = Path(path)
+    if path.suffix != ".json":
+        path = path.with_name(path.name + ".json") if path.suffix != ".csv" else path.with_suffix(".json")
+    if not path.is_file():
+        raise ValueError(f"results file {str(path)!r} does not exist")
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or record.get("kind") != "sweep":
+        raise ValueError(f"{str(path)!r} is not a sweep record (kind != 'sweep')")
+    return record
+
+
+def route_table(*, max_new_tokens: int = 8) -> list[dict]:
+    """Run the long-tail shape (1x48 + 15x4) through every route on the tiny qwen2 model."""
+
+    model = tiny_model("qwen2")
+    prompts = lengths_to_prompts([48] + [4] * 15, vocab_size=TINY_VOCAB_SIZE, seed=0, special_ids=[0])
+    costs = CostCoefficients(prefill_fixed_cost_ms=0.5, continuous_decode_cost_ms=0.0)  # tiny-model scale
+    rows, reference = [], None
+    for mode in MODES:
+        config = RolloutConfig(mode=mode, costs=costs, profile=True, pad_token_id=0)
+        result = Rollout(model, config).generate(prompts, max_new_tokens=max_new_tokens)
+        reference = result.sequences if reference is None else reference
+        row = {"mode": mode, "route": result.route, "same_tokens": result.sequences == reference}
+        row.update({k: getattr(result.profile, k) for k in PROFILE_FIELDS})
+        rows.append(row)
+    return rows
+
+
+def sweep_or_load(
+    *, results_file: str | None, model: str, dtype: str, device: str, workloads: Sequence[str],
+    workload_scale: float, paths_: Sequence[str] | None, repetitions: int, max_new_tokens: int,
+    cost_file: str | None, override_costs: bool, results_stem: str | None,
+    output_dir: str | Path | None, progress: bool = False,
+) -> tuple[dict[str, Any], Path]:
+    """Render a saved sweep (``results_file``), or run one and write JSON + CSV: (record, json path)."""
+    if results_file is not None:
+        return load_results(results_file), Path(results_file)
+    net, name = load_model(model, dtype=dtype, device=device)
+    costs = None
+    if cost_file is not None:
+        costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs)
+    if results_stem is None:
+        results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{name}_{dtype}_{str(device).split(':')[0]}")
+    record = run_sweep(
+        net, workloads=list(workloads), paths=paths_, repetitions=repetitions, max_new_tokens=max_new_tokens,
+        costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,
+        costs_source=cost_file or "engine defaults",
+    )
+    json_path, _ = write_results(record, results_stem)
+    return record, json_path
+
+
+def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The reference's table: one row per workload, E2E ms per path, Auto's route and Auto/best."""
+
+    rows = results_table(record)
+    summary = {r["workload"]: r for r in summary_table(record)}
+    out = []
+    for name, w in record["workloads"].items():
+        row: dict[str, Any] = {"workload": name, "num_requests": w["num_requests"],
+                               "padding_share": round(w["padding_share"], 3)}
+        for r in rows:
+            if r["workload"] == name:
+                row[f"{r['path']}_ms"] = r["mean_ms"]
+        s = summary[name]
+        row.update({"auto_route": s["auto_route"], "best_manual_path": s["best_manual_path"],
+                    "auto_vs_best": s["auto_vs_best"], "auto_over_best_peer": s["auto_over_best_peer"]})
+        out.append(row)
+    return out

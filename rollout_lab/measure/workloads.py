@@ -1,0 +1,272 @@
+"""Named prompt-length workloads: the seed's five, uniform, real distributions, and synthetic ones.
+
+A workload is a list of prompt lengths in tokens. The real ones are sampled with a fixed seed from
+the CSVs shipped in ``rollout_lab/measure/prompt_lengths/`` (built by ``scripts/build_prompt_lengths.py``: Qwen2.5 BPE,
+chat template included). ``lengths_to_prompts`` turns lengths into deterministic token-id prompts.
+Torch-free, so the planner, notebooks and CPU tests can use it anywhere::
+
+    from rollout_lab.workloads import get_workload, padding_share
+    lengths = get_workload("gsm8k_32")            # 32 GSM8K prompt lengths, seed 0
+    tiny = get_workload("long_tail", scale=0.05)  # 1x26 + 31x1 for CPU tests
+
+
+[from distributions] Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
+
+A spec is a small dict (the ``distributions`` parameter of ``notebooks/02_bucket_choices.ipynb``):
+a seed workload, a lognormal or bimodal draw, or a sample of a real dataset's lengths. Torch-free
+and pure (the real ones read the CSVs of ``rollout_lab.workloads``)::
+
+    from rollout_lab.distributions import resolve_distribution, resolve_distributions
+    label, lengths = resolve_distribution({"kind": "real", "dataset": "gsm8k"}, batch_size=32, seed=0)
+    dists = resolve_distributions([{"kind": "seed", "name": "long_tail"}], batch_size=32, seeds=[0, 1])
+
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+# The shipped prompt-length CSVs: package data, so an installed copy reads them from any folder.
+PROMPT_LENGTHS = resources.files("rollout_lab.measure") / "prompt_lengths"
+SAMPLE_SEED = 0  # the fixed seed behind every named real workload ("gsm8k_32", ...)
+DATASETS = ("gsm8k", "humaneval", "gpqa_diamond", "aime2025")
+
+_SEED_WORKLOADS: dict[str, Callable[[], list[int]]] = {
+    "short_similar": lambda: [n for n in range(20, 12, -1) for _ in range(4)],
+    "long_tail": lambda: [512] + [16] * 31,
+    "short_tail": lambda: [20] + [1] * 31,
+    "moderate_tail": lambda: [128] + [4] * 31,
+    "spread": lambda: list(range(16, 513, 16)),
+    "uniform_128x16": lambda: [16] * 128,
+}
+_REAL_WORKLOADS: dict[str, tuple[str, int]] = {
+    "gsm8k_32": ("gsm8k", 32),
+    "gsm8k_64": ("gsm8k", 64),
+    "gsm8k_128": ("gsm8k", 128),
+    "humaneval_32": ("humaneval", 32),
+    "gpqa_diamond_32": ("gpqa_diamond", 32),
+    "aime2025_30": ("aime2025", 30),
+}
+WORKLOADS: tuple[str, ...] = tuple(_SEED_WORKLOADS) + tuple(_REAL_WORKLOADS)
+
+
+def get_workload(name: str, *, scale: float = 1.0) -> list[int]:
+    """Prompt lengths of the named workload; ``scale`` multiplies every length (rounded, min 1)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    if name in _SEED_WORKLOADS:
+        lengths = _SEED_WORKLOADS[name]()
+    elif name in _REAL_WORKLOADS:
+        dataset, n = _REAL_WORKLOADS[name]
+        lengths = sample_lengths(dataset, n, seed=SAMPLE_SEED)
+    else:
+        raise ValueError(f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}")
+    return scale_lengths(lengths, scale) if scale != 1.0 else lengths
+
+
+def scale_lengths(lengths: Sequence[int], scale: float) -> list[int]:
+    """Each length times ``scale``, rounded half up, never below 1."""
+    return [max(1, int(math.floor(n * scale + 0.5))) for n in lengths]
+
+
+def load_lengths(dataset: str) -> list[int]:
+    """All prompt lengths of ``dataset`` from the shipped ``prompt_lengths/<dataset>.csv``, in source order."""
+    path = PROMPT_LENGTHS / f"{dataset}.csv"
+    if not path.is_file():
+        available = sorted(p.name[:-4] for p in PROMPT_LENGTHS.iterdir() if p.name.endswith(".csv"))
+        raise ValueError(
+            f"no prompt-length file for dataset {dataset!r}; available: {', '.join(available)} "
+            "(regenerate with scripts/build_prompt_lengths.py)"
+        )
+    rows = list(csv.DictReader(io.StringIO(path.read_text(encoding="utf-8"))))
+    lengths = []
+    for i, row in enumerate(rows):
+        if row["name"] != dataset or int(row["index"]) != i or int(row["num_tokens"]) < 1:
+            raise ValueError(f"{dataset}.csv: bad row {i}: {row}")
+        lengths.append(int(row["num_tokens"]))
+    return lengths
+
+
+def read_lengths_file(path: str | Path) -> list[int]:
+    """Prompt lengths from a file: numbers separated by whitespace or commas, or a CSV with a header
+    whose ``num_tokens`` (or only) column holds them, such as the shipped prompt-length CSVs."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"lengths file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"lengths file {str(path)!r} is not UTF-8 text: {err}") from None
+    first = text.lstrip().split("\n", 1)[0]
+    if any(c.isalpha() for c in first):  # a header line
+        reader = csv.DictReader(io.StringIO(text.lstrip()))
+        columns = reader.fieldnames or []
+        column = "num_tokens" if "num_tokens" in columns else (columns[0] if len(columns) == 1 else None)
+        if column is None:
+            raise ValueError(f"{path}: a CSV of lengths needs a 'num_tokens' column or a single column; "
+                             f"got columns {columns}")
+        tokens = [row[column] for row in reader]
+    else:
+        tokens = text.replace(",", " ").split()
+    lengths = []
+    for token in tokens:
+        try:
+            lengths.append(int(token))
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: prompt length {token!r} is not an integer") from None
+    return lengths
+
+
+def sample_lengths(dataset: str, n: int, seed: int = SAMPLE_SEED, *, replace: bool = False) -> list[int]:
+    """``n`` lengths drawn from ``dataset`` with ``np.random.default_rng(seed)``, in draw order."""
+    lengths = load_lengths(dataset)
+    if n < 1 or (n > len(lengths) and not replace):
+        raise ValueError(
+            f"cannot draw n={n} prompts from {dataset!r} ({len(lengths)} prompts) "
+            f"{'with' if replace else 'without'} replacement; need 1 <= n"
+            + ("" if replace else f" <= {len(lengths)}, or replace=True")
+        )
+    picks = np.random.default_rng(seed).choice(len(lengths), size=n, replace=replace)
+    return [lengths[i] for i in picks]
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, seed: int, max_len: int) -> list[int]:
+    """``n`` lengths ~ median * exp(sigma * N(0, 1)), rounded and clipped to [1, max_len]."""
+    _check_synthetic(n, median, sigma, max_len)
+    z = np.random.default_rng(seed).standard_normal(n)
+    return np.clip(np.rint(median * np.exp(sigma * z)), 1, max_len).astype(int).tolist()
+
+
+def bimodal_lengths(
+    n: int, short_median: float, long_median: float, *, long_share: float, sigma: float = 0.1,
+    seed: int = 0, max_len: int = 4096,
+) -> list[int]:
+    """A mix of two lognormal modes: round(n * long_share) long prompts, the rest short, shuffled."""
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share!r}")
+    _check_synthetic(n, short_median, sigma, max_len)
+    _check_synthetic(n, long_median, sigma, max_len)
+    rng = np.random.default_rng(seed)
+    num_long = int(round(n * long_share))
+    medians = np.array([long_median] * num_long + [short_median] * (n - num_long), dtype=float)
+    raw = medians * np.exp(sigma * rng.standard_normal(n))
+    return np.clip(np.rint(rng.permutation(raw)), 1, max_len).astype(int).tolist()
+
+
+def _check_synthetic(n: int, median: float, sigma: float, max_len: int) -> None:
+    if n < 1 or median <= 0 or sigma < 0 or max_len < 1:
+        raise ValueError(
+            f"need n >= 1, median > 0, sigma >= 0, max_len >= 1; got n={n}, median={median}, "
+            f"sigma={sigma}, max_len={max_len}"
+        )
+
+
+def padding_share(lengths: Sequence[int]) -> float:
+    """Fraction of padded positions when all ``lengths`` are left-padded to the longest one."""
+    if len(lengths) == 0:
+        raise ValueError("padding_share needs at least one length")
+    return 1.0 - sum(lengths) / (len(lengths) * max(lengths))
+
+
+def mean_padding_share(
+    lengths: Sequence[int], batch_size: int, *, num_batches: int = 1000, seed: int = 0
+) -> float:
+    """Mean ``padding_share`` of ``num_batches`` random batches (without replacement) of ``lengths``."""
+    if not 1 <= batch_size <= len(lengths):
+        raise ValueError(f"batch_size must be in [1, {len(lengths)}], got {batch_size}")
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(lengths)
+    shares = [padding_share(pool[rng.choice(len(pool), batch_size, replace=False)].tolist())
+              for _ in range(num_batches)]
+    return float(np.mean(shares))
+
+
+def lengths_to_prompts(
+    lengths: Sequence[int], *, vocab_size: int, seed: int = 0, special_ids: Sequence[int] = ()
+) -> list[list[int]]:
+    """Deterministic random token-id prompts of the given lengths, drawn uniformly from the ids in
+    ``[0, vocab_size)`` that are not in ``special_ids`` (so no prompt contains a PAD/EOS/BOS id)."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=int))
+    if allowed.size == 0:
+        raise ValueError(f"no token ids left in [0, {vocab_size}) after removing special ids {list(special_ids)}")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"every prompt length must be >= 1, got {list(lengths)}")
+    rng = np.random.default_rng(seed)
+    return [allowed[rng.integers(0, allowed.size, size=n)].tolist() for n in lengths]
+
+SEED_FIVE = ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread")
+DISTRIBUTION_KINDS = ("seed", "lognormal", "bimodal", "real")
+
+
+def resolve_distribution(spec: Mapping[str, Any], *, batch_size: int, seed: int) -> tuple[str, list[int]]:
+    """(label, lengths) of one distribution spec; the notebook's ``distributions`` are a list of these.
+
+    {"kind": "seed", "name": "long_tail"}                      fixed lengths (batch and seed ignored)
+    {"kind": "lognormal", "median": 120, "sigma": 0.6, "max_len": 2048}
+    {"kind": "bimodal", "short_median": 40, "long_median": 600, "long_share": 0.1, "sigma": 0.1}
+    {"kind": "real", "dataset": "gsm8k"}                       ``batch_size`` draws from the CSV
+    An optional "label" overrides the default label.
+    """
+    kind = spec.get("kind")
+    params = {k: v for k, v in spec.items() if k not in ("kind", "label")}
+    if kind == "seed":
+        name = params.get("name")
+        if name is None:
+            raise ValueError(f"seed distribution needs a 'name', got {dict(spec)}")
+        return spec.get("label", name), get_workload(name, scale=float(params.get("scale", 1.0)))
+    if kind == "lognormal":
+        lengths = lognormal_lengths(batch_size, float(params["median"]), float(params["sigma"]), seed,
+                                    int(params.get("max_len", 4096)))
+        label = f"lognormal(med {params['median']:g}, σ {params['sigma']:g})"
+        return spec.get("label", label), lengths
+    if kind == "bimodal":
+        lengths = bimodal_lengths(
+            batch_size, float(params["short_median"]), float(params["long_median"]),
+            long_share=float(params["long_share"]), sigma=float(params.get("sigma", 0.1)), seed=seed,
+            max_len=int(params.get("max_len", 4096)),
+        )
+        label = f"bimodal({params['short_median']:g}/{params['long_median']:g}, {params['long_share']:g} long)"
+        return spec.get("label", label), lengths
+    if kind == "real":
+        dataset = params.get("dataset")
+        if dataset is None:
+            raise ValueError(f"real distribution needs a 'dataset', got {dict(spec)}")
+        return spec.get("label", dataset), sample_lengths(dataset, batch_size, seed)
+    raise ValueError(f"distribution kind must be one of {DISTRIBUTION_KINDS}, got {kind!r} in {dict(spec)}")
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """One distribution's prompt-length samples, one per seed (a single one for fixed lengths)."""
+
+    label: str
+    kind: str
+    samples: tuple[tuple[int, ...], ...]
+    seeds: tuple[int, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        """The first seed's sample: the one the figures draw."""
+        return list(self.samples[0])
+
+
+def resolve_distributions(
+    specs: Sequence[Mapping[str, Any]], *, batch_size: int, seeds: Sequence[int]
+) -> list[Distribution]:
+    """Every spec resolved for every seed; seed workloads (fixed lengths) keep one sample."""
+    if not seeds:
+        raise ValueError("seeds must hold at least one seed")
+    out = []
+    for spec in specs:
+        use = (seeds[0],) if spec.get("kind") == "seed" else tuple(seeds)
+        resolved = [resolve_distribution(spec, batch_size=batch_size, seed=s) for s in use]
+        out.append(Distribution(resolved[0][0], str(spec["kind"]), tuple(tuple(x) for _, x in resolved), use))
+    return out

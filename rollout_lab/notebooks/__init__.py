@@ -1,0 +1,123 @@
+"""The notebooks, and their papermill runner: ``NN_topic.ipynb`` beside this file ship with the package.
+
+    rollout-lab notebooks                                   # tiny CPU default, all four notebooks
+    rollout-lab notebooks --device cuda --preset qwen2.5-3b --dtype bfloat16
+    rollout-lab notebooks --only 02 --param batch_size=64   # one notebook, one parameter changed
+
+    from rollout_lab.notebooks import run_notebooks
+    run_notebooks(device="cuda", preset="qwen2.5-3b", dtype="bfloat16", out_dir="runs/h200")
+
+Every output goes to the workspace (``rollout_lab.workspace``: ``--out-dir``, else
+``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out``): figures to ``figures/``, tables to
+``data/tables/``, calibrations to ``data/calibration/``, sweeps to ``data/results/``, and the
+executed copies, with their outputs, to ``build/notebooks/``. Papermill runs each notebook in the
+current folder, so relative paths in ``--param`` values mean what they say. Equivalent plain
+papermill command (the kernel is the running interpreter's ``python3``)::
+
+    papermill rollout_lab/notebooks/03_latency_tables.ipynb out.ipynb -k python3 \
+        -p device cuda -p model qwen2.5-3b -p dtype bfloat16 -p paths None -p output_dir $PWD/rollout_lab_out
+"""
+from __future__ import annotations
+
+import os
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from rollout_lab.workspace import Workspace
+
+NOTEBOOKS = ("01_calibrate", "02_bucket_choices", "03_latency_tables", "04_adaptation")
+# Parameters for the test suite: seconds per notebook on CPU.
+SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
+    "01_calibrate": {"grid": {"batches": [1, 4], "widths": [8, 32], "repeats": 1, "decode_batches": [2],
+                              "decode_width": 8, "decode_steps": 2, "decode_repeats": 1}},
+    "02_bucket_choices": {
+        "batch_size": 16, "seeds": [0, 1], "max_num_buckets": 6,
+        "distributions": [
+            {"kind": "seed", "name": "long_tail"},
+            {"kind": "lognormal", "median": 60, "sigma": 0.6, "max_len": 512},
+            {"kind": "bimodal", "short_median": 20, "long_median": 300, "long_share": 0.2},
+            {"kind": "real", "dataset": "gsm8k"},
+        ],
+        "fixed_costs_ms": [0.1, 10, 1000], "route_max_lengths": [16, 128, 1024], "route_budgets": [1, 16, 256],
+    },
+    "03_latency_tables": {"workloads": ["long_tail", "spread"], "workload_scale": 0.05, "repetitions": 1,
+                          "max_new_tokens": 3},
+    "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20, "online_calls": 6,
+                  "repetitions": 1},
+}
+
+
+def notebook_parameters(
+    name: str, *, device: str = "cpu", preset: str | None = None, dtype: str | None = None,
+    output_dir: str | Path, extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The papermill parameters of one notebook: only those the notebook declares are passed."""
+    params: dict[str, Any] = {"interactive": False, "device": device, "output_dir": str(output_dir)}
+    if preset is not None:
+        params["model"] = preset
+        params["geometry_preset"] = preset
+        params["paths"] = None  # real models: every path, HF peers included
+        params["workload_scale"] = 1.0
+        params["grid"] = "default"
+        params["dtype"] = dtype or "bfloat16"
+    elif dtype is not None:
+        params["dtype"] = dtype
+    params.update(extra or {})
+    return params
+
+
+def run_notebooks(
+    *, names: Sequence[str] | None = None, device: str = "cpu", preset: str | None = None,
+    dtype: str | None = None, out_dir: str | Path | None = None,
+    extra: Mapping[str, Mapping[str, Any]] | None = None, kernel_name: str = "python3", progress: bool = True,
+) -> list[Path]:
+    """Execute each notebook with papermill; returns the executed copies (``<out_dir>/build/notebooks``).
+
+    ``out_dir`` is the workspace every output goes to (see the module docstring). ``extra`` maps a
+    notebook name (or "*") to parameters that override the defaults; a parameter the notebook does
+    not declare is an error.
+    """
+    try:
+        import papermill as pm  # optional: the [notebooks] extra
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(f"{err.name} is not installed: pip install 'rollout_lab[notebooks]'",
+                                  name=err.name) from None
+
+    names = list(NOTEBOOKS if names is None else names)
+    unknown = [n for n in names if n not in NOTEBOOKS]
+    if unknown:
+        raise ValueError(f"unknown notebooks {unknown}; expected some of {list(NOTEBOOKS)}")
+    workspace = Workspace.resolve(out_dir)
+    executed_dir = workspace.executed_notebooks
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    extra = dict(extra or {})
+    executed = []
+    for name in names:
+        source = notebook_path(name)
+        declared = {p for p in pm.inspect_notebook(str(source))}
+        more = {**extra.get("*", {}), **extra.get(name, {})}
+        wanted = notebook_parameters(name, device=device, preset=preset, dtype=dtype,
+                                     output_dir=workspace.root, extra=more)
+        bad = sorted(set(more) - declared)
+        if bad:
+            raise ValueError(f"{name} has no parameters {bad}; it declares {sorted(declared)}")
+        params = {k: v for k, v in wanted.items() if k in declared}
+        target = executed_dir / f"{name}.ipynb"
+        start = time.perf_counter()
+        if progress:
+            print(f"== {name}: {params}", flush=True)
+        pm.execute_notebook(str(source), str(target), parameters=params, kernel_name=kernel_name,
+                            cwd=os.getcwd(), progress_bar=False, log_output=False)
+        if progress:
+            print(f"   {target} in {time.perf_counter() - start:.1f} s", flush=True)
+        executed.append(target)
+    return executed
+
+
+def notebook_path(name: str) -> Path:
+    """The shipped ``<name>.ipynb`` (a real file in a checkout and in an installed package)."""
+    if name not in NOTEBOOKS:
+        raise ValueError(f"unknown notebook {name!r}; expected one of {list(NOTEBOOKS)}")
+    return Path(str(resources.files("rollout_lab.notebooks") / f"{name}.ipynb"))

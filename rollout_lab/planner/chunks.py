@@ -1,0 +1,46 @@
+"""planner.chunks
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, validate_lengths
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, attention_gflops, prefill_cost_ms
+
+# -- chunked prefill ---------------------------------------------------------------------------
+
+def split_prompt(length: int, limit: int | None) -> tuple[int, ...]:
+    """Chunk widths of a prompt, head first: (length,) within the limit, else the head and tails."""
+    if limit is None or length <= limit:
+        return (length,)
+    num_tails = (length - 1) // limit
+    return (length - num_tails * limit,) + (limit,) * num_tails
+
+
+def chunk_cost_ms(
+    width: int, offset: int, geometry: ModelGeometry, coeffs: CostCoefficients
+) -> float:
+    """A one-row forward of ``width`` tokens after ``offset`` cached ones: C(1, width) with the
+    attention term over ``offset + width`` keys."""
+    cost = prefill_cost_ms(1, width, geometry, coeffs)
+    extra = attention_gflops(1, width, geometry) * offset / width  # 4 * w * o * ... / 1e9
+    return cost + coeffs.prefill_attention_cost_ms * extra
+
+
+def plan_chunked(
+    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+) -> BucketPlan:
+    """``plan_buckets`` with over-limit prompts chunked (module docstring): the DP buckets the
+    heads with the short prompts; ``chunks`` lists each long prompt's tail widths."""
+    lengths = validate_lengths(lengths, None)
+    limit = coeffs.prefill_max_tokens
+    splits = [split_prompt(n, limit) for n in lengths]
+    plan = plan_buckets([s[0] for s in splits], geometry, coeffs)
+    chunks = tuple((i, s[1:]) for i, s in enumerate(splits) if len(s) > 1)
+    cost = plan.cost_ms
+    for i, tail in chunks:
+        offset = splits[i][0]
+        for width in tail:
+            cost += chunk_cost_ms(width, offset, geometry, coeffs)
+            offset += width
+    return BucketPlan(plan.buckets, plan.widths, cost, chunks)

@@ -1,0 +1,187 @@
+"""Prefill cost model C(B, L) and the model geometry it needs.
+
+    C(B, L) = fixed + token * B*L + attention * attn_GFLOPs(B, L) + kv * KV_MiB(B, L)
+
+Every term is linear in the batch B, so C(B, L) = fixed + B * per_row_cost_ms(L); the planner
+relies on that. Pure Python: no torch import (``ModelGeometry.from_config`` takes any dtype-like).
+
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from rollout_lab.workspace import write_json_atomic
+
+MIB = float(2**20)
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Coefficients of the prefill cost model, in milliseconds (defaults: the reference's).
+
+    The reference prices CB decode as an overhead over nocb's (``nocb_decode_cost_ms = 0``). With a
+    graph-captured CB decode that is faster than HF's own loop the overhead would be negative, so a
+    calibration may instead give both decode costs per step, each >= 0. Shared prefill (several
+    samples of one prompt) prefills the prompt once and copies its KV into the other samples' slots,
+    priced by ``prefill_replicate_cost_ms`` per MiB copied (0 by default: the reference has none).
+    """
+
+    prefill_fixed_cost_ms: float = 25.0
+    prefill_token_cost_ms: float = 0.1  # per padded token
+    prefill_attention_cost_ms: float = 0.01  # per attention GFLOP
+    prefill_kv_cost_ms: float = 0.04  # per MiB of KV written
+    continuous_decode_cost_ms: float = 10.0  # CB decode cost per remaining step (over nocb's)
+    nocb_decode_cost_ms: float = 0.0  # nocb's own decode cost per remaining step
+    prefill_replicate_cost_ms: float = 0.0  # per MiB of KV copied from a shared prefill row
+    prefill_max_tokens: int | None = 65536  # padded positions per forward; None = no limit
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "prefill_max_tokens":
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"prefill_max_tokens must be a positive int or None, got {value!r}"
+                    )
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{f.name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{f.name} must be finite and >= 0, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostCoefficients":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted(names - set(data))
+        if unknown or missing:
+            raise ValueError(
+                f"cost coefficients: unknown keys {unknown}, missing keys {missing}; "
+                f"expected exactly {sorted(names)}"
+            )
+        return cls(**dict(data))
+
+    def to_json(self, path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> Path:
+        """Write ``{"coefficients": ..., "metadata": ...}`` atomically."""
+        return write_json_atomic(
+            path, {"coefficients": self.to_dict(), "metadata": dict(metadata or {})}
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "CostCoefficients":
+        return read_cost_file(path)[0]
+
+
+def read_cost_file(path: str | os.PathLike) -> tuple[CostCoefficients, dict[str, Any]]:
+    """Load a cost file written by ``CostCoefficients.to_json``: (coefficients, metadata)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cost file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"cost file {str(path)!r} is not valid JSON: {err}") from err
+    if not isinstance(data, dict) or set(data) - {"coefficients", "metadata"} or "coefficients" not in data:
+        raise ValueError(
+            f"cost file {str(path)!r} must hold an object with keys 'coefficients' and 'metadata'"
+        )
+    return CostCoefficients.from_dict(data["coefficients"]), dict(data.get("metadata") or {})
+
+
+_DTYPE_BYTES = {
+    "float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
+    "bfloat16": 2, "bf16": 2, "float64": 8, "double": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a torch dtype, numpy dtype or dtype name."""
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The shape facts of a decoder that the cost model needs."""
+
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    element_bytes: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelGeometry.{f.name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_config(cls, hf_config: Any, dtype: Any) -> "ModelGeometry":
+        """Read a Hugging Face config; an explicit ``head_dim`` wins over hidden / heads."""
+        cfg = getattr(hf_config, "text_config", None) or hf_config
+        layers = getattr(cfg, "num_hidden_layers", None)
+        heads = getattr(cfg, "num_attention_heads", None)
+        if layers is None or heads is None:
+            raise ValueError("config needs num_hidden_layers and num_attention_heads")
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(int(layers), int(heads), int(kv_heads), int(head_dim), dtype_bytes(dtype))
+
+    @classmethod
+    def qwen25_3b(cls, element_bytes: int = 4) -> "ModelGeometry":
+        """Qwen2.5-3B (36 layers, 16 query heads, 2 KV heads, head_dim 128): the worked example."""
+        return cls(36, 16, 2, 128, element_bytes)
+
+
+def attention_gflops(batch: int, width: int, geometry: ModelGeometry) -> float:
+    """4 * B * L^2 * layers * query_heads * head_dim / 1e9."""
+    g = geometry
+    return 4.0 * batch * width * width * g.num_layers * g.num_query_heads * g.head_dim / 1e9
+
+
+def kv_mib(batch: int, width: int, geometry: ModelGeometry) -> float:
+    """2 * B * L * layers * kv_heads * head_dim * element_bytes / 2^20."""
+    g = geometry
+    return 2.0 * batch * width * g.num_layers * g.num_kv_heads * g.head_dim * g.element_bytes / MIB
+
+
+def prefill_cost_ms(
+    batch: int,
+    width: int,
+    geometry: ModelGeometry,
+    coeffs: CostCoefficients,
+    include_kv: bool = True,
+) -> float:
+    """Estimated time of one left-padded prefill forward of ``batch`` rows of ``width`` tokens."""
+    if batch <= 0:
+        return 0.0
+    return coeffs.prefill_fixed_cost_ms + batch * per_row_cost_ms(
+        width, geometry, coeffs, include_kv=include_kv
+    )
+
+
+def per_row_cost_ms(
+    width: int, geometry: ModelGeometry, coeffs: CostCoefficients, *, include_kv: bool = True
+) -> float:
+    """The part of C(B, L) that one row of width L adds: (C(B, L) - fixed) / B."""
+    cost = coeffs.prefill_token_cost_ms * width
+    cost += coeffs.prefill_attention_cost_ms * attention_gflops(1, width, geometry)
+    if include_kv:
+        cost += coeffs.prefill_kv_cost_ms * kv_mib(1, width, geometry)
+    return cost

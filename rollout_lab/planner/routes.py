@@ -1,0 +1,209 @@
+"""Bucket planner: the nocb/bucketed route choice over the exactly optimal bucket DP.
+
+Pure Python (no torch), deterministic, no I/O. Run ``rollout-lab plan 512 16 16 ...`` to try it.
+
+The DP itself (``plan_buckets``, exactly optimal, and its oracle ``plan_buckets_quadratic``)
+lives in ``rollout_lab.bucket_dp``; this module re-exports it and adds chunked prefill and the
+route choice.
+
+Chunked prefill (``plan_chunked``). A prompt of L > limit tokens (limit = ``prefill_max_tokens``)
+is cut into m = ceil(L / limit) chunks: a *head* of h = L - (m - 1) * limit tokens (1 <= h <= limit)
+and m - 1 *tail* chunks of exactly ``limit`` tokens, run in order into one cache so that chunk k
+attends to chunks < k. The head has no past, so it enters the DP as a prompt of length h and may
+share a bucket with short prompts (its logits are dropped). Each tail chunk is its own one-row
+forward at exactly the limit (a second row would exceed it); the last one carries the logits of the
+first token. Tails are the fewest forwards a long prompt can take and hold no padding, so given
+them the DP over heads and short prompts is exactly optimal. A tail chunk of width c after o tokens
+is priced by ``chunk_cost_ms``: C(1, c) with the attention term over o + c keys.
+
+EOS-aware decode: ``rollout_lab.decode_steps`` (``expected_decode_steps``, re-exported here)
+prices the expected decode steps under a response-length prior instead of ``max_new_tokens - 1``.
+
+
+[from replication] Shared prefill: rows (request, sample) grouped by identical prompt, and the route it implies.
+
+A call of n requests with ``num_samples`` = S has n * S rows, request-major (row = request * S +
+sample, like HF's ``num_return_sequences``). Rows whose prompts are identical token lists (the S
+samples of one request, or repeated requests) form a group: continuous batching prefills one row
+per group per admission and copies its KV into the group's other slots. nocb (HF ``generate``)
+cannot share and prefills every row. Pure Python, no torch, like the planner.
+
+    groups = prompt_groups(prompts, num_samples=8)        # group id (first row) of every row
+    plan = choose_shared_route(lengths_of_groups, replicas, max_new_tokens=128, ...)
+
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rollout_lab.planner.bucket_dp import plan_buckets, validate_lengths
+from rollout_lab.planner.checks import check_max_new_tokens
+from rollout_lab.planner.chunks import plan_chunked
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
+from rollout_lab.planner.decode_steps import LengthPrior, expected_decode_steps
+
+ROUTES = ("nocb", "bucketed")
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """The route Auto takes for one admission, with both estimates."""
+
+    route: str
+    buckets: tuple[tuple[int, ...], ...]
+    nocb_cost_ms: float | None  # None when nocb is not eligible
+    cb_cost_ms: float
+    cb_cost_is_lower_bound: bool = False  # True when the DP was skipped because nocb wins anyway
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(len(b) for b in self.buckets)
+
+
+def nocb_cost_ms(
+    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, *, max_new_tokens: int = 1,
+    decode_steps: float | None = None,
+) -> float:
+    """nocb's estimate: one left-padded forward of every prompt at the longest width (no KV term),
+    plus ``nocb_decode_cost_ms`` per remaining decode step (0 with the reference coefficients).
+    ``decode_steps`` (e.g. from ``expected_decode_steps``) replaces ``max_new_tokens - 1``."""
+    if not lengths:
+        return 0.0
+    prefill = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs, include_kv=False)
+    steps = max(0, max_new_tokens - 1) if decode_steps is None else decode_steps
+    return prefill + coeffs.nocb_decode_cost_ms * steps
+
+
+def cb_decode_cost_ms(
+    max_new_tokens: int, coeffs: CostCoefficients, *, decode_steps: float | None = None
+) -> float:
+    """CB's decode overhead over nocb: one ``continuous_decode_cost_ms`` per remaining step
+    (``decode_steps`` of them when given, else ``max_new_tokens - 1``)."""
+    steps = max(0, max_new_tokens - 1) if decode_steps is None else decode_steps
+    return coeffs.continuous_decode_cost_ms * steps
+
+
+def choose_route(
+    lengths: Sequence[int],
+    *,
+    max_new_tokens: int,
+    continuous_batch_size: int | None,
+    geometry: ModelGeometry,
+    coeffs: CostCoefficients,
+    nocb_allowed: bool = True,
+    response_lengths: LengthPrior | None = None,
+    chunk_long_prompts: bool = False,
+) -> RoutePlan:
+    """Compare nocb with bucketed CB by the cost model and take the cheaper (nocb on a tie).
+
+    nocb is eligible when ``nocb_allowed`` (no explicit capacity or trimming), every request
+    fits the slots at once and the padded batch fits ``prefill_max_tokens``.
+    ``response_lengths`` (a prior, see ``expected_decode_steps``) prices the expected decode steps
+    instead of ``max_new_tokens - 1``. ``chunk_long_prompts`` plans over-limit prompts with
+    ``plan_chunked`` instead of raising (nocb is then not eligible).
+    """
+    lengths = validate_lengths(lengths, None if chunk_long_prompts else coeffs)
+    check_max_new_tokens(max_new_tokens)
+    if continuous_batch_size is not None and (
+        isinstance(continuous_batch_size, bool)
+        or not isinstance(continuous_batch_size, int)
+        or continuous_batch_size < 1
+    ):
+        raise ValueError(
+            f"continuous_batch_size must be a positive int or None, got {continuous_batch_size!r}"
+        )
+    n = len(lengths)
+    if n == 0:
+        return RoutePlan("bucketed", (), None, 0.0)
+    limit = coeffs.prefill_max_tokens
+    eligible = (
+        nocb_allowed
+        and (continuous_batch_size is None or n <= continuous_batch_size)
+        and (limit is None or n * max(lengths) <= limit)
+    )
+    steps = None
+    if response_lengths is not None:
+        steps = expected_decode_steps(response_lengths, n, max_new_tokens, num_slots=continuous_batch_size)
+    decode = cb_decode_cost_ms(max_new_tokens, coeffs, decode_steps=steps)
+    nocb = None
+    if eligible:
+        nocb = nocb_cost_ms(lengths, geometry, coeffs, max_new_tokens=max_new_tokens, decode_steps=steps)
+    if nocb is not None:
+        # cheapest conceivable CB: one fixed cost, every prompt at its own width
+        bound = coeffs.prefill_fixed_cost_ms + decode
+        bound += sum(per_row_cost_ms(length, geometry, coeffs) for length in lengths)
+        if nocb <= bound:
+            return RoutePlan("nocb", (tuple(range(n)),), nocb, bound, cb_cost_is_lower_bound=True)
+    plan = plan_chunked(lengths, geometry, coeffs) if chunk_long_prompts else plan_buckets(lengths, geometry, coeffs)
+    cb = plan.cost_ms + decode
+    if nocb is not None and nocb <= cb:
+        return RoutePlan("nocb", (tuple(range(n)),), nocb, cb)
+    return RoutePlan("bucketed", plan.buckets, nocb, cb)
+
+
+def prompt_groups(
+    prompts: Sequence[Sequence[int]], *, num_samples: int, share: bool = True
+) -> list[int]:
+    """Per row (request-major), the first row with the same prompt; every row its own if not ``share``."""
+    num_rows = len(prompts) * num_samples
+    if not share:
+        return list(range(num_rows))
+    first: dict[tuple[int, ...], int] = {}
+    groups = []
+    for request, prompt in enumerate(prompts):
+        group = first.setdefault(tuple(prompt), request * num_samples)
+        groups.extend([group] * num_samples)
+    return groups
+
+
+def group_sizes(groups: Sequence[int]) -> dict[int, int]:
+    """{group id: rows}, in order of first appearance."""
+    sizes: dict[int, int] = {}
+    for group in groups:
+        sizes[group] = sizes.get(group, 0) + 1
+    return sizes
+
+
+def replication_cost_ms(
+    lengths: Sequence[int], replicas: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+) -> float:
+    """``prefill_replicate_cost_ms`` per MiB of KV copied: (replicas - 1) rows of each length."""
+    mib = sum((k - 1) * kv_mib(1, length, geometry) for length, k in zip(lengths, replicas))
+    return coeffs.prefill_replicate_cost_ms * mib
+
+
+def choose_shared_route(
+    lengths: Sequence[int],
+    replicas: Sequence[int],
+    *,
+    max_new_tokens: int,
+    continuous_batch_size: int | None,
+    geometry: ModelGeometry,
+    coeffs: CostCoefficients,
+    nocb_allowed: bool = True,
+    **route_options: Any,
+) -> RoutePlan:
+    """``choose_route`` for unique prompts of ``lengths`` that fill ``replicas[i]`` rows each.
+
+    CB's estimate: the DP over the unique prompts plus ``replication_cost_ms``; nocb's: every row
+    prefilled (n x samples). ``route_options`` go to both ``choose_route`` calls. Without any
+    replica (all 1) this is ``choose_route`` itself.
+    """
+    if len(replicas) != len(lengths) or any(
+        isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in replicas
+    ):
+        raise ValueError(f"replicas must hold one int >= 1 per length ({len(lengths)}), got {list(replicas)!r}")
+    common = dict(max_new_tokens=max_new_tokens, continuous_batch_size=continuous_batch_size,
+                  geometry=geometry, coeffs=coeffs, **route_options)
+    if all(k == 1 for k in replicas):
+        return choose_route(lengths, nocb_allowed=nocb_allowed, **common)
+    rows = [length for length, k in zip(lengths, replicas) for _ in range(k)]
+    nocb = None
+    if nocb_allowed:
+        nocb = choose_route(rows, nocb_allowed=True, **common).nocb_cost_ms
+    shared = choose_route(lengths, nocb_allowed=False, **common)
+    cb = shared.cb_cost_ms + replication_cost_ms(lengths, replicas, geometry, coeffs)
+    if nocb is not None and nocb <= cb:
+        return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb)
+    return RoutePlan("bucketed", shared.buckets, nocb, cb)

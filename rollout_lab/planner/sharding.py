@@ -1,0 +1,469 @@
+"""Split a global batch of prompts across data-parallel ranks so the predicted makespan is minimal.
+
+An RL step's rollout takes as long as its slowest rank. A rank's predicted cost is its own Auto
+plan: ``min(nocb, bucketed CB)`` as ``planner.choose_route`` computes it for the rank's prompts.
+Pure Python (no torch), deterministic, no I/O::
+
+    from rollout_lab.sharding import shard_requests, predicted_makespan
+    shards = shard_requests(lengths, 8, geometry, coeffs, max_new_tokens=16)
+
+This module is the API (``shard_requests``, ``predicted_rank_costs``, ``predicted_makespan``,
+``check_partition``); the methods live in their own modules and are re-exported here:
+
+- ``balanced`` (``sharding_balanced``): the best contiguous split of the sorted order, polished by
+  local search on exact per-rank costs; never worse than either baseline.
+- ``round_robin``, ``karmarkar_karp`` (``sharding_baselines``): prompt i to rank i % world_size;
+  verl's equal-size largest differencing on ``L^2 + 24576 L``.
+- ``RankCost`` (``sharding_cost``): a rank's memoised predicted cost, with cheap bounds.
+
+A rank is empty (``[]``, cost 0) when world_size exceeds the number of prompts.
+
+
+[from sharding_cost] A rank's predicted cost for sharding: its own Auto plan's cost, memoised, with cheap bounds.
+
+``RankCost(geometry, coeffs, max_new_tokens=16, continuous_batch_size=None)`` is called with a
+rank's prompt lengths as a sorted tuple and returns ``min(nocb, bucketed CB)`` in ms, as
+``planner.choose_route`` prices it; ``row``/``row_nokv`` are per-prompt row costs and
+``lower_bound`` a bound from a rank's count, longest length and row-cost sum that needs no DP.
+Pure Python (no torch), deterministic, no I/O.
+
+
+[from sharding_baselines] The sharding baselines that ``balanced`` is compared with (and polishes when they start better).
+
+- ``round_robin_shards``: prompt i goes to rank i % world_size.
+- ``karmarkar_karp_shards``: verl's ``get_seqlen_balanced_partitions(..., equal_size=True)``:
+  largest differencing on the workload proxy ``L^2 + 24576 L`` (``verl_workload``), equal counts
+  per rank (counts differ by at most one when world_size does not divide n: zero-weight
+  placeholders fill the last group).
+
+Pure Python, deterministic, no I/O.
+
+
+[from sharding_balanced] The ``balanced`` sharding search: a contiguous split, then local search on the exact costs.
+
+(1) The best split of the length-sorted order into contiguous ranges (bisection on the makespan,
+each rank greedily taking the longest range that fits: exact for contiguous splits since a rank's
+cost only grows when a prompt is added); (2) local search that moves one prompt, or swaps two,
+off the most expensive rank while that strictly lowers the pair's maximum, every candidate priced
+exactly by ``choose_route`` (through ``RankCost``), within a fixed budget of priced rows.
+Adding a prompt of length L raises a rank's cost by at least L's nocb row cost (nocb pays a row at
+a width >= L; the DP's plan minus that row is a plan for the rest, cheaper by >= its row cost),
+which prunes most candidates without a DP. Round-robin and Karmarkar-Karp are also polished the
+same way when they start out better, so ``balanced`` is never worse than either.
+
+Pure Python (no torch), deterministic, no I/O.
+
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from typing import Callable, Sequence
+
+from rollout_lab.planner.bucket_dp import validate_lengths
+from rollout_lab.planner.checks import check_max_new_tokens
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms
+from rollout_lab.planner.routes import cb_decode_cost_ms, choose_route
+
+METHODS = ("balanced", "round_robin", "karmarkar_karp")
+
+
+def shard_requests(
+    lengths: Sequence[int],
+    world_size: int,
+    geometry: ModelGeometry,
+    coeffs: CostCoefficients,
+    *,
+    max_new_tokens: int = 16,
+    continuous_batch_size: int | None = None,
+    nocb_allowed: bool = True,
+    method: str = "balanced",
+) -> list[list[int]]:
+    """``world_size`` lists of indices into ``lengths`` (each sorted); every index on one rank.
+
+    ``continuous_batch_size`` and ``nocb_allowed`` are what each rank's Auto will see (nocb is
+    not allowed with an explicit cache capacity or trimming), so the predicted costs match its plan.
+    """
+    lengths = _validate(lengths, world_size, coeffs, method, max_new_tokens)
+    if method == "round_robin":
+        return round_robin_shards(len(lengths), world_size)
+    if method == "karmarkar_karp":
+        return karmarkar_karp_shards(lengths, world_size)
+    cost = RankCost(geometry, coeffs, max_new_tokens=max_new_tokens,
+                    continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
+    return balanced_shards(lengths, world_size, cost)
+
+
+def predicted_rank_costs(
+    shards: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    geometry: ModelGeometry,
+    coeffs: CostCoefficients,
+    *,
+    max_new_tokens: int = 16,
+    continuous_batch_size: int | None = None,
+    nocb_allowed: bool = True,
+) -> list[float]:
+    """Each rank's predicted Auto cost in ms (0 for an empty rank)."""
+    lengths = validate_lengths(lengths, coeffs)
+    check_partition(shards, len(lengths))
+    cost = RankCost(geometry, coeffs, max_new_tokens=max_new_tokens,
+                    continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
+    return [cost(tuple(sorted(lengths[i] for i in shard))) for shard in shards]
+
+
+def predicted_makespan(
+    shards: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    geometry: ModelGeometry,
+    coeffs: CostCoefficients,
+    *,
+    max_new_tokens: int = 16,
+    continuous_batch_size: int | None = None,
+    nocb_allowed: bool = True,
+) -> float:
+    """The slowest rank's predicted cost in ms (0 for no requests)."""
+    return max(predicted_rank_costs(
+        shards, lengths, geometry, coeffs, max_new_tokens=max_new_tokens,
+        continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed,
+    ), default=0.0)
+
+
+def check_partition(shards: Sequence[Sequence[int]], num_requests: int) -> None:
+    """Raise ValueError unless every index in [0, num_requests) sits on exactly one rank."""
+    seen = [0] * num_requests
+    for rank, shard in enumerate(shards):
+        for index in shard:
+            if not isinstance(index, int) or not 0 <= index < num_requests:
+                raise ValueError(f"rank {rank} holds index {index!r}, outside [0, {num_requests})")
+            seen[index] += 1
+    bad = [i for i, count in enumerate(seen) if count != 1]
+    if bad:
+        raise ValueError(
+            f"requests {bad[:10]} are on {[seen[i] for i in bad[:10]]} ranks; each must be on one"
+        )
+
+
+def _validate(lengths, world_size, coeffs, method, max_new_tokens) -> list[int]:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if method not in METHODS:
+        raise ValueError(f"unknown sharding method {method!r}; valid methods: {', '.join(METHODS)}")
+    check_max_new_tokens(max_new_tokens)
+    return validate_lengths(lengths, coeffs)
+
+class RankCost:
+    """Memoised predicted cost of one rank's prompt lengths (a sorted tuple), with cheap bounds."""
+
+    def __init__(
+        self, geometry: ModelGeometry, coeffs: CostCoefficients, *, max_new_tokens: int,
+        continuous_batch_size: int | None, nocb_allowed: bool = True,
+    ) -> None:
+        self.geometry, self.coeffs = geometry, coeffs
+        self.nocb_allowed = nocb_allowed
+        self.max_new_tokens, self.continuous_batch_size = max_new_tokens, continuous_batch_size
+        self.decode_ms = cb_decode_cost_ms(max_new_tokens, coeffs)
+        self._memo: dict[tuple[int, ...], float] = {}
+        self._row: dict[int, float] = {}
+        self._row_nokv: dict[int, float] = {}
+        self.num_evaluations = 0
+        self.num_rows_evaluated = 0
+
+    def __call__(self, sorted_lengths: tuple[int, ...]) -> float:
+        cost = self._memo.get(sorted_lengths)
+        if cost is None:
+            cost = self._exact(sorted_lengths)
+            self._memo[sorted_lengths] = cost
+        return cost
+
+    def _exact(self, lengths: tuple[int, ...]) -> float:
+        if not lengths:
+            return 0.0
+        self.num_evaluations += 1
+        self.num_rows_evaluated += len(lengths)
+        plan = choose_route(
+            lengths, max_new_tokens=self.max_new_tokens,
+            continuous_batch_size=self.continuous_batch_size, geometry=self.geometry,
+            coeffs=self.coeffs, nocb_allowed=self.nocb_allowed,
+        )
+        return plan.nocb_cost_ms if plan.route == "nocb" else plan.cb_cost_ms
+
+    def is_known(self, sorted_lengths: tuple[int, ...]) -> bool:
+        return sorted_lengths in self._memo
+
+    def row(self, length: int) -> float:
+        if length not in self._row:
+            self._row[length] = per_row_cost_ms(length, self.geometry, self.coeffs)
+        return self._row[length]
+
+    def row_nokv(self, length: int) -> float:
+        if length not in self._row_nokv:
+            self._row_nokv[length] = per_row_cost_ms(
+                length, self.geometry, self.coeffs, include_kv=False
+            )
+        return self._row_nokv[length]
+
+    def lower_bound(self, count: int, max_length: int, row_sum: float) -> float:
+        """A bound <= the exact cost from the count, longest length and sum of per-row costs."""
+        if count == 0:
+            return 0.0
+        cb = self.coeffs.prefill_fixed_cost_ms + self.decode_ms + row_sum
+        if self._nocb_eligible(count, max_length):
+            return min(cb, self.coeffs.prefill_fixed_cost_ms + count * self.row_nokv(max_length))
+        return cb
+
+    def _nocb_eligible(self, count: int, max_length: int) -> bool:
+        limit, slots = self.coeffs.prefill_max_tokens, self.continuous_batch_size
+        return (
+            self.nocb_allowed
+            and (slots is None or count <= slots)
+            and (limit is None or count * max_length <= limit)
+        )
+
+VERL_LINEAR_WORKLOAD = 24576  # verl's calculate_workload: 24576 * L + L^2 (7B, hidden 4096)
+
+
+def round_robin_shards(num_requests: int, world_size: int) -> list[list[int]]:
+    return [list(range(rank, num_requests, world_size)) for rank in range(world_size)]
+
+
+def verl_workload(length: int) -> int:
+    return length * length + VERL_LINEAR_WORKLOAD * length
+
+
+def karmarkar_karp_shards(
+    lengths: Sequence[int], world_size: int, workload: Callable[[int], float] = verl_workload
+) -> list[list[int]]:
+    """Largest differencing with equal counts: groups of world_size consecutive sorted items each
+    start as a k-way partial partition; the two with the largest spread merge, heaviest set with
+    lightest, until one partition is left. Ranks in order of decreasing workload."""
+    k, n = world_size, len(lengths)
+    pad = (-n) % k
+    items = [(0, -1 - p) for p in range(pad)]  # zero-weight placeholders, dropped at the end
+    items += sorted((workload(length), i) for i, length in enumerate(lengths))
+    heap = []
+    for start in range(0, len(items), k):
+        sets = sorted(((w, [i]) for w, i in items[start:start + k]), reverse=True)
+        heapq.heappush(heap, _kk_entry(sets, start))
+    while len(heap) > 1:
+        *_, a = heapq.heappop(heap)
+        *_, b = heapq.heappop(heap)
+        merged = [(wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))]
+        merged.sort(reverse=True)
+        heapq.heappush(heap, _kk_entry(merged, min(min(i) for _, i in merged if i)))
+    if not heap:
+        return [[] for _ in range(k)]
+    return [sorted(i for i in ids if i >= 0) for _, ids in heap[0][-1]]
+
+
+def _kk_entry(sets, tie):
+    # heapq pops the smallest: largest spread first, then the heaviest set, then a stable id
+    return (-(sets[0][0] - sets[-1][0]), -sets[0][0], tie, sets)
+
+_REL_EPS = 1e-9  # an improvement must beat float noise by this relative margin
+_BISECTION_STEPS = 40
+_MAX_SEARCH_STEPS = 2000  # accepted local-search moves
+# Local search prices at most this many prompt rows exactly (about 2 us each in choose_route):
+# a deterministic cap on runtime. The contiguous seed is usually a local optimum already.
+_SEARCH_ROW_BUDGET = 40_000
+
+
+def balanced_shards(lengths: list[int], world_size: int, cost: RankCost) -> list[list[int]]:
+    n = len(lengths)
+    if world_size == 1 or n == 0:
+        return [list(range(n))] + [[] for _ in range(world_size - 1)]
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    best = _LocalSearch(contiguous_shards(lengths, order, world_size, cost), lengths, cost).run()
+    best_makespan = max(cost(_key(s, lengths)) for s in best)
+    for seed in (round_robin_shards(n, world_size), karmarkar_karp_shards(lengths, world_size)):
+        if max(cost(_key(s, lengths)) for s in seed) < best_makespan:
+            polished = _LocalSearch(seed, lengths, cost).run()
+            makespan = max(cost(_key(s, lengths)) for s in polished)
+            if makespan < best_makespan:
+                best, best_makespan = polished, makespan
+    return [sorted(shard) for shard in best]
+
+
+def _key(shard: Sequence[int], lengths: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(lengths[i] for i in shard))
+
+
+def contiguous_shards(
+    lengths: Sequence[int], order: list[int], world_size: int, cost: RankCost
+) -> list[list[int]]:
+    """The best split of ``order`` into world_size contiguous ranges, to bisection precision."""
+    widths = [lengths[i] for i in order]
+    n = len(widths)
+    prefix = [0.0]
+    for w in widths:
+        prefix.append(prefix[-1] + cost.row(w))
+
+    def range_cost(i: int, j: int) -> float:
+        return cost(tuple(widths[i:j]))
+
+    def fits(i: int, j: int, limit: float) -> bool:
+        if cost.lower_bound(j - i, widths[j - 1], prefix[j] - prefix[i]) > limit:
+            return False
+        return range_cost(i, j) <= limit
+
+    def split(limit: float) -> list[int] | None:
+        """Cut points when each rank greedily takes its longest fitting range, else None."""
+        cuts, start = [0], 0
+        for _ in range(world_size):
+            if start == n:
+                break
+            lo, hi = start, n  # fits(start, lo + 1) may fail; the largest fitting end is in [lo, hi]
+            guess = min(n, start + max(1, (n - start) // (world_size - len(cuts) + 1)))
+            if fits(start, guess, limit):
+                lo = guess
+            else:
+                hi = guess - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(start, mid, limit):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == start:
+                return None
+            cuts.append(lo)
+            start = lo
+        return cuts if start == n else None
+
+    low = max(cost((w,)) for w in set(widths))  # every prompt sits on some rank
+    high = range_cost(0, n)
+    best = split(high)
+    for _ in range(_BISECTION_STEPS):
+        if high - low <= _REL_EPS * high:
+            break
+        mid = 0.5 * (low + high)
+        cuts = split(mid)
+        if cuts is None:
+            low = mid
+        else:
+            high = max(range_cost(i, j) for i, j in zip(cuts, cuts[1:]))
+            best = cuts
+    shards = [order[i:j] for i, j in zip(best, best[1:])]
+    return shards + [[] for _ in range(world_size - len(shards))]
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+class _LocalSearch:
+    """Move or swap prompts off an expensive rank onto a cheaper one while that strictly lowers
+    the maximum of the two ranks involved; the sorted cost vector falls lexicographically, so it
+    terminates. The most expensive rank is tried first."""
+
+    def __init__(self, shards: list[list[int]], lengths: list[int], cost: RankCost) -> None:
+        self.lengths, self.cost = lengths, cost
+        # per rank: lengths sorted, and for each length the indices holding it
+        self.sorted_lengths = [sorted(lengths[i] for i in s) for s in shards]
+        self.members: list[dict[int, list[int]]] = []
+        for shard in shards:
+            by_length: dict[int, list[int]] = {}
+            for i in sorted(shard):
+                by_length.setdefault(lengths[i], []).append(i)
+            self.members.append(by_length)
+        self.row_sums = [sum(cost.row(w) for w in s) for s in self.sorted_lengths]
+        self.costs = [cost(tuple(s)) for s in self.sorted_lengths]
+
+    def run(self) -> list[list[int]]:
+        self.row_limit = self.cost.num_rows_evaluated + _SEARCH_ROW_BUDGET
+        try:
+            for _ in range(_MAX_SEARCH_STEPS):
+                # the most expensive rank first; once it is stuck, the next ones (so ranks off
+                # the critical path are balanced too, e.g. when one long prompt fixes the makespan)
+                ranks = sorted(range(len(self.costs)), key=lambda r: (-self.costs[r], r))
+                if not any(self._try_moves(r) or self._try_swaps(r) for r in ranks):
+                    break
+        except _BudgetSpent:
+            pass
+        return [sorted(i for ids in m.values() for i in ids) for m in self.members]
+
+    def _others(self, top: int) -> list[int]:
+        target = self.costs[top] * (1 - _REL_EPS)
+        ranks = [r for r in range(len(self.costs)) if r != top and self.costs[r] < target]
+        return sorted(ranks, key=lambda r: (self.costs[r], r))
+
+    def _candidate(self, rank: int, remove: int | None, add: int | None) -> tuple[int, int, float]:
+        """(count, longest, row-cost sum) of ``rank`` after removing/adding one length."""
+        lens = self.sorted_lengths[rank]
+        count, row_sum = len(lens), self.row_sums[rank]
+        longest = lens[-1] if lens else 0
+        if remove is not None:
+            count, row_sum = count - 1, row_sum - self.cost.row(remove)
+            if remove == longest and (len(lens) < 2 or lens[-2] != longest):
+                longest = lens[-2] if len(lens) >= 2 else 0
+        if add is not None:
+            count, row_sum, longest = count + 1, row_sum + self.cost.row(add), max(longest, add)
+        return count, longest, row_sum
+
+    def _price(self, rank: int, remove: int | None, add: int | None, limit: float) -> float | None:
+        """The exact new cost of ``rank`` if it is below ``limit``, else None."""
+        if self.cost.lower_bound(*self._candidate(rank, remove, add)) >= limit:
+            return None
+        # adding a row of length L costs at least its nocb row cost (see the module docstring)
+        if remove is None and add is not None and self.costs[rank] + self.cost.row_nokv(add) >= limit:
+            return None
+        lens = list(self.sorted_lengths[rank])
+        if remove is not None:
+            lens.pop(bisect.bisect_left(lens, remove))
+        if add is not None:
+            bisect.insort(lens, add)
+        key = tuple(lens)
+        if not self.cost.is_known(key) and self.cost.num_rows_evaluated >= self.row_limit:
+            raise _BudgetSpent
+        new = self.cost(key)
+        return new if new < limit else None
+
+
+    def _try_moves(self, top: int) -> bool:
+        limit = self.costs[top] * (1 - _REL_EPS)
+        for other in self._others(top):
+            for length in sorted(self.members[top], reverse=True):
+                if self._try_exchange(top, other, length, None, limit):
+                    return True
+        return False
+
+    def _try_swaps(self, top: int) -> bool:
+        limit = self.costs[top] * (1 - _REL_EPS)
+        for other in self._others(top):
+            for give in sorted(self.members[top], reverse=True):
+                # a rank's cost never falls when a prompt gets longer: only shorter ones come back
+                for take in sorted(self.members[other]):
+                    if take >= give:
+                        break
+                    if self._try_exchange(top, other, give, take, limit):
+                        return True
+        return False
+
+    def _try_exchange(self, top: int, other: int, give: int, take: int | None, limit: float) -> bool:
+        """Give a prompt of length ``give`` from ``top`` to ``other`` (and take one of length
+        ``take`` back, unless None) when both ranks' new costs are below ``limit``."""
+        new_other = self._price(other, take, give, limit)
+        if new_other is None:
+            return False
+        new_top = self._price(top, give, take, limit)
+        if new_top is None:
+            return False
+        self._apply(top, other, give, take, new_top, new_other)
+        return True
+
+    def _apply(self, top, other, give, take, new_top, new_other) -> None:
+        self._transfer(top, other, give)
+        if take is not None:
+            self._transfer(other, top, take)
+        self.costs[top], self.costs[other] = new_top, new_other
+
+    def _transfer(self, src: int, dst: int, length: int) -> None:
+        ids = self.members[src][length]
+        index = ids.pop()  # the largest index of that length: deterministic
+        if not ids:
+            del self.members[src][length]
+        bisect.insort(self.members[dst].setdefault(length, []), index)
+        self.sorted_lengths[src].pop(bisect.bisect_left(self.sorted_lengths[src], length))
+        bisect.insort(self.sorted_lengths[dst], length)
+        self.row_sums[src] -= self.cost.row(length)
+        self.row_sums[dst] += self.cost.row(length)

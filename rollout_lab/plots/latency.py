@@ -1,0 +1,112 @@
+"""Every figure the notebooks draw: bucket choices, k-bucket curves, route maps, calibration, latency.
+
+Each function takes plain data (plans, rows from ``rollout_lab.analysis`` or the records of
+``calibrate``/``bench``) and returns a matplotlib ``Figure``; ``save_figure`` writes PNG (+ SVG).
+This module holds the calibration (01) and latency (03) figures and re-exports the shared helpers
+of ``rollout_lab.plots_base`` and the bucket-choice (02) figures of ``rollout_lab.plots_buckets``.
+No torch import. Notebooks call these and define nothing themselves::
+
+    from rollout_lab import plots
+    fig = plots.plot_buckets(lengths, plan, title="gsm8k")
+    plots.save_figure(fig, figures_dir, "buckets_gsm8k")
+
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+
+from rollout_lab.plots.style import PALETTE, subplot_grid
+
+PATH_ORDER = ("nocb", "equal_width", "aligned", "bucketed", "auto")
+
+
+# ---------------------------------------------------------------- 03: latency tables
+
+def _by_workload(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    found = list(dict.fromkeys(r["path"] for r in rows))
+    ordered = [p for p in PATH_ORDER if p in found] + [p for p in found if p not in PATH_ORDER]
+    return workloads, ordered
+
+
+def _value(rows, workload, path, key):
+    for r in rows:
+        if r["workload"] == workload and r["path"] == path:
+            v = r.get(key)
+            return math.nan if v is None or v == "" else float(v)
+    return math.nan
+
+
+def _grouped_bars(ax, rows, key, *, scale: float = 1.0, log: bool = False) -> None:
+    workloads, path_names = _by_workload(rows)
+    width = 0.8 / max(1, len(path_names))
+    x = np.arange(len(workloads))
+    for c, path in enumerate(path_names):
+        vals = [_value(rows, w, path, key) * scale for w in workloads]
+        ax.bar(x + (c - (len(path_names) - 1) / 2) * width, vals, width=width, label=path, color=PALETTE(c % 10))
+    ax.set_xticks(x)
+    ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_e2e(rows: Sequence[Mapping[str, Any]], summary: Sequence[Mapping[str, Any]] = ()) -> Figure:
+    """End-to-end ms per path and workload; Auto/best and Auto's route annotated above each group."""
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len({r['workload'] for r in rows}) + 3), 4.4))
+    _grouped_bars(ax, rows, "mean_ms", log=True)
+    ax.set_ylabel("end-to-end ms (mean)")
+    workloads, _ = _by_workload(rows)
+    for i, w in enumerate(workloads):
+        s = next((r for r in summary if r["workload"] == w), None)
+        if s is not None and s.get("auto_vs_best") not in (None, ""):
+            ax.annotate(f"{float(s['auto_vs_best']):.2f}x\n{s.get('auto_route', '')}", (i, 1.0),
+                        xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
+    ax.legend(fontsize=7, ncol=len(PATH_ORDER), loc="upper left", bbox_to_anchor=(0, -0.28))
+    ax.set_title("E2E per path (annotation: Auto / best manual path, and Auto's route)", fontsize=10, pad=24)
+    fig.tight_layout()
+    return fig
+
+
+def plot_throughput_memory(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Generated tokens/s and peak memory (MiB) per path and workload."""
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.2))
+    _grouped_bars(ax_t, rows, "tokens_per_s")
+    ax_t.set_ylabel("generated tokens / s")
+    _grouped_bars(ax_m, rows, "peak_mem_bytes", scale=1 / 2**20)
+    ax_m.set_ylabel("peak memory (MiB)")
+    if all(r.get("peak_mem_bytes") in (None, "") for r in rows):
+        ax_m.text(0.5, 0.5, "peak memory not measured on this device (CUDA only)", transform=ax_m.transAxes,
+                  ha="center", va="center", fontsize=9, color="0.4")
+    ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_breakdown(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Stacked prefill / decode / cache ms per path, one panel per workload; prefill forwards on top."""
+    workloads, path_names = _by_workload(rows)
+    fig, axes = subplot_grid(len(workloads), ncols=3, size=(4.4, 3.4))
+    parts = (("prefill_ms", "prefill"), ("decode_ms", "decode"), ("cache_ms", "cache"))
+    for ax, w in zip(axes, workloads):
+        bottom = np.zeros(len(path_names))
+        for c, (key, name) in enumerate(parts):
+            vals = np.nan_to_num([_value(rows, w, p, key) for p in path_names])
+            ax.bar(path_names, vals, bottom=bottom, label=name, color=plt.get_cmap("Set2")(c))
+            bottom += vals
+        for i, p in enumerate(path_names):
+            n = _value(rows, w, p, "num_prefill_forwards")
+            if math.isfinite(n):
+                ax.annotate(f"{int(n)} fwd", (i, bottom[i]), ha="center", va="bottom", fontsize=7)
+        ax.set_title(w, fontsize=9)
+        ax.set_ylabel("ms")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax.margins(y=0.15)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,47 @@
+"""What every figure shares: the palette, file-name slugs, byte-stable saving and subplot grids.
+
+    from rollout_lab.plots.style import save_figure
+    save_figure(fig, workspace.figures, "buckets_gsm8k")   # -> buckets_gsm8k.png and .svg
+
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+PALETTE = plt.get_cmap("tab10")
+
+
+def slug(text: str) -> str:
+    """A file-name-safe version of a label."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower() or "x"
+
+
+def save_figure(fig: Figure, directory: str | Path, stem: str, *, svg: bool = True, dpi: int = 130) -> list[Path]:
+    """Write ``stem.png`` (and ``stem.svg``) into ``directory``; returns the paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = [directory / f"{stem}.png"]
+    fig.savefig(out[0], dpi=dpi, bbox_inches="tight", metadata={"Software": None})
+    if svg:
+        out.append(directory / f"{stem}.svg")
+        # a fixed salt makes the SVG's element ids, and so the file, the same on every run
+        with matplotlib.rc_context({"svg.hashsalt": "rollout_lab"}):
+            fig.savefig(out[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    return out
+
+
+def subplot_grid(num: int, *, ncols: int = 3, size: tuple[float, float] = (4.6, 3.0), **kw: Any):
+    """A figure with ``num`` axes in rows of ``ncols`` (spare cells hidden); returns (fig, axes)."""
+    ncols = max(1, min(ncols, num))
+    nrows = math.ceil(num / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False, **kw)
+    for ax in axes.flat[num:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:num])
