@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine with only Python 3.11 and pip:
-#   make reproduce   run the main job (notebooks on the embedded tiny CPU default)
+#   make reproduce   run the main job (notebooks on the embedded tiny CPU default) into the
+#                    ignored workspace rollout_lab_out/: the tracked tree stays as it is
 #   make test        run the test suite
 PYTHON ?= python3
 VENV := .venv

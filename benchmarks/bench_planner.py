@@ -12,11 +12,12 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.planner.bucket_dp import plan_buckets, plan_buckets_quadratic
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
-from rollout_lab.workspace import DATA, write_json_atomic, write_text_atomic
+from rollout_lab.workspace import write_json_atomic, write_text_atomic
 
 CASES = [(32, 65536), (128, 65536), (256, 65536), (4096, 65536), (65536, 65536),
          (4096, 512), (65536, 512), (4096, 4096), (65536, 4096),
@@ -36,7 +37,7 @@ def time_call(fn, repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, skip n = 65536")
-    parser.add_argument("--out", default=str(DATA / "benchmarks" / "planner"), help="output path stem")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "data" / "benchmarks" / "planner"), help="output path stem")
     args = parser.parse_args()
     geometry, coeffs = ModelGeometry.qwen25_3b(), CostCoefficients()
     rows = []

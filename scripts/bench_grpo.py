@@ -34,7 +34,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import TINY_FAMILIES, from_preset, tiny_model
+from rollout_lab.measure.models import TINY_FAMILIES, load_model
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.workloads import (
@@ -82,11 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
-    dtype = getattr(torch, args.dtype)
     if args.tiny:
-        torch.set_num_threads(1)  # tiny shapes: more threads only contend
-        return tiny_model(args.tiny, dtype=dtype).to(args.device), f"tiny-{args.tiny}"
-    return from_preset(args.preset, dtype=dtype, device=args.device), args.preset
+        torch.set_num_threads(1)  # tiny shapes: more threads only contend (this script's process only)
+    return load_model(f"tiny-{args.tiny}" if args.tiny else args.preset, dtype=args.dtype, device=args.device)
 
 
 class Paths:

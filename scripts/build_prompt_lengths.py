@@ -42,7 +42,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rollout_lab.workspace import PROMPT_LENGTHS, write_text_atomic
+from rollout_lab.measure.workloads import PROMPT_LENGTHS
+from rollout_lab.workspace import write_text_atomic
 
 TOKENIZER_NAME = "qwen2.5-72b-instruct"
 SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -146,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="datasets to build (default: all)",
     )
     parser.add_argument(
-        "--out-dir", type=Path, default=PROMPT_LENGTHS, help="output folder (default: data/prompt_lengths)"
+        "--out-dir", type=Path, default=Path(str(PROMPT_LENGTHS)), help="output folder (default: the package's rollout_lab/measure/prompt_lengths)"
     )
     args = parser.parse_args(argv)
     build(args.datasets, args.out_dir)

@@ -16,13 +16,13 @@ matplotlib.use("Agg")
 
 from rollout_lab.plots.grpo import plot_grpo  # noqa: E402
 from rollout_lab.plots.style import save_figure  # noqa: E402
-from rollout_lab.workspace import FIGURES  # noqa: E402
+from rollout_lab.workspace import Workspace  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("record", type=Path, help="a .json record written by scripts/bench_grpo.py")
-    parser.add_argument("--out", type=Path, default=FIGURES, help="figure folder (default figures/)")
+    parser.add_argument("--out", type=Path, default=Workspace.resolve(Path(__file__).resolve().parents[1]).figures, help="figure folder (default: this checkout's figures/)")
     args = parser.parse_args()
     if not args.record.is_file():
         parser.error(f"record {args.record} does not exist")

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import sys
 
-from rollout_lab.measure.sweep import load_results
-
-OURS = ("nocb", "equal_width", "aligned", "bucketed", "auto")
-PEERS = ("hf_static", "hf_generate_batch")
+from rollout_lab.measure.sweep import PATHS, load_results
 
 
 def markdown(records: list[dict]) -> str:
-    paths = [p for p in (*OURS, *PEERS) if p in records[0]["config"]["paths"]]
+    paths = [p for p in PATHS if p in records[0]["config"]["paths"]]
     head = "| workload | " + " | ".join(paths) + " | Auto's route | Auto / best manual | Auto / best peer |"
     lines = [head, "|---|" + "---:|" * len(paths) + "---|---:|---:|"]
     for record in records:

@@ -17,6 +17,9 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "rollout_gqa"
 _registered = False
@@ -24,8 +27,6 @@ _registered = False
 
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          is_causal=None, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape  # [B, H, q, D]
     plain = (
@@ -45,9 +46,6 @@ def register() -> str:
     """Register ``rollout_gqa`` with transformers' attention and mask interfaces (idempotent)."""
     global _registered
     if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
         AttentionInterface.register(NAME, gqa_decode_attention)
         AttentionMaskInterface.register(NAME, sdpa_mask)
         _registered = True

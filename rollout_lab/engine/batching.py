@@ -13,7 +13,7 @@ prefilled as one row whose KV (and first-token logits) are replicated into their
 split across admissions (fewer free slots than its rows) is prefilled once per admission.
 
 
-[from chunked] Chunked prefill of one over-long prompt: its tail chunks, run in order after its head.
+Chunked prefill of one over-long prompt: its tail chunks, run in order after its head.
 
 The planner (``planner.plan_chunked``) cuts a prompt of more than ``prefill_max_tokens`` tokens into
 a head, prefilled in an ordinary bucket (``decode.prefill_bucket``, possibly beside short prompts),
@@ -93,7 +93,7 @@ class ContinuousBatcher:
         stepper: "EagerStepper | None" = None, groups: Sequence[int] | None = None,
         sample_keys: Sequence[int] | None = None,
     ):
-        self.model, self.prompts, self.s = model, prompts, settings
+        self.model, self.prompts, self.settings = model, prompts, settings
         self.geometry, self.costs = geometry, costs
         self.profile, self.timer = profile, timer
         self.lengths = [len(p) for p in prompts]
@@ -125,7 +125,7 @@ class ContinuousBatcher:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
         while self.queue or self.rows:
-            while self.queue and len(self.rows) < self.s.num_slots and self._admit():
+            while self.queue and len(self.rows) < self.settings.num_slots and self._admit():
                 pass
             if not self.rows:
                 if not self.queue:
@@ -134,8 +134,8 @@ class ContinuousBatcher:
             # Without EOS ids nothing retires before the nearest budget: run those steps without
             # reading tokens back, so the host never waits on the device in between.
             burst = 1
-            if not self.s.eos_token_ids:
-                burst = min(self.s.max_new_tokens - row.num_generated for row in self.rows)
+            if not self.settings.eos_token_ids:
+                burst = min(self.settings.max_new_tokens - row.num_generated for row in self.rows)
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
                 steps = [self.stepper.step(num_rows) for _ in range(burst)]
@@ -155,7 +155,7 @@ class ContinuousBatcher:
 
     def _is_done(self, row: _Row) -> bool:
         last = self.outputs[row.request][-1]
-        return last in self.s.eos_token_ids or row.num_generated >= self.s.max_new_tokens
+        return last in self.settings.eos_token_ids or row.num_generated >= self.settings.max_new_tokens
 
     def _note_peak(self) -> None:
         self.profile.peak_cache_columns = max(self.profile.peak_cache_columns, self.cache.front_int)
@@ -163,14 +163,14 @@ class ContinuousBatcher:
     # -- admission --------------------------------------------------------------------------
     def _admissible(self) -> tuple[list[int], int | None]:
         """The longest queue prefix that fits the free slots and the cache, and the front it needs."""
-        free = self.s.num_slots - len(self.rows)
+        free = self.settings.num_slots - len(self.rows)
         live_span, live_remaining = self._live_needs()
         best: tuple[list[int], int | None] = ([], None)
         longest_new = 0
         for count in range(1, min(free, len(self.queue)) + 1):
             longest_new = max(longest_new, self.lengths[self.queue[count - 1]])
             front = self._choose_front(
-                max(live_span, longest_new), max(live_remaining, self.s.max_new_tokens - 1)
+                max(live_span, longest_new), max(live_remaining, self.settings.max_new_tokens - 1)
             )
             if front is None:
                 break
@@ -179,7 +179,7 @@ class ContinuousBatcher:
 
     def _live_needs(self) -> tuple[int, int]:
         """(widest live span, most decode columns a live row still needs)."""
-        front, budget = self.cache.front_int, self.s.max_new_tokens
+        front, budget = self.cache.front_int, self.settings.max_new_tokens
         span = max((front - self.cache.row_starts[slot] for slot in range(len(self.rows))), default=0)
         remaining = max((budget - row.num_generated for row in self.rows), default=0)
         return span, remaining
@@ -189,10 +189,10 @@ class ContinuousBatcher:
 
         None if the capacity cannot; with ``trim_cache`` the lowest such front, else the nearest.
         """
-        lower, upper = span, self.s.capacity - remaining
+        lower, upper = span, self.settings.capacity - remaining
         if lower > upper:
             return None
-        if self.s.trim_cache:
+        if self.settings.trim_cache:
             return lower
         return min(max(self.cache.front_int, lower), upper)
 
@@ -217,7 +217,7 @@ class ContinuousBatcher:
         for r in requests:
             members.setdefault(first_of.setdefault(self.groups[r], r), []).append(r)
         with self.timer.phase("planning_ms"):
-            plan = plan_admission(self.s.route, list(members), self.lengths, self.geometry, self.costs)
+            plan = plan_admission(self.settings.route, list(members), self.lengths, self.geometry, self.costs)
         self.plans.append(plan)
         self.tails = dict(plan.chunks)
         slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
@@ -250,7 +250,7 @@ class ContinuousBatcher:
                 seen = seen if index is None else seen.index_select(0, index)
             keys = self.sample_keys[torch.tensor(rows, dtype=torch.long, device=self.device)]
             first = select_tokens(
-                logits, seen, self.s.repetition_penalty, sampling=self.s.sampling,
+                logits, seen, self.settings.repetition_penalty, sampling=self.settings.sampling,
                 sample_keys=keys, steps=torch.zeros_like(keys),
             )  # [rows], the token of step 0
             if seen is not None:
@@ -281,7 +281,7 @@ class ContinuousBatcher:
         waits in ``_spans`` for ``_admit_spans``."""
         heads = [self.prompts[r][: self.lengths[r] - sum(self.tails.get(r, ()))] for r in requests]
         logits, layer_kv = prefill_bucket(
-            self.model, heads, pad_token_id=self.s.pad_token_id, cache_kwarg=self.s.cache_kwarg
+            self.model, heads, pad_token_id=self.settings.pad_token_id, cache_kwarg=self.settings.cache_kwarg
         )
         self._spans = {}
         for row, r in enumerate(requests):
@@ -293,7 +293,7 @@ class ContinuousBatcher:
                 start += width
             row_logits, kv = extend_prefill(
                 self.model, head_kv_of_row(layer_kv, row, len(heads[row])), chunks,
-                cache_kwarg=self.s.cache_kwarg,
+                cache_kwarg=self.settings.cache_kwarg,
                 record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o),
             )
             logits = logits.clone() if not self._spans else logits
@@ -327,7 +327,7 @@ class ContinuousBatcher:
         for src, dst in zip(movers, holes):
             rows[dst] = rows[src]
         self.rows = rows[:num_live]
-        if self.s.trim_cache and self.rows and not self.queue:
+        if self.settings.trim_cache and self.rows and not self.queue:
             front = self._choose_front(*self._live_needs())
             if front is not None:
                 self._set_front(front)

@@ -43,11 +43,11 @@ class RolloutConfig:
     profile: bool = False
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
-    # EOS-aware decode (rollout_lab.length_prior): recent response lengths; with prior_ewma the
+    # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
     response_length_prior: tuple[int, ...] | None = None
     prior_ewma: float | None = None
-    # refit the coefficients from every call's forwards (rollout_lab.online); state on the Rollout
+    # refit the coefficients from every call's forwards (planner.fit); state on the Rollout
     online_recalibration: bool = False
     online_window: int = 256  # observations kept (a ring buffer)
 

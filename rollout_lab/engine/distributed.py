@@ -1,7 +1,7 @@
 """Data-parallel rollout over torch.distributed: shard the prompts by predicted cost, run Auto on
 each rank, gather the responses in the original order.
 
-Every rank is given the same prompts and computes the same sharding (``rollout_lab.sharding``,
+Every rank is given the same prompts and computes the same sharding (``planner.sharding``,
 pure and deterministic); an all-gather of a hash of the inputs and of the shards checks that.
 gloo on CPU, NCCL on GPUs (set the CUDA device before the process group is made)::
 

@@ -1,4 +1,5 @@
-"""engine.prefill
+"""Prefill of one bucket: left-pad its prompts, run one forward into a temporary cache, and return
+the last logits and each layer's KV for the aligned cache to admit.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The rollout profile: device-synchronised phase times and the counts that explain them.
 
-[from timing] Device-synchronised wall-clock timing of one call: the one helper calibration, sweeps, the
+Device-synchronised wall-clock timing of one call: the one helper calibration, sweeps, the
 data-parallel rollout and the benchmark scripts share.
 
     ms, out = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=16), device)
@@ -99,8 +99,6 @@ class Timer:
 
 def synchronize(device: Any) -> None:
     """Wait for the device's queued work (a no-op off CUDA); ``device`` may be a string."""
-    import torch
-
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -10,9 +10,9 @@ width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets) -
 decode by continuous batching over the right-aligned cache -- and ``auto`` (``choose_route``).
 
 Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
-counter-based hash of (``seed``, request, sample, step) (``rollout_lab.sampling``), so every
+counter-based hash of (``seed``, request, sample, step) (``engine.sampling``), so every
 route, slot count and refill order gives the same tokens; ``num_samples`` rows per request share
-one prefill (``rollout_lab.replication``). nocb runs HF ``generate`` with our sampler as a logits
+one prefill (``planner.routes.prompt_groups``). nocb runs HF ``generate`` with our sampler as a logits
 processor (then HF's greedy argmax), so it gives the same tokens too.
 
 """

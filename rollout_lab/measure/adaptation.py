@@ -1,11 +1,12 @@
-"""The measurements behind ``notebooks/04_beyond.ipynb``: chunked prefill, EOS-aware route choice
-and online recalibration, each as plain rows (lists of dicts) for tables and ``plots_beyond``.
+"""How the planner adapts, measured (notebook 04): to long prompts (chunked prefill), to response
+lengths (EOS-aware route choice) and to the machine (online recalibration). Plain rows (lists of
+dicts) for tables and ``plots.adaptation``.
 
-    from rollout_lab import beyond
-    rows, plan = beyond.chunked_prefill_rows(model, lengths=[40, 5, 3, 70], limit=16)
-    rows = beyond.eos_prior_rows(model, lengths=[...], budgets=[32, 64])      # tiny model, natural EOS
-    rows = beyond.scripted_eos_rows(...)                                      # cost model only
-    rows, truth = beyond.online_rows(model, workloads={...}, num_calls=8)
+    from rollout_lab.measure import adaptation
+    rows, plan = adaptation.chunked_prefill_rows(model, lengths=[40, 5, 3, 70], limit=16)
+    rows = adaptation.eos_prior_rows(model, lengths=[...], budgets=[32, 64])      # tiny model, natural EOS
+    rows = adaptation.scripted_eos_rows(...)                                      # cost model only
+    rows, truth = adaptation.online_rows(model, workloads={...}, num_calls=8)
 
 Times are wall-clock ms of whole ``Rollout.generate`` calls (one warm-up, interleaved repetitions,
 the mean); on CPU only the ratios mean something.
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets
@@ -52,9 +53,8 @@ def timed_calls(rollouts: Mapping[str, Rollout], prompts, *, max_new_tokens: int
     out = {name: {"samples_ms": []} for name in rollouts}
     for rep in range(repetitions + 1):
         for name, rollout in rollouts.items():
-            start = time.perf_counter()
-            result = rollout.generate(prompts, max_new_tokens=max_new_tokens)
-            ms = (time.perf_counter() - start) * 1e3
+            ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=max_new_tokens),
+                                  rollout.device)
             if rep > 0:
                 out[name]["samples_ms"].append(ms)
             out[name]["result"] = result
@@ -79,9 +79,8 @@ def chunked_prefill_rows(
     for mode in ("bucketed", "auto"):
         rollout = Rollout(model, RolloutConfig(mode=mode, costs=costs, profile=True))
         with forward_shapes(model) as shapes:
-            start = time.perf_counter()
-            result = rollout.generate(prompts, max_new_tokens=max_new_tokens)
-            ms = (time.perf_counter() - start) * 1e3
+            ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=max_new_tokens),
+                                  rollout.device)
         prefill = [b * w for b, w in shapes if w > 1]  # decode forwards take one token per row
         plan = plan or result.plans[0]
         rows.append({

@@ -2,9 +2,10 @@
 
 The numbers behind ``notebooks/02_bucket_choices.ipynb`` and the explorer. Torch-free, pure
 functions over prompt lengths (plus ``write_csv``). The distributions they run on live in
-``rollout_lab.distributions`` and are re-exported here::
+``rollout_lab.measure.workloads``::
 
-    from rollout_lab.analysis import plan_buckets_k, resolve_distribution
+    from rollout_lab.planner.bucket_dp import plan_buckets_k
+    from rollout_lab.measure.workloads import resolve_distribution
     label, lengths = resolve_distribution({"kind": "real", "dataset": "gsm8k"}, batch_size=32, seed=0)
     plan = plan_buckets_k(lengths, geometry, coeffs, 3)   # the best plan with exactly 3 buckets
 

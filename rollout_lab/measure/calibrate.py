@@ -33,6 +33,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+from tqdm.auto import tqdm
+
 from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
@@ -94,8 +97,6 @@ def calibrate(
 
     ``dtype``/``device`` default to the model's; when given they must match it.
     """
-    import torch
-
     grid = CalibrationGrid() if grid is None else grid
     param = next(model.parameters())
     if dtype is not None and param.dtype != dtype:
@@ -215,9 +216,6 @@ def _special_ids(config: Any) -> list[int]:
 
 def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True) -> list[dict[str, Any]]:
     """Median forward and KV-copy milliseconds per grid shape, interleaved over the passes."""
-    import torch
-    from tqdm.auto import tqdm
-
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     shapes = grid.shapes(getattr(config, "max_position_embeddings", None))
@@ -260,9 +258,6 @@ def measure_decode_overhead(
     model: Any, grid: CalibrationGrid, *, progress: bool = True
 ) -> list[dict[str, Any]]:
     """Per decode step: nocb and CB ms (from whole calls with steps+1 and 1 tokens), and CB - nocb."""
-    import torch
-    from tqdm.auto import tqdm
-
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -310,8 +305,6 @@ CHECKED_FIELDS = (
 
 def run_metadata(model: Any, *, dtype: Any = None, device: Any = None, model_name: str | None = None) -> dict[str, Any]:
     """The checked fields (see ``CHECKED_FIELDS``) plus provenance, for the current process."""
-    import torch
-
     param = next(model.parameters())
     dtype = param.dtype if dtype is None else dtype
     device = param.device if device is None else torch.device(device)
@@ -372,8 +365,6 @@ def load_calibration(
 
 
 def _library_metadata(*, dtype: Any, device: Any) -> dict[str, Any]:
-    import torch
-
     info = provenance(device=device)
     current = {"torch": info["torch"], "transformers": info["transformers"]}
     if device is not None:

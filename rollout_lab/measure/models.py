@@ -1,6 +1,6 @@
 """Models to roll out: tiny random ones for tests, real architectures with random weights, checkpoints.
 
-    from rollout_lab.models import tiny_model, from_preset
+    from rollout_lab.measure.models import tiny_model, from_preset
     model = tiny_model("qwen3")                                   # 2 layers, fp32, CPU, no download
     model = from_preset("qwen2.5-3b", dtype=torch.bfloat16, device="cuda")  # real shapes, random weights
 
@@ -164,9 +164,6 @@ def _clear_generation_defaults(model: torch.nn.Module) -> None:
 
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu") -> tuple[Any, str]:
     """(model, name) for ``model`` = "tiny-<family>", a preset name, or a local checkpoint folder."""
-    import torch
-
-
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
         raise ValueError(f"dtype must name a torch dtype such as float32 or bfloat16, got {dtype!r}")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():

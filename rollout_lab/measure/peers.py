@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from rollout_lab.engine.prefill import left_padded
 
@@ -53,8 +54,6 @@ def hf_generate_batch(
     is raised here as a RuntimeError (the sweep records it as the reason the path was skipped).
     Not under ``inference_mode``: its worker thread updates tensors that the caller's thread makes.
     """
-    from transformers import GenerationConfig
-
     if not hasattr(model, "generate_batch"):
         raise RuntimeError("this transformers version has no model.generate_batch")
     config = GenerationConfig(
@@ -84,7 +83,7 @@ def hf_generate_batch(
 
 
 def _sized_cb_config(prompts: Sequence[Sequence[int]], max_new_tokens: int):
-    try:
+    try:  # its home moved between transformers 5.x releases
         from transformers import ContinuousBatchingConfig
     except ImportError:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig

@@ -49,7 +49,7 @@ def provenance(device: Any = None, dtype: Any = None, **extra: Any) -> dict[str,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
     }
-    try:
+    try:  # provenance stays importable without numpy and torch (the planner benchmark's records)
         import numpy
 
         info["numpy"] = numpy.__version__
@@ -64,7 +64,7 @@ def provenance(device: Any = None, dtype: Any = None, **extra: Any) -> dict[str,
 
 
 def _torch_info(device: Any) -> dict[str, Any]:
-    import torch
+    import torch  # only when the measurement used torch: the planner benchmark does not
     import transformers
 
     info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__}

@@ -3,7 +3,7 @@
     rollout-lab sweep --tiny qwen2 --workloads long_tail spread --scale 0.25 --out data/results/tiny
     rollout-lab sweep --preset qwen2.5-3b --costs data/calibration/qwen2.5-3b_bfloat16_cuda.json
 
-    from rollout_lab.bench import run_sweep, write_results, results_table
+    from rollout_lab.measure.sweep import run_sweep, write_results, results_table
     record = run_sweep(model, workloads={"lt": get_workload("long_tail", scale=0.05)}, repetitions=2)
 
 Per workload: one warm-up call of every path, then ``repetitions`` interleaved rounds (each call
@@ -11,11 +11,11 @@ timed whole, device synchronised before and after), then one profiling call per 
 disabled (``eos_token_id=None`` for ours, ``min_new_tokens = max_new_tokens`` for HF), so every
 path generates the same number of tokens. Peers that fail are skipped with the reason recorded.
 
-This module runs the sweep and its CLI; the path names and one timed call are in ``bench_runner``,
-the summaries, tables and files in ``bench_records`` (both re-exported here).
+The sweep, the paths it times and how one call is timed, and the record it writes (summaries,
+tables, JSON + CSV) are all here; ``rollout-lab sweep`` is its command.
 
 
-[from bench_runner] The paths a sweep times (our routes and the HF peers), and how one call of a path is made and timed.
+The paths a sweep times (our routes and the HF peers), and how one call of a path is made and timed.
 
     runner = PathRunner(model, "auto", prompts, max_new_tokens=16, costs=None, pad=0,
                         repetition_penalty=1.0, decode=None)
@@ -25,9 +25,9 @@ Each call is timed whole, the device synchronised before and after. Our paths ke
 across the warm-up, the timed calls and the profiling call; torch is imported only when a call runs.
 
 
-[from bench_records] A sweep record once measured: its summaries, its flat tables, and its JSON + CSV files.
+A sweep record once measured: its summaries, its flat tables, and its JSON + CSV files.
 
-    from rollout_lab.bench_records import load_results, results_table, summary_table
+    from rollout_lab.measure.sweep import load_results, results_table, summary_table
     record = load_results("data/results/tiny")  # the stem, or the .json file
     rows = results_table(record)  # one row per (workload, path), profile fields inlined
 
@@ -37,11 +37,15 @@ No torch; the record is plain JSON data.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
 
 from rollout_lab.engine.attention import set_attn_implementation
 from rollout_lab.engine.config import MANUAL_ROUTES, MODES, RolloutConfig
@@ -108,9 +112,6 @@ def run_sweep(
     (one-request unpadded HF generate) is checked on workloads whose prompt + generated tokens
     are at most ``oracle_max_tokens`` (0 = never); elsewhere ``matches_oracle`` is None.
     """
-    import torch
-    from tqdm.auto import tqdm
-
     lengths_by_name = resolve_workloads(workloads, scale=workload_scale)
     paths = check_paths(paths)
     if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
@@ -239,10 +240,6 @@ def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:
 
 def release_memory(device: Any) -> None:
     """After generate_batch: drop its paged cache (~all free GPU memory) before the next path runs."""
-    import gc
-
-    import torch
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -250,8 +247,6 @@ def release_memory(device: Any) -> None:
 
 def timed_call(fn: Callable[[], Any], device: Any) -> tuple[float, Any, int | None]:
     """(ms, output, peak allocated bytes or None) of one whole call."""
-    import torch
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ms, out = timed_ms(fn, device)

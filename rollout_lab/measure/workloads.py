@@ -5,18 +5,18 @@ the CSVs shipped in ``rollout_lab/measure/prompt_lengths/`` (built by ``scripts/
 chat template included). ``lengths_to_prompts`` turns lengths into deterministic token-id prompts.
 Torch-free, so the planner, notebooks and CPU tests can use it anywhere::
 
-    from rollout_lab.workloads import get_workload, padding_share
+    from rollout_lab.measure.workloads import get_workload, padding_share
     lengths = get_workload("gsm8k_32")            # 32 GSM8K prompt lengths, seed 0
     tiny = get_workload("long_tail", scale=0.05)  # 1x26 + 31x1 for CPU tests
 
 
-[from distributions] Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
+Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
 
 A spec is a small dict (the ``distributions`` parameter of ``notebooks/02_bucket_choices.ipynb``):
 a seed workload, a lognormal or bimodal draw, or a sample of a real dataset's lengths. Torch-free
-and pure (the real ones read the CSVs of ``rollout_lab.workloads``)::
+and pure (the real ones read the shipped CSVs above)::
 
-    from rollout_lab.distributions import resolve_distribution, resolve_distributions
+    from rollout_lab.measure.workloads import resolve_distribution, resolve_distributions
     label, lengths = resolve_distribution({"kind": "real", "dataset": "gsm8k"}, batch_size=32, seed=0)
     dists = resolve_distributions([{"kind": "seed", "name": "long_tail"}], batch_size=32, seeds=[0, 1])
 

@@ -1,4 +1,6 @@
-"""planner.chunks
+"""Chunked prefill planning: a prompt over ``prefill_max_tokens`` becomes a head the DP buckets and
+tail chunks of exactly the limit, each priced with its attention over the chunks before it
+(the full rule is in ``planner.routes``' docstring). Pure Python.
 """
 from __future__ import annotations
 

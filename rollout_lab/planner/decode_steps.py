@@ -16,7 +16,7 @@ Both routes' decode terms use these steps instead of T - 1; without a prior they
 Pure Python, no torch.
 
 
-[from length_prior] The response-length prior that prices EOS-aware decode (``planner.expected_decode_steps``).
+The response-length prior that prices EOS-aware decode (``expected_decode_steps`` above).
 
     prior = ResponseLengthPrior(initial=(12, 40, 7), ewma=0.5)
     prior.current()                 # {7: 1/3, 12: 1/3, 40: 1/3}: length -> weight

@@ -7,7 +7,7 @@ column scaling for conditioning: the cost-model columns (1, tokens, GFLOPs, MiB)
 of magnitude.
 
 
-[from online] Online recalibration: refit the cost coefficients from the forwards of every call.
+Online recalibration: refit the cost coefficients from the forwards of every call.
 
     rollout = Rollout(model, RolloutConfig(online_recalibration=True, online_window=256))
     rollout.generate(prompts, max_new_tokens=16)
@@ -18,8 +18,8 @@ Each call's ``Profile.forwards`` (prefill buckets, tail chunks and HF ``generate
 their shapes; decode bursts with their rows and steps) goes into a ring buffer of the last
 ``window`` observations, so memory stays bounded. After the call:
 
-- prefill: NNLS (``rollout_lab.nnls``), rows divided by the measurement (relative error, as
-  ``calibrate.fit_coefficients``), over the columns of C(B, L): 1, B*L, attention GFLOPs (a chunk's
+- prefill: NNLS (``nnls`` above), rows divided by the measurement (relative error, as
+  ``fit_coefficients``), over the columns of C(B, L): 1, B*L, attention GFLOPs (a chunk's
   over its past too) and KV MiB (0 for nocb's forward, which writes no aligned cache). KV MiB is
   proportional to B*L, so ``kv`` is fitted only when both kinds of forward are in the window;
   otherwise its term is kept from the current coefficients and the rest is fitted to what remains.

@@ -3,8 +3,7 @@
 Pure Python (no torch), deterministic, no I/O. Run ``rollout-lab plan 512 16 16 ...`` to try it.
 
 The DP itself (``plan_buckets``, exactly optimal, and its oracle ``plan_buckets_quadratic``)
-lives in ``rollout_lab.bucket_dp``; this module re-exports it and adds chunked prefill and the
-route choice.
+lives in ``planner.bucket_dp``, chunked prefill in ``planner.chunks``; this module chooses the route.
 
 Chunked prefill (``plan_chunked``). A prompt of L > limit tokens (limit = ``prefill_max_tokens``)
 is cut into m = ceil(L / limit) chunks: a *head* of h = L - (m - 1) * limit tokens (1 <= h <= limit)
@@ -16,11 +15,11 @@ first token. Tails are the fewest forwards a long prompt can take and hold no pa
 them the DP over heads and short prompts is exactly optimal. A tail chunk of width c after o tokens
 is priced by ``chunk_cost_ms``: C(1, c) with the attention term over o + c keys.
 
-EOS-aware decode: ``rollout_lab.decode_steps`` (``expected_decode_steps``, re-exported here)
+EOS-aware decode: ``planner.decode_steps`` (``expected_decode_steps``)
 prices the expected decode steps under a response-length prior instead of ``max_new_tokens - 1``.
 
 
-[from replication] Shared prefill: rows (request, sample) grouped by identical prompt, and the route it implies.
+Shared prefill: rows (request, sample) grouped by identical prompt, and the route it implies.
 
 A call of n requests with ``num_samples`` = S has n * S rows, request-major (row = request * S +
 sample, like HF's ``num_return_sequences``). Rows whose prompts are identical token lists (the S

@@ -4,11 +4,11 @@ An RL step's rollout takes as long as its slowest rank. A rank's predicted cost 
 plan: ``min(nocb, bucketed CB)`` as ``planner.choose_route`` computes it for the rank's prompts.
 Pure Python (no torch), deterministic, no I/O::
 
-    from rollout_lab.sharding import shard_requests, predicted_makespan
+    from rollout_lab.planner.sharding import shard_requests, predicted_makespan
     shards = shard_requests(lengths, 8, geometry, coeffs, max_new_tokens=16)
 
 This module is the API (``shard_requests``, ``predicted_rank_costs``, ``predicted_makespan``,
-``check_partition``); the methods live in their own modules and are re-exported here:
+``check_partition``); the methods, in this module:
 
 - ``balanced`` (``sharding_balanced``): the best contiguous split of the sorted order, polished by
   local search on exact per-rank costs; never worse than either baseline.
@@ -19,7 +19,7 @@ This module is the API (``shard_requests``, ``predicted_rank_costs``, ``predicte
 A rank is empty (``[]``, cost 0) when world_size exceeds the number of prompts.
 
 
-[from sharding_cost] A rank's predicted cost for sharding: its own Auto plan's cost, memoised, with cheap bounds.
+A rank's predicted cost for sharding: its own Auto plan's cost, memoised, with cheap bounds.
 
 ``RankCost(geometry, coeffs, max_new_tokens=16, continuous_batch_size=None)`` is called with a
 rank's prompt lengths as a sorted tuple and returns ``min(nocb, bucketed CB)`` in ms, as
@@ -28,7 +28,7 @@ rank's prompt lengths as a sorted tuple and returns ``min(nocb, bucketed CB)`` i
 Pure Python (no torch), deterministic, no I/O.
 
 
-[from sharding_baselines] The sharding baselines that ``balanced`` is compared with (and polishes when they start better).
+The sharding baselines that ``balanced`` is compared with (and polishes when they start better).
 
 - ``round_robin_shards``: prompt i goes to rank i % world_size.
 - ``karmarkar_karp_shards``: verl's ``get_seqlen_balanced_partitions(..., equal_size=True)``:
@@ -39,7 +39,7 @@ Pure Python (no torch), deterministic, no I/O.
 Pure Python, deterministic, no I/O.
 
 
-[from sharding_balanced] The ``balanced`` sharding search: a contiguous split, then local search on the exact costs.
+The ``balanced`` sharding search: a contiguous split, then local search on the exact costs.
 
 (1) The best split of the length-sorted order into contiguous ranges (bisection on the makespan,
 each rank greedily taking the longest range that fits: exact for contiguous splits since a rank's

@@ -1,6 +1,6 @@
-"""Figures of ``notebooks/04_beyond.ipynb``: chunk layout, EOS-aware route choice, online convergence.
+"""Figures of ``notebooks/04_adaptation.ipynb``: chunk layout, EOS-aware route choice, online convergence.
 
-Each takes the rows of ``rollout_lab.beyond`` and returns a matplotlib ``Figure``; save it with
+Each takes the rows of ``rollout_lab.measure.adaptation`` and returns a matplotlib ``Figure``; save it with
 ``plots.save_figure``. No torch import.
 
 """

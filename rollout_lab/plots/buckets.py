@@ -1,6 +1,6 @@
 """Figures of ``notebooks/02_bucket_choices.ipynb``: DP buckets, k-bucket curves, fixed-cost sweeps, route maps.
 
-Each takes plans or the rows of ``rollout_lab.analysis`` and returns a matplotlib ``Figure``; save
+Each takes plans or the rows of ``rollout_lab.measure.bucket_choices`` and returns a matplotlib ``Figure``; save
 it with ``plots.save_figure``. All are re-exported by ``rollout_lab.plots``. No torch import::
 
     from rollout_lab import plots
@@ -65,7 +65,7 @@ def plot_bucket_grid(items: Sequence[tuple[str, Sequence[int], BucketPlan]], *, 
 def plot_num_buckets_curves(rows: Sequence[Mapping[str, Any]]) -> Figure:
     """Padding share and cost (relative to one bucket) of the best k-bucket plan against k.
 
-    Rows from ``analysis.num_buckets_rows``; seeds are averaged (band = min..max); the DP's
+    Rows from ``measure.bucket_choices.num_buckets_rows``; seeds are averaged (band = min..max); the DP's
     choice is marked with a dot.
     """
     labels = list(dict.fromkeys(r["distribution"] for r in rows))
@@ -150,7 +150,7 @@ def plot_bucket_map_vs_fixed_cost(label: str, lengths: Sequence[int], rows: Sequ
 def plot_route_maps(maps: Sequence[Any], *, ncols: int = 3) -> Figure:
     """log2(nocb / bucketed CB) over max prompt length × generation budget; the line is the switch.
 
-    Blue: bucketed is cheaper; red: nocb is cheaper. ``maps`` are ``analysis.RouteMap``.
+    Blue: bucketed is cheaper; red: nocb is cheaper. ``maps`` are ``measure.bucket_choices.RouteMap``.
     """
     fig, axes = subplot_grid(len(maps), ncols=ncols, size=(4.6, 3.4))
     for ax, m in zip(axes, maps):

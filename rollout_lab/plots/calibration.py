@@ -1,4 +1,4 @@
-"""plots.calibration
+"""The calibration figure of notebook 01: measured against predicted ms per shape, and the residuals.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ In JupyterLab (``interactive=True``) ``show`` displays ipywidgets sliders over a
 papermill, or without a widget frontend (``interactive=False``), it renders the same view for the
 given settings as a static figure. Either way it returns that static figure, for ``save_figure``::
 
-    from rollout_lab import explore
-    fig = explore.show(coeffs=coeffs, geometry=geometry, interactive=True)
+    from rollout_lab.plots.explorer import show
+    fig = show(coeffs=coeffs, geometry=geometry, interactive=True)
 
 """
 from __future__ import annotations
@@ -97,8 +97,8 @@ def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
 
 def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoefficients) -> Any:
     """ipywidgets sliders over ``explorer_figure``, starting at ``settings`` and ``coeffs``."""
-    import ipywidgets as w
-    from IPython.display import display
+    import ipywidgets as w  # optional: the [notebooks] extra, and only for the live explorer
+    from IPython.display import display  # comes with ipywidgets (the [notebooks] extra)
 
     style = {"description_width": "150px"}
     layout = w.Layout(width="420px")
@@ -158,7 +158,7 @@ def show(
     settings = settings or Settings()
     fig = explorer_figure(settings, geometry, coeffs)
     if interactive:
-        from IPython.display import display
+        from IPython.display import display  # comes with ipywidgets (the [notebooks] extra)
 
         plt.close(fig)
         display(explorer_widget(settings, geometry, coeffs))

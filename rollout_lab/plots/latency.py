@@ -1,15 +1,8 @@
-"""Every figure the notebooks draw: bucket choices, k-bucket curves, route maps, calibration, latency.
+"""The latency figures of notebook 03: end-to-end time per path, throughput and memory, and the
+phase breakdown of our routes, from a sweep record's rows (``measure.sweep.results_table``)::
 
-Each function takes plain data (plans, rows from ``rollout_lab.analysis`` or the records of
-``calibrate``/``bench``) and returns a matplotlib ``Figure``; ``save_figure`` writes PNG (+ SVG).
-This module holds the calibration (01) and latency (03) figures and re-exports the shared helpers
-of ``rollout_lab.plots_base`` and the bucket-choice (02) figures of ``rollout_lab.plots_buckets``.
-No torch import. Notebooks call these and define nothing themselves::
-
-    from rollout_lab import plots
-    fig = plots.plot_buckets(lengths, plan, title="gsm8k")
-    plots.save_figure(fig, figures_dir, "buckets_gsm8k")
-
+    from rollout_lab.plots.latency import plot_e2e
+    fig = plot_e2e(results_table(record), summary_table(record))
 """
 from __future__ import annotations
 
@@ -20,17 +13,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 
+from rollout_lab.engine.config import MODES
 from rollout_lab.plots.style import PALETTE, subplot_grid
-
-PATH_ORDER = ("nocb", "equal_width", "aligned", "bucketed", "auto")
-
 
 # ---------------------------------------------------------------- 03: latency tables
 
 def _by_workload(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     found = list(dict.fromkeys(r["path"] for r in rows))
-    ordered = [p for p in PATH_ORDER if p in found] + [p for p in found if p not in PATH_ORDER]
+    ordered = [p for p in MODES if p in found] + [p for p in found if p not in MODES]
     return workloads, ordered
 
 
@@ -67,7 +58,7 @@ def plot_e2e(rows: Sequence[Mapping[str, Any]], summary: Sequence[Mapping[str, A
         if s is not None and s.get("auto_vs_best") not in (None, ""):
             ax.annotate(f"{float(s['auto_vs_best']):.2f}x\n{s.get('auto_route', '')}", (i, 1.0),
                         xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
-    ax.legend(fontsize=7, ncol=len(PATH_ORDER), loc="upper left", bbox_to_anchor=(0, -0.28))
+    ax.legend(fontsize=7, ncol=len(MODES), loc="upper left", bbox_to_anchor=(0, -0.28))
     ax.set_title("E2E per path (annotation: Auto / best manual path, and Auto's route)", fontsize=10, pad=24)
     fig.tight_layout()
     return fig
