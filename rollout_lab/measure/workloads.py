@@ -105,8 +105,10 @@ def read_lengths_file(path: str | Path) -> list[int]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"lengths file {str(path)!r} is not UTF-8 text: {err}") from None
-    first = text.lstrip().split("\n", 1)[0]
-    if any(c.isalpha() for c in first):  # a header line
+    first = text.lstrip().split("\n", 1)[0].strip()
+    fields = [f.strip() for f in first.split(",")]
+    is_header = ("," in first or len(first.split()) == 1) and not all(f.lstrip("-").isdigit() for f in fields)
+    if is_header:  # a CSV: its header names the column
         reader = csv.DictReader(io.StringIO(text.lstrip()))
         columns = reader.fieldnames or []
         column = "num_tokens" if "num_tokens" in columns else (columns[0] if len(columns) == 1 else None)

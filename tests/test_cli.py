@@ -1,0 +1,60 @@
+"""The command line: plan from a dataset or a file with a header, errors as one line, and a missing
+optional dependency named with the extra that installs it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rollout_lab.cli import main
+
+
+def test_plan_a_real_dataset_batch(capsys):
+    assert main(["plan", "--dataset", "gsm8k", "--num-prompts", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("32 prompts, qwen2.5-3b float32 geometry")
+    assert "bucketed prefill" in out and "route for 16 new tokens" in out
+
+
+def test_plan_reads_a_csv_with_a_header_and_plain_numbers(tmp_path, capsys):
+    (tmp_path / "h.csv").write_text("name,index,num_tokens\nx,0,512\nx,1,16\nx,2,16\n")
+    (tmp_path / "n.txt").write_text("512, 16\n16 16")
+    main(["plan", "--file", str(tmp_path / "h.csv")])
+    assert capsys.readouterr().out.startswith("3 prompts")
+    main(["plan", "--file", str(tmp_path / "n.txt"), "20"])
+    assert capsys.readouterr().out.startswith("5 prompts")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("a,b\n1,2\n", "needs a 'num_tokens' column"),
+    ("num_tokens\n12\nmany\n", "'many' is not an integer"),
+    ("12 x", "'x' is not an integer"),
+])
+def test_plan_file_errors_are_one_line(tmp_path, content, message):
+    (tmp_path / "f.csv").write_text(content)
+    with pytest.raises(SystemExit) as err:
+        main(["plan", "--file", str(tmp_path / "f.csv")])
+    assert message in str(err.value) and str(err.value).startswith("error:")
+
+
+def test_plan_without_lengths_or_with_an_unknown_file(tmp_path):
+    with pytest.raises(SystemExit, match="give prompt lengths"):
+        main(["plan"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["plan", "--file", str(tmp_path / "missing.csv")])
+
+
+def test_out_dir_that_is_a_file_fails_before_any_work(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit, match="is not a folder"):
+        main(["notebooks", "--only", "02", "--out-dir", str(tmp_path / "f")])
+
+
+def test_a_missing_extra_is_named_in_one_line(tmp_path):
+    code = ("import sys; sys.modules['papermill'] = None\n"
+            "from rollout_lab.cli import main\n"
+            f"main(['notebooks', '--only', '02', '--out-dir', {str(tmp_path)!r}])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "error: papermill is not installed: pip install 'rollout_lab[notebooks]'"
