@@ -333,6 +333,8 @@ class ContinuousBatcher:
                 self._set_front(front)
 
 
+# -- chunked prefill -------------------------------------------------------------------------------
+
 def head_kv_of_row(
     layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], row: int, head_length: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

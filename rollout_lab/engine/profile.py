@@ -97,6 +97,8 @@ class Timer:
             forwards.append({"kind": kind, **shape, "ms": elapsed})
 
 
+# -- timing ----------------------------------------------------------------------------------------
+
 def synchronize(device: Any) -> None:
     """Wait for the device's queued work (a no-op off CUDA); ``device`` may be a string."""
     if torch.device(device).type == "cuda":

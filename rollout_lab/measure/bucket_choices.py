@@ -139,7 +139,6 @@ def route_map(
     All prompts form one batch (every request fits the slots). The route follows ``choose_route``'s
     rule (tests check they agree); both estimates are exact; nocb is inf where not eligible.
     """
-
     longest = max(lengths)
     scales = [int(m) / longest for m in max_lengths]
     columns = [scale_lengths(lengths, s) for s in scales]

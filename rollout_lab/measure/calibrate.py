@@ -120,9 +120,10 @@ def calibrate(
     return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2)
 
 
+# -- what notebook 01 calls ------------------------------------------------------------------------
+
 def calibration_grid(grid: str | Mapping[str, Any]) -> Any:
     """"tiny", "default", or a dict of ``CalibrationGrid`` fields over the tiny grid (lists allowed)."""
-
     if grid == "tiny":
         return CalibrationGrid.tiny()
     if grid == "default":
@@ -143,7 +144,6 @@ def calibrate_or_load(
     output_path: str | None, output_dir: str | Path | None, progress: bool = False,
 ) -> tuple[Any, Path]:
     """Render a saved calibration (``calibration_file``), or measure one and save it: (result, path)."""
-
     if calibration_file is not None:
         path = Path(calibration_file)
         if not path.is_file():
@@ -154,6 +154,8 @@ def calibrate_or_load(
     path = Path(output_path) if output_path else calibration_path(name, dtype, device, Workspace.resolve(output_dir))
     result.save(path)
     return result, path
+
+# -- the grid and the timed probes -----------------------------------------------------------------
 
 DEFAULT_MAX_BATCH_TOKENS = 32768
 STATISTICS = {"median": statistics.median, "min": min}
@@ -297,6 +299,8 @@ def measure_decode_overhead(
     return records
 
 # Metadata fields that must agree between a cost file and the run that loads it.
+# -- the metadata, and the check that a cost file fits this run ------------------------------------
+
 CHECKED_FIELDS = (
     "model_name", "geometry", "dtype", "device_name", "attn_implementation",
     "torch", "transformers", "tf32_matmul",

@@ -63,7 +63,6 @@ PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
 PROFILE_FIELDS = ("planning_ms", "prefill_ms", "decode_ms", "cache_ms", "total_ms",
                   "num_prefill_forwards", "num_decode_forwards", "num_generated_tokens")
-SEED_WORKLOADS = ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread")
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
 
 
@@ -229,6 +228,7 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
             "paths": results, "summary": workload_summary(results)}
 
 
+# -- the paths, and how one call is made and timed -------------------------------------------------
 
 def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:
     paths = PATHS if paths is None else tuple(paths)
@@ -317,6 +317,8 @@ def output_sequences(out: Any) -> list[list[int]]:
     return [list(map(int, s)) for s in seqs]
 
 
+# -- the record: summaries, tables, files ----------------------------------------------------------
+
 def workload_summary(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """One workload's Auto route, and Auto against the best manual path and the best peer."""
     def best(names):
@@ -382,7 +384,6 @@ def results_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def write_results(record: Mapping[str, Any], stem: str | os.PathLike) -> tuple[Path, Path]:
     """Write ``<stem>.json`` and ``<stem>.csv`` atomically; both are serialised before either is written."""
-
     stem = Path(stem)
     if stem.suffix in (".json", ".csv"):
         stem = stem.with_suffix("")
@@ -406,9 +407,10 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
+# -- what make reproduce and notebook 03 call ------------------------------------------------------
+
 def route_table(*, max_new_tokens: int = 8) -> list[dict]:
     """Run the long-tail shape (1x48 + 15x4) through every route on the tiny qwen2 model."""
-
     model = tiny_model("qwen2")
     prompts = lengths_to_prompts([48] + [4] * 15, vocab_size=TINY_VOCAB_SIZE, seed=0, special_ids=[0])
     costs = CostCoefficients(prefill_fixed_cost_ms=0.5, continuous_decode_cost_ms=0.0)  # tiny-model scale
@@ -449,7 +451,6 @@ def sweep_or_load(
 
 def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The reference's table: one row per workload, E2E ms per path, Auto's route and Auto/best."""
-
     rows = results_table(record)
     summary = {r["workload"]: r for r in summary_table(record)}
     out = []

@@ -204,6 +204,8 @@ def lengths_to_prompts(
     rng = np.random.default_rng(seed)
     return [allowed[rng.integers(0, allowed.size, size=n)].tolist() for n in lengths]
 
+# -- distributions: specs resolved to lengths, per seed --------------------------------------------
+
 SEED_FIVE = ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread")
 DISTRIBUTION_KINDS = ("seed", "lognormal", "bimodal", "real")
 

@@ -186,7 +186,6 @@ def plan_buckets_quadratic(
     return _assemble(order, widths, cut, geometry, coeffs)
 
 
-
 # ---------------------------------------------------------------- k-bucket DP
 
 def plans_by_num_buckets(

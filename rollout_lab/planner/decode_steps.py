@@ -86,6 +86,8 @@ def expected_decode_steps(
     return (num_requests - slots) / slots * steps_mean + steps_max
 
 
+# -- the response-length prior ---------------------------------------------------------------------
+
 def check_prior_settings(initial: object, ewma: object) -> None:
     """ValueError naming the bad field: ``initial`` a tuple of ints >= 1 (or None), ``ewma`` in (0, 1]."""
     if initial is not None and (

@@ -98,6 +98,8 @@ def _lawson_hanson(a: np.ndarray, b: np.ndarray, *, max_iter: int | None) -> np.
         gradient = a.T @ (b - a @ x)
     return np.maximum(x, 0.0)
 
+# -- online recalibration --------------------------------------------------------------------------
+
 PREFILL_KINDS = ("prefill", "chunk", "nocb_prefill")
 DECODE_KINDS = {"bucketed": "decode", "nocb": "nocb_decode"}
 MIN_PREFILL_OBSERVATIONS = 3
@@ -220,7 +222,7 @@ class OnlineCalibrator:
         return {"continuous_decode_cost_ms": max(0.0, cb), "nocb_decode_cost_ms": max(0.0, nocb)}
 
 
-# -- fitting (pure numpy) ----------------------------------------------------------------------
+# -- the calibration fit (offline, pure numpy) -----------------------------------------------------
 
 
 def fit_coefficients(

@@ -141,6 +141,8 @@ def choose_route(
     return RoutePlan("bucketed", plan.buckets, nocb, cb)
 
 
+# -- shared prefill --------------------------------------------------------------------------------
+
 def prompt_groups(
     prompts: Sequence[Sequence[int]], *, num_samples: int, share: bool = True
 ) -> list[int]:

@@ -152,6 +152,8 @@ def _validate(lengths, world_size, coeffs, method, max_new_tokens) -> list[int]:
     check_max_new_tokens(max_new_tokens)
     return validate_lengths(lengths, coeffs)
 
+# -- a rank's predicted cost -----------------------------------------------------------------------
+
 class RankCost:
     """Memoised predicted cost of one rank's prompt lengths (a sorted tuple), with cheap bounds."""
 
@@ -220,6 +222,8 @@ class RankCost:
             and (limit is None or count * max_length <= limit)
         )
 
+# -- the baselines ---------------------------------------------------------------------------------
+
 VERL_LINEAR_WORKLOAD = 24576  # verl's calculate_workload: 24576 * L + L^2 (7B, hidden 4096)
 
 
@@ -259,6 +263,8 @@ def karmarkar_karp_shards(
 def _kk_entry(sets, tie):
     # heapq pops the smallest: largest spread first, then the heaviest set, then a stable id
     return (-(sets[0][0] - sets[-1][0]), -sets[0][0], tie, sets)
+
+# -- the balanced search ---------------------------------------------------------------------------
 
 _REL_EPS = 1e-9  # an improvement must beat float noise by this relative margin
 _BISECTION_STEPS = 40

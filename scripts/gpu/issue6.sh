@@ -18,7 +18,7 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
     COSTS=data/calibration/qwen2.5-3b_bfloat16_cuda.json
   fi
   $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-  step 25 $PY -m pytest -q -x tests/test_graph.py tests/test_attention.py
+  step 25 $PY -m pytest -q -x tests/test_steppers.py tests/test_attention.py
   # one process per workload: twice a sweep crashed in the workload after HF's compiled peer
   # (torch.compile's CUDA-graph trees) had run in the same process, before our next capture
   for W in long_tail moderate_tail short_similar spread short_tail gsm8k_32; do

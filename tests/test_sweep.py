@@ -1,3 +1,6 @@
+"""measure.sweep and the sweep command: the record, its summaries and files, skipped peers, errors before any work."""
+from __future__ import annotations
+
 import csv
 import json
 

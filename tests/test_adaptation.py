@@ -1,4 +1,4 @@
-"""Beyond the reference planner: chunked prefill, EOS-aware decode cost, online recalibration."""
+"""How the planner adapts (measure.adaptation and the engine under it): chunked prefill, EOS-aware decode cost, online recalibration."""
 from __future__ import annotations
 
 import dataclasses

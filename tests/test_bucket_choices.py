@@ -1,4 +1,4 @@
-"""rollout_lab.analysis: the k-bucket DP against brute force, the tables' invariants, the route map."""
+"""measure.bucket_choices and planner.bucket_dp.plan_buckets_k: the k-bucket DP against brute force, the tables' invariants, the route map."""
 from __future__ import annotations
 
 import itertools
