@@ -12,11 +12,10 @@ prefill: rows of one ``groups`` id (identical prompts) admitted together are pla
 prefilled as one row whose KV (and first-token logits) are replicated into their slots; a group
 split across admissions (fewer free slots than its rows) is prefilled once per admission.
 
-
 Chunked prefill of one over-long prompt: its tail chunks, run in order after its head.
 
-The planner (``planner.plan_chunked``) cuts a prompt of more than ``prefill_max_tokens`` tokens into
-a head, prefilled in an ordinary bucket (``decode.prefill_bucket``, possibly beside short prompts),
+The planner (``planner.chunks.plan_chunked``) cuts a prompt of more than ``prefill_max_tokens`` tokens into
+a head, prefilled in an ordinary bucket (``prefill.prefill_bucket``, possibly beside short prompts),
 and tail chunks of exactly the limit. ``extend_prefill`` runs the tails one forward each over a
 ``DynamicCache`` that already holds the head (and then every earlier chunk), with position ids
 continuing from it, so chunk k attends to chunks < k; the caller copies the whole span into the
@@ -274,7 +273,7 @@ class ContinuousBatcher:
             valid[row, : len(prompt)] = True
         return seen_from_ids(ids.to(self.device), valid.to(self.device), self.vocab_size)
 
-    # -- chunked prefill (planner.plan_chunked) ---------------------------------------------
+    # -- chunked prefill (planner.chunks.plan_chunked) ---------------------------------------------
     def _bucket_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list]:
         """The bucket's forward over each request's head; a chunked request's tails run after it
         (chunk k over a cache of chunks < k), its logits replace the head's and its whole KV

@@ -265,7 +265,7 @@ class Rollout:
                 )
             return "nocb"
         if cfg.mode == "bucketed":
-            # a prompt over prefill_max_tokens is chunked (planner.plan_chunked)
+            # a prompt over prefill_max_tokens is chunked (planner.chunks.plan_chunked)
             return "bucketed"
         if cfg.mode != "auto":
             return cfg.mode

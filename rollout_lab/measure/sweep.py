@@ -14,7 +14,6 @@ path generates the same number of tokens. Peers that fail are skipped with the r
 The sweep, the paths it times and how one call is timed, and the record it writes (summaries,
 tables, JSON + CSV) are all here; ``rollout-lab sweep`` is its command.
 
-
 The paths a sweep times (our routes and the HF peers), and how one call of a path is made and timed.
 
     runner = PathRunner(model, "auto", prompts, max_new_tokens=16, costs=None, pad=0,
@@ -23,7 +22,6 @@ The paths a sweep times (our routes and the HF peers), and how one call of a pat
 
 Each call is timed whole, the device synchronised before and after. Our paths keep one Rollout
 across the warm-up, the timed calls and the profiling call; torch is imported only when a call runs.
-
 
 A sweep record once measured: its summaries, its flat tables, and its JSON + CSV files.
 

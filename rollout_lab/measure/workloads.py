@@ -9,7 +9,6 @@ Torch-free, so the planner, notebooks and CPU tests can use it anywhere::
     lengths = get_workload("gsm8k_32")            # 32 GSM8K prompt lengths, seed 0
     tiny = get_workload("long_tail", scale=0.05)  # 1x26 + 31x1 for CPU tests
 
-
 Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
 
 A spec is a small dict (the ``distributions`` parameter of ``notebooks/02_bucket_choices.ipynb``):

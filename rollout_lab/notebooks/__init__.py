@@ -44,8 +44,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
     },
     "03_latency_tables": {"workloads": ["long_tail", "spread"], "workload_scale": 0.05, "repetitions": 1,
                           "max_new_tokens": 3},
-    "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20, "online_calls": 6,
-                  "repetitions": 1},
+    "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
+                      "online_calls": 6, "repetitions": 1},
 }
 
 

@@ -15,7 +15,6 @@ lengths l, clipped at the budget T; the empirical CDF F), a call of n requests p
 Both routes' decode terms use these steps instead of T - 1; without a prior they are T - 1.
 Pure Python, no torch.
 
-
 The response-length prior that prices EOS-aware decode (``expected_decode_steps`` above).
 
     prior = ResponseLengthPrior(initial=(12, 40, 7), ewma=0.5)

@@ -6,7 +6,6 @@ scipy is not a dependency, so this is the textbook algorithm (Lawson & Hanson 19
 column scaling for conditioning: the cost-model columns (1, tokens, GFLOPs, MiB) differ by orders
 of magnitude.
 
-
 Online recalibration: refit the cost coefficients from the forwards of every call.
 
     rollout = Rollout(model, RolloutConfig(online_recalibration=True, online_window=256))

@@ -18,7 +18,6 @@ is priced by ``chunk_cost_ms``: C(1, c) with the attention term over o + c keys.
 EOS-aware decode: ``planner.decode_steps`` (``expected_decode_steps``)
 prices the expected decode steps under a response-length prior instead of ``max_new_tokens - 1``.
 
-
 Shared prefill: rows (request, sample) grouped by identical prompt, and the route it implies.
 
 A call of n requests with ``num_samples`` = S has n * S rows, request-major (row = request * S +

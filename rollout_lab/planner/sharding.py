@@ -18,7 +18,6 @@ This module is the API (``shard_requests``, ``predicted_rank_costs``, ``predicte
 
 A rank is empty (``[]``, cost 0) when world_size exceeds the number of prompts.
 
-
 A rank's predicted cost for sharding: its own Auto plan's cost, memoised, with cheap bounds.
 
 ``RankCost(geometry, coeffs, max_new_tokens=16, continuous_batch_size=None)`` is called with a
@@ -26,7 +25,6 @@ rank's prompt lengths as a sorted tuple and returns ``min(nocb, bucketed CB)`` i
 ``planner.choose_route`` prices it; ``row``/``row_nokv`` are per-prompt row costs and
 ``lower_bound`` a bound from a rank's count, longest length and row-cost sum that needs no DP.
 Pure Python (no torch), deterministic, no I/O.
-
 
 The sharding baselines that ``balanced`` is compared with (and polishes when they start better).
 
@@ -37,7 +35,6 @@ The sharding baselines that ``balanced`` is compared with (and polishes when the
   placeholders fill the last group).
 
 Pure Python, deterministic, no I/O.
-
 
 The ``balanced`` sharding search: a contiguous split, then local search on the exact costs.
 
