@@ -305,3 +305,71 @@ def test_config_is_frozen_and_nocb_conflicts():
     assert dataclasses.replace(config, mode="aligned").mode == "aligned"
     with pytest.raises(ValueError, match="nocb"):
         RolloutConfig(mode="nocb", trim_cache=True)
+
+
+# ---------------------------------------------------------------- per-request budgets
+
+def budget_oracle(oracle, model, prompts, budgets, **kw):
+    """The one-request oracle, each request with its own max_new_tokens."""
+    return [oracle(model, [p], max_new_tokens=b, **kw)[0] for p, b in zip(prompts, budgets)]
+
+
+@pytest.mark.parametrize("slots", [None, 1, 3])
+def test_per_request_budgets_match_oracle(family, slots, oracle):
+    model = get_tiny(family)
+    prompts = make_prompts([7, 2, 15, 1, 9, 4, 11], seed=5)
+    budgets = [9, 1, 4, 12, 2, 7, 3]
+    expected = budget_oracle(oracle, model, prompts, budgets)
+    assert [len(s) for s in expected] == budgets  # no EOS: every row runs its own budget
+    for mode in ROUTES if slots is None else CB_ROUTES:
+        result = run(model, prompts, budgets, mode=mode, continuous_batch_size=slots)
+        assert result.sequences == expected, (mode, slots, result.route)
+
+
+def test_per_request_budgets_with_eos_penalty_and_samples(oracle):
+    model = get_tiny("qwen3")
+    prompts = make_prompts([6, 1, 13, 4, 9], seed=13)
+    budgets = [10, 3, 12, 1, 6]
+    eos = _staggered_eos(model, prompts, oracle, 12)
+    expected = budget_oracle(oracle, model, prompts, budgets, eos_token_id=eos, repetition_penalty=1.3)
+    for mode in ROUTES:
+        result = run(model, prompts, budgets, mode=mode, eos_token_id=eos, repetition_penalty=1.3)
+        assert result.sequences == expected, mode
+    # num_samples: a request's samples share its budget (greedy samples are its oracle, repeated)
+    config = RolloutConfig(mode="bucketed", costs=SPLIT_COSTS, eos_token_id=eos, repetition_penalty=1.3,
+                           continuous_batch_size=4)
+    result = Rollout(model, config).generate(prompts, max_new_tokens=budgets, num_samples=3)
+    assert result.grouped() == [[s] * 3 for s in expected]
+
+
+def test_per_request_budgets_accept_numpy_and_tensors(oracle):
+    model = get_tiny("qwen2")
+    prompts = make_prompts([5, 3], seed=2)
+    expected = budget_oracle(oracle, model, prompts, [2, 4])
+    for budgets in ([2, 4], (2, 4), torch.tensor([2, 4]), __import__("numpy").array([2, 4])):
+        assert run(model, prompts, budgets, mode="bucketed").sequences == expected
+
+
+@pytest.mark.parametrize("budgets, message", [
+    ([3, 4], "2 budgets for 3 requests"),
+    ([3, 0, 4], r"max_new_tokens\[1\] must be an int >= 1, got 0"),
+    ([3, 2.0, 4], r"max_new_tokens\[1\] must be an int >= 1, got 2.0"),
+    ([3, 4, 600], "request 2: prompt length 1 \\+ max_new_tokens 600 exceeds the model's context"),
+])
+def test_bad_budgets_fail_before_any_forward(budgets, message):
+    model = get_tiny("qwen2")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        for mode in ("nocb", "bucketed", "auto"):
+            with pytest.raises(ValueError, match=message):
+                run(model, [[5, 6], [7], [8]], budgets, mode=mode)
+    finally:
+        handle.remove()
+    assert not calls
+
+
+def test_explicit_capacity_names_the_request_that_cannot_fit():
+    model = get_tiny("qwen2")
+    with pytest.raises(ValueError, match=r"request 1 \(prompt 2 \+ max_new_tokens 9\); it needs at least 10"):
+        run(model, [[5, 6, 7], [8, 9]], [3, 9], mode="bucketed", cache_capacity=8)

@@ -171,3 +171,49 @@ def test_choose_route_bad_settings(kwargs, match):
     args = {"max_new_tokens": 4, "continuous_batch_size": None, **kwargs}
     with pytest.raises(ValueError, match=match):
         choose_route([3, 4], geometry=GEO, coeffs=CostCoefficients(), **args)
+
+
+# ---------------------------------------------------------------- per-request budgets
+
+def _schedule_brute_force(budgets, slots):
+    """Step-by-step continuous batching without EOS: admit in order into free slots, one token per
+    live row per step (the prefill gave the first), count the steps."""
+    queue, live, steps = list(budgets), [], 0
+    while queue or live:
+        while queue and len(live) < slots:
+            live.append(queue.pop(0) - 1)  # tokens still to decode
+            live = [r for r in live if r > 0]  # a budget of 1 is done at its prefill
+        if not live:
+            continue
+        live = [r - 1 for r in live if r > 1]  # one step; rows that are done retire at once
+        steps += 1
+    return steps
+
+
+def test_budget_decode_steps_against_a_step_by_step_schedule():
+    from rollout_lab.planner.decode_steps import budget_decode_steps
+
+    rng = random.Random(5)
+    for _ in range(300):
+        budgets = [rng.randint(1, 40) for _ in range(rng.randint(1, 12))]
+        slots = rng.randint(1, 14)
+        assert budget_decode_steps(budgets, num_slots=slots) == _schedule_brute_force(budgets, slots), (budgets, slots)
+    assert budget_decode_steps([5, 3, 8]) == 7 and budget_decode_steps([]) == 0
+
+
+def test_choose_route_prices_per_request_budgets():
+    lengths = [64] * 8
+    coeffs = CostCoefficients(continuous_decode_cost_ms=1.0, nocb_decode_cost_ms=3.0)
+    same = choose_route(lengths, max_new_tokens=100, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    assert choose_route(lengths, max_new_tokens=[100] * 8, continuous_batch_size=None, geometry=GEO,
+                        coeffs=coeffs) == same
+    mixed = choose_route(lengths, max_new_tokens=[100] + [2] * 7, continuous_batch_size=None, geometry=GEO,
+                         coeffs=coeffs)
+    assert mixed.nocb_cost_ms == pytest.approx(same.nocb_cost_ms)  # nocb runs every row to the largest
+    # with 2 slots CB decodes the schedule: 99 steps on one slot, 7 x 1 on the other
+    refill = choose_route(lengths, max_new_tokens=[100] + [2] * 7, continuous_batch_size=2, geometry=GEO,
+                          coeffs=coeffs)
+    assert refill.nocb_cost_ms is None
+    assert refill.cb_cost_ms == pytest.approx(plan_buckets(lengths, GEO, coeffs).cost_ms + 99 * 1.0)
+    with pytest.raises(ValueError, match="3 budgets for 8 requests"):
+        choose_route(lengths, max_new_tokens=[1, 2, 3], continuous_batch_size=None, geometry=GEO, coeffs=coeffs)

@@ -54,7 +54,7 @@ class BatchSettings:
     """What one ``generate`` call asks of the batcher (checked by ``RolloutConfig`` and ``generate``)."""
 
     route: str
-    max_new_tokens: int
+    budgets: tuple[int, ...]  # max_new_tokens of each row
     num_slots: int
     capacity: int
     trim_cache: bool
@@ -134,7 +134,7 @@ class ContinuousBatcher:
             # reading tokens back, so the host never waits on the device in between.
             burst = 1
             if not self.settings.eos_token_ids:
-                burst = min(self.settings.max_new_tokens - row.num_generated for row in self.rows)
+                burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
                 steps = [self.stepper.step(num_rows) for _ in range(burst)]
@@ -154,7 +154,7 @@ class ContinuousBatcher:
 
     def _is_done(self, row: _Row) -> bool:
         last = self.outputs[row.request][-1]
-        return last in self.settings.eos_token_ids or row.num_generated >= self.settings.max_new_tokens
+        return last in self.settings.eos_token_ids or row.num_generated >= self.settings.budgets[row.request]
 
     def _note_peak(self) -> None:
         self.profile.peak_cache_columns = max(self.profile.peak_cache_columns, self.cache.front_int)
@@ -165,12 +165,11 @@ class ContinuousBatcher:
         free = self.settings.num_slots - len(self.rows)
         live_span, live_remaining = self._live_needs()
         best: tuple[list[int], int | None] = ([], None)
-        longest_new = 0
+        longest_new = most_new_steps = 0
         for count in range(1, min(free, len(self.queue)) + 1):
             longest_new = max(longest_new, self.lengths[self.queue[count - 1]])
-            front = self._choose_front(
-                max(live_span, longest_new), max(live_remaining, self.settings.max_new_tokens - 1)
-            )
+            most_new_steps = max(most_new_steps, self.settings.budgets[self.queue[count - 1]] - 1)
+            front = self._choose_front(max(live_span, longest_new), max(live_remaining, most_new_steps))
             if front is None:
                 break
             best = (self.queue[:count], front)
@@ -178,9 +177,9 @@ class ContinuousBatcher:
 
     def _live_needs(self) -> tuple[int, int]:
         """(widest live span, most decode columns a live row still needs)."""
-        front, budget = self.cache.front_int, self.settings.max_new_tokens
+        front, budgets = self.cache.front_int, self.settings.budgets
         span = max((front - self.cache.row_starts[slot] for slot in range(len(self.rows))), default=0)
-        remaining = max((budget - row.num_generated for row in self.rows), default=0)
+        remaining = max((budgets[row.request] - row.num_generated for row in self.rows), default=0)
         return span, remaining
 
     def _choose_front(self, span: int, remaining: int) -> int | None:

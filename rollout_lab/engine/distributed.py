@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize
 from rollout_lab.engine.rollout import Rollout
+from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.sharding import predicted_rank_costs, shard_requests
 
 
@@ -56,7 +57,7 @@ def distributed_generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     config: RolloutConfig | None = None,
     group: Any = None,
     method: str = "balanced",
@@ -64,7 +65,8 @@ def distributed_generate(
     """Run ``Rollout(model, config)`` on this rank's shard of ``prompts``; gather on every rank.
 
     Collective: every rank of ``group`` (default: the world) must call it with the same prompts,
-    ``max_new_tokens``, config and method. The shards are costed as Auto would plan them.
+    ``max_new_tokens``, config and method. The shards are costed as Auto would plan them (with
+    per-request budgets, each at the largest budget: the sharding cost takes one budget).
     """
     start = time.perf_counter()
     if not dist.is_available() or not dist.is_initialized():
@@ -74,20 +76,21 @@ def distributed_generate(
     rollout = Rollout(model, config)
     prompts = [list(map(int, p)) for p in prompts]
     lengths = [len(p) for p in prompts]
+    budgets = budgets_of(max_new_tokens, len(prompts))
     cost_args = dict(
-        max_new_tokens=max_new_tokens, continuous_batch_size=config.continuous_batch_size,
+        max_new_tokens=max(budgets, default=1), continuous_batch_size=config.continuous_batch_size,
         nocb_allowed=config.cache_capacity is None and not config.trim_cache,
     )
     shards = shard_requests(lengths, world_size, rollout.geometry, config.costs, method=method,
                             **cost_args)
-    _check_same_everywhere(prompts, shards, method, max_new_tokens, group, world_size)
+    _check_same_everywhere(prompts, shards, method, budgets, group, world_size)
     mine = shards[rank]
 
     device = rollout.device
     synchronize(device)
     dist.barrier(group)
     begin = time.perf_counter()
-    result = rollout.generate([prompts[i] for i in mine], max_new_tokens=max_new_tokens)
+    result = rollout.generate([prompts[i] for i in mine], max_new_tokens=[budgets[i] for i in mine])
     synchronize(device)
     elapsed_s = time.perf_counter() - begin
 

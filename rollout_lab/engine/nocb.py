@@ -23,17 +23,21 @@ from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_co
 
 
 def run_nocb(
-    model: torch.nn.Module, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: Sequence[int],
+    model: torch.nn.Module, prompts: list[list[int]], *, budgets: Sequence[int], eos_ids: Sequence[int],
     pad_id: int, repetition_penalty: float, vocab_size: int, geometry: ModelGeometry,
     costs: CostCoefficients, profile: Profile, timer: Timer, sampling: SamplingParams | None = None,
     keys: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[BucketPlan]]:
-    """(sequences cut after the first EOS, the one-bucket plan) of one HF ``generate`` call."""
+    """(sequences cut after the first EOS, the one-bucket plan) of one HF ``generate`` call.
+
+    HF gives every row the same budget, so it generates to the largest of ``budgets`` (one per row)
+    and each row is cut at its own: the tokens are the same as a call with that row's budget (a
+    row's token at step t depends only on its own earlier tokens), the extra steps are wasted."""
     device = next(model.parameters()).device
     ids, mask = left_padded(prompts, pad_id, device)
     width = ids.shape[1]
     gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        max_new_tokens=max(budgets), do_sample=False, num_beams=1,
         eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, repetition_penalty=1.0,
     )
     processors = LogitsProcessorList()
@@ -49,7 +53,7 @@ def run_nocb(
             logits_processor=processors,
         )
     eos = set(eos_ids)
-    sequences = [_cut_at_eos(row, eos) for row in out[:, width:].tolist()]
+    sequences = [_cut_at_eos(row[:budget], eos) for row, budget in zip(out[:, width:].tolist(), budgets)]
     profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
     if profile.forwards is not None and profile.num_decode_forwards:  # HF's loop overhead included
         profile.forwards.append({"kind": "nocb_decode", "rows": len(prompts),

@@ -39,7 +39,7 @@ from rollout_lab.engine.steppers import (
     resolve_decode_mode,
 )
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.checks import check_max_new_tokens, is_int
+from rollout_lab.planner.checks import budgets_of, is_int
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
@@ -122,7 +122,7 @@ class Rollout:
         self,
         prompts: Sequence[Sequence[int]] | torch.Tensor,
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         num_samples: int = 1,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -148,7 +148,7 @@ class Rollout:
         if profile is not None and not isinstance(profile, bool):
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
         profiling = cfg.profile if profile is None else profile
-        prompts, sampling, seed, eos_ids, pad_id = self._check_call(
+        prompts, budgets, sampling, seed, eos_ids, pad_id = self._check_call(
             prompts, attention_mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             num_beams=num_beams, num_return_sequences=num_return_sequences)
@@ -159,15 +159,16 @@ class Rollout:
         lengths = [len(p) for p in prompts]
         # rows, request-major: row = request * num_samples + sample
         row_prompts = [p for p in prompts for _ in range(num_samples)]
+        row_budgets = [b for b in budgets for _ in range(num_samples)]
         groups = prompt_groups(prompts, num_samples=num_samples, share=cfg.share_prefill)
         keys = [0] * len(row_prompts)
         if sampling is not None:
             keys = [sample_key(seed, r, s) for r in range(len(prompts)) for s in range(num_samples)]
         with timer.phase("planning_ms"):
-            route = self._route(lengths, max_new_tokens, num_samples=num_samples, groups=groups)
+            route = self._route(lengths, budgets, num_samples=num_samples, groups=groups)
         if not prompts:
             return RolloutResult([], route, (), stats if profiling else None, num_samples, seed)
-        capacity = self._capacity(lengths, max_new_tokens, route)
+        capacity = self._capacity(lengths, budgets, route)
         num_rows = len(row_prompts)
         num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
@@ -178,13 +179,13 @@ class Rollout:
         with torch.no_grad():
             if route == "nocb":
                 sequences, plans = run_nocb(
-                    self.model, row_prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                    self.model, row_prompts, budgets=row_budgets, eos_ids=eos_ids,
                     pad_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     vocab_size=self.vocab_size, geometry=self.geometry, costs=self.costs,
                     profile=stats, timer=timer, sampling=sampling, keys=keys)
             else:
                 settings = BatchSettings(
-                    route=route, max_new_tokens=max_new_tokens, num_slots=num_slots,
+                    route=route, budgets=tuple(row_budgets), num_slots=num_slots,
                     capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     cache_kwarg=self.cache_kwarg, sampling=sampling,
@@ -205,7 +206,8 @@ class Rollout:
     # -- checks -----------------------------------------------------------------------------
     def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,
                     temperature, top_k, top_p, seed, num_beams, num_return_sequences):
-        """Every check of a call, before any forward: (prompt lists, sampling, seed, eos ids, pad id)."""
+        """Every check of a call, before any forward: (prompt lists, budgets per request, sampling,
+        seed, eos ids, pad id)."""
         sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
         if num_beams != 1:
             raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
@@ -214,9 +216,9 @@ class Rollout:
                 f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
         if not is_int(num_samples) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-        check_max_new_tokens(max_new_tokens)
         prompts = prompt_lists(prompts, attention_mask)
-        self._check_prompts(prompts, max_new_tokens)
+        budgets = budgets_of(max_new_tokens, len(prompts))
+        self._check_prompts(prompts, budgets)
         eos_ids = self.config.eos_token_ids
         pad_id = self._pad_token_id()
         for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
@@ -225,10 +227,10 @@ class Rollout:
                     raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
         if sampling is not None and seed is None:
             seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
-        return prompts, sampling, seed, eos_ids, pad_id
+        return prompts, budgets, sampling, seed, eos_ids, pad_id
 
-    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        for index, ids in enumerate(prompts):
+    def _check_prompts(self, prompts: list[list[int]], budgets: list[int]) -> None:
+        for index, (ids, max_new_tokens) in enumerate(zip(prompts, budgets)):
             if not ids:
                 raise ValueError(f"request {index}: the prompt is empty")
             bad = [t for t in ids if t < 0 or t >= self.vocab_size]
@@ -252,7 +254,7 @@ class Rollout:
         return eos[0] if eos else 0
 
     def _route(
-        self, lengths: list[int], max_new_tokens: int, *, num_samples: int = 1,
+        self, lengths: list[int], budgets: list[int], *, num_samples: int = 1,
         groups: Sequence[int] | None = None,
     ) -> str:
         cfg = self.config
@@ -272,7 +274,7 @@ class Rollout:
         sizes = group_sizes(groups if groups is not None else range(n))
         plan = choose_shared_route(
             [lengths[g // num_samples] for g in sizes], list(sizes.values()),
-            max_new_tokens=max_new_tokens, continuous_batch_size=slots,
+            max_new_tokens=[budgets[g // num_samples] for g in sizes], continuous_batch_size=slots,
             geometry=self.geometry, coeffs=self.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
             response_lengths=self.length_prior.current(), chunk_long_prompts=True,
@@ -293,17 +295,18 @@ class Rollout:
                                 total_ms=profile.total_ms)
             self.costs = self.online.refit(self.costs)
 
-    def _capacity(self, lengths: list[int], max_new_tokens: int, route: str) -> int:
-        longest = max(lengths)
+    def _capacity(self, lengths: list[int], budgets: list[int], route: str) -> int:
         capacity = self.config.cache_capacity
         if capacity is None:
-            return longest + max_new_tokens
-        needed = longest + max_new_tokens - 1  # the last token is never written back
+            return max(lengths) + max(budgets)
+        # a single request needs its prompt and budget (the last token is never written back)
+        needs = [length + budget - 1 for length, budget in zip(lengths, budgets)]
+        needed = max(needs)
         if route != "nocb" and capacity < needed:
-            index = lengths.index(longest)
+            index = needs.index(needed)
             raise ValueError(
-                f"cache_capacity={capacity} is too small for request {index} (prompt {longest} "
-                f"+ max_new_tokens {max_new_tokens}); it needs at least {needed} columns, "
+                f"cache_capacity={capacity} is too small for request {index} (prompt {lengths[index]} "
+                f"+ max_new_tokens {budgets[index]}); it needs at least {needed} columns, "
                 "and trimming cannot free columns a single request needs"
             )
         return capacity

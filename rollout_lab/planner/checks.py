@@ -2,6 +2,7 @@
 
     as_int(np.int64(3)) == 3; as_int(True) is None; as_int(3.0) is None
     check_max_new_tokens(16)      # ValueError naming the value unless an int >= 1
+    budgets_of([8, 512], 2)       # [8, 512]: one budget per request; budgets_of(16, 3) == [16, 16, 16]
 
 Pure Python.
 """
@@ -31,3 +32,24 @@ def check_max_new_tokens(max_new_tokens: object) -> int:
     if value is None or value < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     return value
+
+
+def budgets_of(max_new_tokens: object, num_requests: int) -> list[int]:
+    """One generation budget per request: an int for all, or a sequence of one int >= 1 per request.
+
+    ValueError naming the request and value, or the length mismatch.
+    """
+    scalar = as_int(max_new_tokens) is not None or not hasattr(max_new_tokens, "__len__")
+    if scalar or isinstance(max_new_tokens, (str, bytes)):
+        return [check_max_new_tokens(max_new_tokens)] * num_requests
+    budgets = list(max_new_tokens.tolist() if hasattr(max_new_tokens, "tolist") else max_new_tokens)
+    if len(budgets) != num_requests:
+        raise ValueError(f"max_new_tokens has {len(budgets)} budgets for {num_requests} requests; "
+                         "give an int, or one int per request")
+    out = []
+    for index, budget in enumerate(budgets):
+        value = as_int(budget)
+        if value is None or value < 1:
+            raise ValueError(f"max_new_tokens[{index}] must be an int >= 1, got {budget!r}")
+        out.append(value)
+    return out

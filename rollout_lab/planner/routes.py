@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rollout_lab.planner.bucket_dp import plan_buckets, validate_lengths
-from rollout_lab.planner.checks import check_max_new_tokens
+from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
-from rollout_lab.planner.decode_steps import LengthPrior, expected_decode_steps
+from rollout_lab.planner.decode_steps import LengthPrior, budget_decode_steps, expected_decode_steps
 
 ROUTES = ("nocb", "bucketed")
 
@@ -85,7 +85,7 @@ def cb_decode_cost_ms(
 def choose_route(
     lengths: Sequence[int],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     continuous_batch_size: int | None,
     geometry: ModelGeometry,
     coeffs: CostCoefficients,
@@ -100,9 +100,14 @@ def choose_route(
     ``response_lengths`` (a prior, see ``expected_decode_steps``) prices the expected decode steps
     instead of ``max_new_tokens - 1``. ``chunk_long_prompts`` plans over-limit prompts with
     ``plan_chunked`` instead of raising (nocb is then not eligible).
+
+    ``max_new_tokens`` is one budget for all, or one per request. Different budgets are priced
+    exactly (``budget_decode_steps``): CB decodes until its list schedule of budgets ends, and nocb
+    (HF ``generate`` to the largest budget, each row cut at its own) pays the steps to the largest,
+    wasted ones included. With a prior as well, the prior is clipped at the largest budget.
     """
     lengths = validate_lengths(lengths, None if chunk_long_prompts else coeffs)
-    check_max_new_tokens(max_new_tokens)
+    budgets = budgets_of(max_new_tokens, len(lengths))
     if continuous_batch_size is not None and (
         isinstance(continuous_batch_size, bool)
         or not isinstance(continuous_batch_size, int)
@@ -120,13 +125,17 @@ def choose_route(
         and (continuous_batch_size is None or n <= continuous_batch_size)
         and (limit is None or n * max(lengths) <= limit)
     )
-    steps = None
+    longest_budget = max(budgets)
+    steps = nocb_steps = None
     if response_lengths is not None:
-        steps = expected_decode_steps(response_lengths, n, max_new_tokens, num_slots=continuous_batch_size)
-    decode = cb_decode_cost_ms(max_new_tokens, coeffs, decode_steps=steps)
+        steps = expected_decode_steps(response_lengths, n, longest_budget, num_slots=continuous_batch_size)
+        nocb_steps = steps
+    elif len(set(budgets)) > 1:
+        steps = budget_decode_steps(budgets, num_slots=continuous_batch_size)
+    decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
     nocb = None
     if eligible:
-        nocb = nocb_cost_ms(lengths, geometry, coeffs, max_new_tokens=max_new_tokens, decode_steps=steps)
+        nocb = nocb_cost_ms(lengths, geometry, coeffs, max_new_tokens=longest_budget, decode_steps=nocb_steps)
     if nocb is not None:
         # cheapest conceivable CB: one fixed cost, every prompt at its own width
         bound = coeffs.prefill_fixed_cost_ms + decode
@@ -177,7 +186,7 @@ def choose_shared_route(
     lengths: Sequence[int],
     replicas: Sequence[int],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     continuous_batch_size: int | None,
     geometry: ModelGeometry,
     coeffs: CostCoefficients,
@@ -188,21 +197,23 @@ def choose_shared_route(
 
     CB's estimate: the DP over the unique prompts plus ``replication_cost_ms``; nocb's: every row
     prefilled (n x samples). ``route_options`` go to both ``choose_route`` calls. Without any
-    replica (all 1) this is ``choose_route`` itself.
+    replica (all 1) this is ``choose_route`` itself. ``max_new_tokens``: one budget, or one per
+    unique prompt (its rows share it).
     """
     if len(replicas) != len(lengths) or any(
         isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in replicas
     ):
         raise ValueError(f"replicas must hold one int >= 1 per length ({len(lengths)}), got {list(replicas)!r}")
-    common = dict(max_new_tokens=max_new_tokens, continuous_batch_size=continuous_batch_size,
-                  geometry=geometry, coeffs=coeffs, **route_options)
+    budgets = budgets_of(max_new_tokens, len(lengths))
+    common = dict(continuous_batch_size=continuous_batch_size, geometry=geometry, coeffs=coeffs, **route_options)
     if all(k == 1 for k in replicas):
-        return choose_route(lengths, nocb_allowed=nocb_allowed, **common)
+        return choose_route(lengths, max_new_tokens=budgets, nocb_allowed=nocb_allowed, **common)
     rows = [length for length, k in zip(lengths, replicas) for _ in range(k)]
+    row_budgets = [budget for budget, k in zip(budgets, replicas) for _ in range(k)]
     nocb = None
     if nocb_allowed:
-        nocb = choose_route(rows, nocb_allowed=True, **common).nocb_cost_ms
-    shared = choose_route(lengths, nocb_allowed=False, **common)
+        nocb = choose_route(rows, max_new_tokens=row_budgets, nocb_allowed=True, **common).nocb_cost_ms
+    shared = choose_route(lengths, max_new_tokens=budgets, nocb_allowed=False, **common)
     cb = shared.cb_cost_ms + replication_cost_ms(lengths, replicas, geometry, coeffs)
     if nocb is not None and nocb <= cb:
         return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb)
