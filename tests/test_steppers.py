@@ -123,3 +123,41 @@ def test_graph_sampling_equals_eager_sampling(family):
         nocb = Rollout(model, RolloutConfig(mode="nocb", costs=SPLIT, repetition_penalty=penalty)) \
             .generate(prompts, max_new_tokens=10, **gen)
         assert nocb.sequences == eager.sequences, penalty
+
+
+def test_graph_ladder_rungs():
+    from rollout_lab.engine.steppers import graph_ladder
+
+    assert graph_ladder(256, 24) == (1, 2, 4, 8, *range(16, 257, 16))
+    assert graph_ladder(256, 1) == (256,)
+    assert graph_ladder(3, 24) == (1, 2, 3) and graph_ladder(1, 5) == (1,) and graph_ladder(17, 24)[-2:] == (16, 17)
+    thinned = graph_ladder(256, 8)
+    assert len(thinned) == 8 and thinned[-1] == 256 and list(thinned) == sorted(set(thinned))
+    with pytest.raises(ValueError, match="max_graphs must be >= 1"):
+        graph_ladder(4, 0)
+    with pytest.raises(ValueError, match="max_decode_graphs must be an int >= 1"):
+        RolloutConfig(max_decode_graphs=0)
+
+
+@cuda
+def test_graph_ladder_with_budgets_refill_and_eos_equals_eager():
+    """The laddered graphs (a smaller graph as rows retire) give eager's tokens, fp32, with
+    per-request budgets, refill and EOS; the one-graph stepper too."""
+    model = _cuda_model("qwen3")
+    prompts = prompts_of([5, 12, 3, 8, 20, 2, 7, 9, 4, 15, 6, 1, 11, 3, 9, 2, 18], seed=8)
+    budgets = [3, 17, 9, 1, 25, 6, 12, 4, 30, 2, 8, 14, 5, 21, 7, 10, 3]
+    eager_tokens = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager")) \
+        .generate(prompts, max_new_tokens=budgets).sequences
+    eos = max(set(t for s in eager_tokens for t in s[1:4]), key=lambda t: sum(s.count(t) for s in eager_tokens))
+    for slots in (None, 6):
+        kwargs = dict(mode="bucketed", costs=SPLIT, continuous_batch_size=slots, eos_token_id=eos)
+        eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, max_new_tokens=budgets)
+        for graphs in (24, 1):
+            with Rollout(model, RolloutConfig(decode="graph", max_decode_graphs=graphs, **kwargs)) as rollout:
+                graph = rollout.generate(prompts, max_new_tokens=budgets)
+                info = rollout.stepper_info
+            assert graph.sequences == eager.sequences, (slots, graphs)
+            if graphs == 1:
+                assert info["num_graphs"] == 1 and set(info["replays_by_rows"]) == {info["num_slots"]}
+            else:
+                assert len(info["replays_by_rows"]) > 1, info  # smaller graphs ran as rows retired

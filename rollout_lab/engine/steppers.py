@@ -1,10 +1,12 @@
 """Fixed-slot decode steppers: eager, and CUDA-graph-captured over the aligned static cache.
 
-A stepper owns the aligned cache, the decode buffers and (for the graph) one captured decode step
-over every slot. ``Rollout`` keeps its stepper across calls: the graph is captured once and replayed
-while the slot count, the capacity, the penalty and the weights' storage are unchanged; replacing a
-parameter or buffer (a new tensor, dtype, shape or layout) triggers a recapture. ``Rollout.close()``
-releases it.
+A stepper owns the aligned cache, the decode buffers and (for the graph) a ladder of captured decode
+steps: one per row count of ``graph_ladder`` (1, 2, 4, 8, then every 16 up to the slot count, thinned
+to ``max_graphs``), all in one memory pool. Slots stay dense (compaction), so a step replays the
+smallest graph that covers the live rows: retired rows stop costing. ``Rollout`` keeps its stepper
+across calls: the graphs are captured once and replayed while the slot count, the capacity, the
+penalty and the weights' storage are unchanged; replacing a parameter or buffer (a new tensor, dtype,
+shape or layout) triggers a recapture. ``Rollout.close()`` releases them.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
     tokens = stepper.step(num_rows)                           # [num_rows] ids, device tensor
@@ -63,6 +65,7 @@ class StepperKey:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    max_graphs: int = 1  # row counts captured (graph decode only)
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -108,49 +111,68 @@ class EagerStepper:
 
 
 class GraphStepper(EagerStepper):
-    """One CUDA graph of the decode step over all slots; dead slots compute ignored tokens."""
+    """CUDA graphs of the decode step, one per row count of the ladder; a step replays the smallest
+    that covers the live rows (the dead slots it still covers compute ignored tokens)."""
 
     kind = "graph"
 
     def __init__(self, model: torch.nn.Module, key: StepperKey, *, num_warmups: int = 2):
         super().__init__(model, key)
         self.signature = weights_signature(model)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.tokens: torch.Tensor | None = None
+        self.ladder = graph_ladder(key.num_slots, key.max_graphs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tokens: dict[int, torch.Tensor] = {}
+        self.replays_by_rows: dict[int, int] = {}  # ladder row count -> replays
         self._capture(num_warmups)
 
     def fits(self, model: torch.nn.Module, key: StepperKey) -> bool:
         return super().fits(model, key) and weights_signature(model) == self.signature
 
     def _capture(self, num_warmups: int) -> None:
-        n = self.key.num_slots
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(num_warmups):
-                super().step(n)
+                super().step(self.key.num_slots)
         torch.cuda.current_stream().wait_stream(side)
-        self.reset()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            tokens = super().step(n)  # recorded, not run: the buffers keep their reset values
-        self.graph, self.tokens = graph, tokens
+        pool = None
+        for rows in sorted(self.ladder, reverse=True):  # the largest first: the others fit its pool
+            self.reset()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                tokens = super().step(rows)  # recorded, not run: the buffers keep their reset values
+            pool = graph.pool() if pool is None else pool
+            self.graphs[rows], self.tokens[rows] = graph, tokens
         self.num_captures += 1
         torch.cuda.synchronize()
         self.reset()
 
     def step(self, num_rows: int) -> torch.Tensor:
-        self.graph.replay()
+        rows = next(r for r in self.ladder if r >= num_rows)
+        self.graphs[rows].replay()
         self.num_replays += 1
-        return self.tokens[:num_rows].clone()  # the static output is overwritten by the next replay
+        self.replays_by_rows[rows] = self.replays_by_rows.get(rows, 0) + 1
+        return self.tokens[rows][:num_rows].clone()  # the static output is overwritten by the next replay
 
     def retire_tail(self, num_live: int) -> None:
-        # dead slots keep decoding in the graph: keep their positions in range (learned tables)
+        # dead slots that a graph still covers keep decoding: keep their positions in range
         self.state.position_ids[num_live:].zero_()
 
     def close(self) -> None:
-        self.graph = self.tokens = None
+        self.graphs, self.tokens = {}, {}
         super().close()
+
+
+def graph_ladder(num_slots: int, max_graphs: int) -> tuple[int, ...]:
+    """The row counts to capture, ascending, always ending at ``num_slots``: 1, 2, 4, 8, then every
+    16, thinned evenly to at most ``max_graphs`` (``max_graphs=1``: one graph over every slot)."""
+    if max_graphs < 1:
+        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+    rungs = [r for r in (1, 2, 4, 8) if r < num_slots] + list(range(16, num_slots, 16)) + [num_slots]
+    if len(rungs) > max_graphs:
+        stride = len(rungs) / max_graphs
+        rungs = sorted({rungs[min(len(rungs) - 1, int(round((i + 1) * stride)) - 1)] for i in range(max_graphs)})
+    return tuple(rungs)
 
 
 def graph_capacity(needed: int) -> int:
@@ -169,4 +191,6 @@ def describe(stepper: Any) -> dict[str, Any]:
         return {"kind": None}
     return {"kind": stepper.kind, "num_captures": stepper.num_captures,
             "num_replays": stepper.num_replays, "num_slots": stepper.key.num_slots,
+            "num_graphs": len(getattr(stepper, "ladder", ())),
+            "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
             "capacity": stepper.key.capacity}

@@ -162,6 +162,17 @@ def bimodal_lengths(
     return np.clip(np.rint(rng.permutation(raw)), 1, max_len).astype(int).tolist()
 
 
+def uniform_workload(num_requests: int, *, low: int, high: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(prompt lengths, output budgets), each drawn uniformly from ``[low, high]`` with one seeded
+    generator: nano-vllm's ``bench.py`` shape (256 requests, 100..1024) when called with its numbers."""
+    if num_requests < 1 or low < 1 or high < low:
+        raise ValueError(f"need num_requests >= 1 and 1 <= low <= high, got {num_requests}, {low}, {high}")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(low, high + 1, size=num_requests).tolist()
+    budgets = rng.integers(low, high + 1, size=num_requests).tolist()
+    return lengths, budgets
+
+
 def _check_synthetic(n: int, median: float, sigma: float, max_len: int) -> None:
     if n < 1 or median <= 0 or sigma < 0 or max_len < 1:
         raise ValueError(
