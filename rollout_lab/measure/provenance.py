@@ -17,16 +17,17 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def git_sha() -> str:
-    """The checkout's HEAD sha, with '+dirty' when tracked files are modified.
-
-    A copy without ``.git`` (the GPU machine gets a bare working tree) reads the sha from a
-    ``GIT_SHA`` file at the root (written with ``git archive`` snapshots) or ``$ROLLOUT_LAB_GIT_SHA``.
-    """
+    """``$ROLLOUT_LAB_GIT_SHA`` when set (a copy sent to the GPU machine can carry a stale ``.git``),
+    else the checkout's HEAD sha with '+dirty' when tracked files are modified, else a ``GIT_SHA``
+    file at the root (``git archive`` snapshots), else "unknown"."""
+    explicit = os.environ.get("ROLLOUT_LAB_GIT_SHA")
+    if explicit:  # said by whoever sent the code (a device copy's .git can be stale)
+        return explicit
     stamp = CHECKOUT / "GIT_SHA"
     if not (CHECKOUT / ".git").exists():
         if stamp.is_file():
             return stamp.read_text().strip()
-        return os.environ.get("ROLLOUT_LAB_GIT_SHA", "unknown")
+        return "unknown"
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=CHECKOUT, capture_output=True, text=True, check=True
