@@ -82,7 +82,7 @@ def resolve_model_arguments(args: argparse.Namespace) -> None:
     """Check --tiny/--preset/--device and fill their defaults in place; SystemExit names a bad option."""
     import torch  # torch: only the commands that run a model
 
-    from rollout_lab.measure.models import TINY_FAMILIES
+    from rollout_lab.measure.models import TINY_FAMILIES  # torch, as above
 
     if args.tiny is None and args.preset is None:
         args.tiny = "qwen2"
@@ -142,7 +142,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from rollout_lab.measure import sweep  # torch: only the commands that run a model
-    from rollout_lab.measure.calibrate import load_calibration
+    from rollout_lab.measure.calibrate import load_calibration  # torch, as above
 
     resolve_model_arguments(args)
     scale = args.scale if args.scale is not None else (0.25 if args.tiny else 1.0)

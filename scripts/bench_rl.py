@@ -36,6 +36,7 @@ from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import TINY_FAMILIES, load_model
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.sweep import rl_throughput_rows
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.workspace import csv_text, json_text, write_text_atomic
 
@@ -187,23 +188,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def table_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for path, res in record["results"].items():
-        rows.append({"path": path, "mean_ms": res.get("mean_ms"), "output_tokens_per_s": res.get("output_tokens_per_s"),
-                     "first_call_ms": res.get("first_call_ms"), "decode_ms_per_step": res.get("decode_ms_per_step"),
-                     "num_slots": res.get("num_slots"), "peak_memory_bytes": res.get("peak_memory_bytes"),
-                     "skipped": res.get("skipped")})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     stem = Path(args.out)
     if stem.suffix in (".json", ".csv"):
         stem = stem.with_suffix("")
     record = run(args)
-    json_body, csv_body = json_text(record), csv_text(table_rows(record))  # both before writing either
+    json_body, csv_body = json_text(record), csv_text(rl_throughput_rows(record))  # both before writing either
     json_path = write_text_atomic(stem.with_name(stem.name + ".json"), json_body)
     csv_path = write_text_atomic(stem.with_name(stem.name + ".csv"), csv_body)
     print(csv_body, end="")

@@ -176,11 +176,18 @@ def test_03_latency_outputs(executed):
 def test_03_renders_a_saved_results_file(executed, tmp_path):
     out, _ = executed
     saved = out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.json"
+    rl_record = Path(__file__).resolve().parents[1] / "data" / "results" / "rl_qwen3-0.6b_bfloat16_cuda.json"
     run_notebooks(names=["03_latency_tables"], out_dir=tmp_path,
-                  extra={"03_latency_tables": {"results_file": str(saved)}}, progress=False)
+                  extra={"03_latency_tables": {"results_file": str(saved), "rl_results_file": str(rl_record)}},
+                  progress=False)
     assert not (tmp_path / "data" / "results").exists() or not any((tmp_path / "data" / "results").iterdir())
     assert_figure(tmp_path / "figures", "03_e2e_tiny_qwen2_float32_cpu")
     assert read_csv(tmp_path / "data" / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
+    # the committed H200 RL record, rendered: a row per path, ours faster than HF's
+    rl = {r["path"]: r for r in read_csv(tmp_path / "data" / "tables" / "03_rl_throughput_qwen3_0_6b_bfloat16_cuda.csv")}
+    assert set(rl) == {"ours", "hf_generate_batch"}
+    assert float(rl["ours"]["output_tokens_per_s"]) > float(rl["hf_generate_batch"]["output_tokens_per_s"]) > 0
+    assert_figure(tmp_path / "figures", "03_rl_throughput_qwen3_0_6b_bfloat16_cuda")
 
 
 # ---------------------------------------------------------------- 04: beyond the reference planner

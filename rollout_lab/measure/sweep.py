@@ -405,6 +405,29 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
+def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
+    """A record written by ``scripts/bench_rl.py`` (kind "rl_throughput")."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"RL results file {str(path)!r} does not exist")
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or record.get("kind") != "rl_throughput":
+        raise ValueError(f"{str(path)!r} is not an RL throughput record (kind != 'rl_throughput')")
+    return record
+
+
+def rl_throughput_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per path of an RL throughput record: E2E, output tok/s, decode ms per step, memory."""
+    rows = []
+    for path, res in record["results"].items():
+        peak = res.get("peak_memory_bytes")
+        rows.append({"path": path, "mean_ms": res.get("mean_ms"), "output_tokens_per_s": res.get("output_tokens_per_s"),
+                     "first_call_ms": res.get("first_call_ms"), "decode_ms_per_step": res.get("decode_ms_per_step"),
+                     "num_slots": res.get("num_slots"), "peak_memory_gb": None if peak is None else peak / 1e9,
+                     "skipped": res.get("skipped")})
+    return rows
+
+
 # -- what make reproduce and notebook 03 call ------------------------------------------------------
 
 def route_table(*, max_new_tokens: int = 8) -> list[dict]:

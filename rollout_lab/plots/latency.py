@@ -101,3 +101,25 @@ def plot_breakdown(rows: Sequence[Mapping[str, Any]]) -> Figure:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_rl_throughput(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Output tok/s and decode ms per step per path of an RL throughput record
+    (``measure.sweep.rl_throughput_rows``); a skipped path is named, not drawn."""
+    ran = [r for r in rows if r.get("output_tokens_per_s") is not None]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    names = [r["path"] for r in ran]
+    left.barh(names, [r["output_tokens_per_s"] for r in ran], color=[PALETTE(i) for i in range(len(ran))])
+    for i, r in enumerate(ran):
+        left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), va="center", fontsize=8)
+    left.set_xlabel("output tokens / s")
+    left.margins(x=0.2)
+    steps = [r for r in ran if r.get("decode_ms_per_step") is not None]
+    right.barh([r["path"] for r in steps], [r["decode_ms_per_step"] for r in steps], color="0.5")
+    right.set_xlabel("decode ms per step (mean over the call)")
+    skipped = [r["path"] for r in rows if r.get("skipped")]
+    if skipped:
+        left.set_title(f"skipped: {', '.join(skipped)}", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
