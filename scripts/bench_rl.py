@@ -10,8 +10,9 @@ and whose output budgets, are drawn uniformly from ``[--min-len, --max-len]`` (s
 ignored, so every request generates exactly its budget and output tok/s counts those tokens only.
 
 Paths: ``ours`` (``Rollout.generate(prompts, max_new_tokens=budgets)`` in ``--mode``; one warm-up
-call, its graph capture included, then ``--reps`` timed calls and one profiled call), ``ours_one_graph``
-(the same with one captured graph over every slot, ``max_decode_graphs=1``) and, last, HF
+call, its graph capture included, then ``--reps`` timed calls and one profiled call), two ablations
+(``ours_full_width``: attention over the whole capacity, ``decode_widths=1``; ``ours_one_graph``: one
+captured graph over every slot as well, ``max_decode_graphs=1``) and, last, HF
 ``generate_batch``'s manager with the same per-request budgets (``hf_generate_batch``). Every call is
 timed whole with the device synchronised; peak memory is over the weights (cache and graphs included).
 Writes ``<out>.json`` (record with provenance: tok/s,
@@ -40,7 +41,9 @@ from rollout_lab.measure.sweep import rl_throughput_rows
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.workspace import csv_text, json_text, write_text_atomic
 
-PATHS = ("ours", "ours_one_graph", "hf_generate_batch")
+PATHS = ("ours", "ours_full_width", "ours_one_graph", "hf_generate_batch")
+# our variants: (max_decode_graphs, decode_widths); None = the engine's default
+VARIANTS = {"ours": (None, None), "ours_full_width": (None, 1), "ours_one_graph": (1, 1)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,22 +80,24 @@ def peak_memory(device: torch.device, baseline: int | None) -> int | None:
     return None if baseline is None else int(torch.cuda.max_memory_allocated(device) - baseline)
 
 
-def run_ours(model, prompts, budgets, args, pad_id: int, device: torch.device, *,
-             max_decode_graphs: int) -> dict[str, Any]:
+def run_ours(model, prompts, budgets, args, pad_id: int, device: torch.device, *, variant: str) -> dict[str, Any]:
+    graphs, widths = VARIANTS[variant]
+    default = RolloutConfig()
     config = RolloutConfig(mode=args.mode, eos_token_id=None, pad_token_id=pad_id,
                            continuous_batch_size=args.slots, decode=args.decode,
-                           max_decode_graphs=max_decode_graphs)
+                           max_decode_graphs=graphs or default.max_decode_graphs,
+                           decode_widths=widths or default.decode_widths)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # the weights
     if baseline is not None:
         torch.cuda.reset_peak_memory_stats(device)
     rollout = Rollout(model, config)
     first_ms, _ = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
-    print(f"ours      warm-up {first_ms:10.1f} ms (capture included)", file=sys.stderr)
+    print(f"{variant:16s} warm-up {first_ms:10.1f} ms (capture included)", file=sys.stderr)
     samples = []
     for rep in range(args.reps):
         ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
         samples.append(ms)
-        print(f"ours      rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
+        print(f"{variant:16s} rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
     peak = peak_memory(device, baseline)
     assert [len(s) for s in result.sequences] == budgets, "ours: a row did not run its own budget"
     profiled = rollout.generate(prompts, max_new_tokens=budgets, profile=True)
@@ -173,8 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if path == "hf_generate_batch":
             results[path] = run_peer(model, prompts, budgets, args, pad_id, device)
         else:
-            graphs = 1 if path == "ours_one_graph" else RolloutConfig().max_decode_graphs
-            results[path] = run_ours(model, prompts, budgets, args, pad_id, device, max_decode_graphs=graphs)
+            results[path] = run_ours(model, prompts, budgets, args, pad_id, device, variant=path)
         if "mean_ms" in results[path]:
             results[path]["output_tokens_per_s"] = num_tokens / (results[path]["mean_ms"] / 1e3)
         synchronize(device)

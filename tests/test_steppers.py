@@ -161,3 +161,30 @@ def test_graph_ladder_with_budgets_refill_and_eos_equals_eager():
                 assert info["num_graphs"] == 1 and set(info["replays_by_rows"]) == {info["num_slots"]}
             else:
                 assert len(info["replays_by_rows"]) > 1, info  # smaller graphs ran as rows retired
+                assert len(info["replays_by_width"]) > 1, info  # and narrower attention windows
+
+
+def test_width_ladder_and_windows_change_no_token(monkeypatch):
+    from rollout_lab.engine import steppers
+    from rollout_lab.engine.steppers import width_ladder
+
+    assert width_ladder(2048, 4) == (512, 1024, 1536, 2048) and width_ladder(64, 1) == (64,)
+    assert width_ladder(40, 4) == (16, 32, 40) and width_ladder(10, 4) == (10,)
+    with pytest.raises(ValueError, match="num_widths must be >= 1"):
+        width_ladder(64, 0)
+    with pytest.raises(ValueError, match="decode_widths must be an int >= 1"):
+        RolloutConfig(decode_widths=0)
+    seen = []
+    real = steppers.decode_step
+    monkeypatch.setattr(steppers, "decode_step", lambda *a, **k: seen.append(k["width"]) or real(*a, **k))
+    model = get_tiny("llama")
+    prompts = prompts_of([3, 14, 6, 2, 9], seed=12)
+    budgets = [20, 4, 30, 11, 7]
+    whole = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode_widths=1)).generate(
+        prompts, max_new_tokens=budgets).sequences
+    assert set(seen) == {14 + 30}  # one window: the capacity (longest prompt + largest budget)
+    seen.clear()
+    windowed = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode_widths=4)).generate(
+        prompts, max_new_tokens=budgets).sequences
+    assert windowed == whole
+    assert seen == sorted(seen) and seen[0] < seen[-1] == 44 and len(set(seen)) == 3, seen

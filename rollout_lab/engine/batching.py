@@ -137,7 +137,8 @@ class ContinuousBatcher:
                 burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
-                steps = [self.stepper.step(num_rows) for _ in range(burst)]
+                front = self.cache.front_int
+                steps = [self.stepper.step(num_rows, front + k) for k in range(burst)]
                 tokens = (steps[0][:, None] if burst == 1 else torch.stack(steps, 1)).tolist()
                 self.cache.front_int += burst
             self.profile.num_decode_forwards += burst

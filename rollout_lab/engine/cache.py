@@ -11,8 +11,10 @@ place: the KV tensors, ``mask``, and ``front`` (a one-element device tensor that
 advances; the cache layers read it and never advance it themselves, so warm-up replays of the same
 step rewrite the same column). ``front_int`` is the host's mirror for scheduling.
 
-``hf_cache(num_rows)`` gives a transformers ``Cache`` whose layers are views of the first
-``num_rows`` slots (slots are kept dense by compaction).
+``hf_cache(num_rows, width)`` gives a transformers ``Cache`` whose layers are views of the first
+``num_rows`` slots (slots are kept dense by compaction) that attention reads over the first
+``width`` columns only: a decode step at the front attends to columns ``<= front`` and every later
+column is masked, so a window that covers the front gives the same attention for less reading.
 
 """
 from __future__ import annotations
@@ -28,9 +30,11 @@ from rollout_lab.planner.cost import ModelGeometry
 class AlignedLayer(StaticLayer):
     """A ``StaticLayer`` over preallocated views that writes one decode token at the shared front."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, front: torch.Tensor):
-        super().__init__(max_cache_len=keys.shape[2])
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, front: torch.Tensor, width: int | None = None):
+        width = keys.shape[2] if width is None else width
+        super().__init__(max_cache_len=width)
         self.keys, self.values = keys, values  # [rows, kv_heads, capacity, head_dim]
+        self.width = width  # attention reads columns [0, width)
         self.front = front  # [1] long, shared by every layer
         self.cumulative_length = front
         self.device, self.dtype = keys.device, keys.dtype
@@ -49,7 +53,7 @@ class AlignedLayer(StaticLayer):
             )
         self.keys.index_copy_(2, self.front, key_states)  # [rows, kv_heads, 1, head_dim]
         self.values.index_copy_(2, self.front, value_states)
-        return self.keys, self.values
+        return self.keys[:, :, : self.width], self.values[:, :, : self.width]  # [rows, kv_heads, width, head_dim]
 
     def get_seq_length(self):
         return self.front
@@ -86,7 +90,7 @@ class AlignedKVCache:
         self.capacity = capacity
         self.num_slots = num_slots
         self.row_starts = [0] * num_slots  # first valid column of each slot (host)
-        self._views: dict[int, Cache] = {}
+        self._views: dict[tuple[int, int], Cache] = {}
 
     @classmethod
     def for_model(
@@ -110,15 +114,17 @@ class AlignedKVCache:
     def num_bytes(self) -> int:
         return self.column_bytes * self.num_slots * self.capacity
 
-    def hf_cache(self, num_rows: int) -> Cache:
-        """A transformers Cache over the first ``num_rows`` slots (memoised per row count)."""
-        if num_rows not in self._views:
+    def hf_cache(self, num_rows: int, width: int | None = None) -> Cache:
+        """A transformers Cache over the first ``num_rows`` slots whose attention reads the first
+        ``width`` columns (default: all); memoised per (rows, width)."""
+        width = self.capacity if width is None else width
+        if (num_rows, width) not in self._views:
             layers = [
-                AlignedLayer(k[:num_rows], v[:num_rows], self.front)
+                AlignedLayer(k[:num_rows], v[:num_rows], self.front, width)
                 for k, v in zip(self.keys, self.values)
             ]
-            self._views[num_rows] = Cache(layers=layers)
-        return self._views[num_rows]
+            self._views[(num_rows, width)] = Cache(layers=layers)
+        return self._views[(num_rows, width)]
 
     # -- writes -----------------------------------------------------------------------------
     def reset(self) -> None:

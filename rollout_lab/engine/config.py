@@ -43,6 +43,7 @@ class RolloutConfig:
     profile: bool = False
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
+    decode_widths: int = 4  # attention windows over the cache capacity (1 = always the whole capacity)
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
@@ -57,8 +58,9 @@ class RolloutConfig:
             raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {self.decode!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
-        if not is_int(self.max_decode_graphs) or self.max_decode_graphs < 1:
-            raise ValueError(f"max_decode_graphs must be an int >= 1, got {self.max_decode_graphs!r}")
+        for name in ("max_decode_graphs", "decode_widths"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("continuous_batch_size", "cache_capacity"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):

@@ -102,17 +102,22 @@ def decode_step(
     repetition_penalty: float,
     cache_kwarg: str,
     sampling: SamplingParams | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids."""
+    """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids.
+
+    Attention reads the first ``width`` columns (default: the capacity); they must cover the front.
+    """
+    width = cache.capacity if width is None else width
     mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
     mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
     with decode_attention(model):  # GQA without repeat_kv
         out = model(
             input_ids=state.input_ids[:num_rows],
             position_ids=state.position_ids[:num_rows],
-            attention_mask=mask,
+            attention_mask=mask[..., :width],  # [rows, 1, 1, width]
             use_cache=True,
-            **{cache_kwarg: cache.hf_cache(num_rows)},
+            **{cache_kwarg: cache.hf_cache(num_rows, width)},
         )
     seen = None if state.seen is None else state.seen[:num_rows]
     steps = state.steps[:num_rows]

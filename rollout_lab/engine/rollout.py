@@ -111,7 +111,8 @@ class Rollout:
         params = sampling or SamplingParams()  # greedy keys keep the neutral values
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
                          sampling is not None, params.temperature, params.top_k, params.top_p,
-                         self.config.max_decode_graphs if self.decode_mode == "graph" else 1)
+                         self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
+                         self.config.decode_widths)
         if old is not None and old.fits(self.model, key):
             return old
         self.close()  # drop the old cache and graph before allocating their replacement

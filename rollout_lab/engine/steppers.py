@@ -8,8 +8,13 @@ across calls: the graphs are captured once and replayed while the slot count, th
 penalty and the weights' storage are unchanged; replacing a parameter or buffer (a new tensor, dtype,
 shape or layout) triggers a recapture. ``Rollout.close()`` releases them.
 
+Attention reads a window of the first ``width`` columns, the smallest of ``width_ladder`` (the
+capacity cut in ``num_widths`` even parts) that covers the front: early in a call, while the front
+is far from the capacity, a step reads a fraction of the cache. Eager and graph steps use the same
+windows, so they compute the same thing; the graph ladder is row counts x widths.
+
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
-    tokens = stepper.step(num_rows)                           # [num_rows] ids, device tensor
+    tokens = stepper.step(num_rows, front)                    # [num_rows] ids, device tensor
 
 Capture happens on a fresh cache: the warm-up steps write one column and open one mask column, so
 everything they touched is reset afterwards, and every call starts from ``reset()``.
@@ -66,6 +71,7 @@ class StepperKey:
     top_k: int = 0
     top_p: float = 1.0
     max_graphs: int = 1  # row counts captured (graph decode only)
+    num_widths: int = 1  # attention windows over the capacity
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -96,11 +102,22 @@ class EagerStepper:
         self.cache.reset()
         self.state.reset()
 
-    def step(self, num_rows: int) -> torch.Tensor:
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return width_ladder(self.key.capacity, self.key.num_widths)
+
+    def width_for(self, front: int) -> int:
+        """The smallest window that holds the column ``front`` this step writes and attends to."""
+        return next(w for w in self.widths if w > front)
+
+    def step(self, num_rows: int, front: int) -> torch.Tensor:
+        return self._run(num_rows, self.width_for(front))
+
+    def _run(self, num_rows: int, width: int) -> torch.Tensor:
         return decode_step(
             self.model, self.cache, self.state, num_rows,
             repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
-            sampling=self.sampling,
+            sampling=self.sampling, width=width,
         )
 
     def retire_tail(self, num_live: int) -> None:
@@ -120,9 +137,10 @@ class GraphStepper(EagerStepper):
         super().__init__(model, key)
         self.signature = weights_signature(model)
         self.ladder = graph_ladder(key.num_slots, key.max_graphs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.tokens: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, width) -> graph
+        self.tokens: dict[tuple[int, int], torch.Tensor] = {}
         self.replays_by_rows: dict[int, int] = {}  # ladder row count -> replays
+        self.replays_by_width: dict[int, int] = {}
         self._capture(num_warmups)
 
     def fits(self, model: torch.nn.Module, key: StepperKey) -> bool:
@@ -132,27 +150,30 @@ class GraphStepper(EagerStepper):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(num_warmups):
-                super().step(self.key.num_slots)
+            for width in self.widths:
+                for _ in range(num_warmups):
+                    self._run(self.key.num_slots, width)
         torch.cuda.current_stream().wait_stream(side)
         pool = None
-        for rows in sorted(self.ladder, reverse=True):  # the largest first: the others fit its pool
+        shapes = [(rows, width) for rows in self.ladder for width in self.widths]
+        for shape in sorted(shapes, reverse=True):  # the largest first: the others fit its pool
             self.reset()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                tokens = super().step(rows)  # recorded, not run: the buffers keep their reset values
+                tokens = self._run(*shape)  # recorded, not run: the buffers keep their reset values
             pool = graph.pool() if pool is None else pool
-            self.graphs[rows], self.tokens[rows] = graph, tokens
+            self.graphs[shape], self.tokens[shape] = graph, tokens
         self.num_captures += 1
         torch.cuda.synchronize()
         self.reset()
 
-    def step(self, num_rows: int) -> torch.Tensor:
-        rows = next(r for r in self.ladder if r >= num_rows)
-        self.graphs[rows].replay()
+    def step(self, num_rows: int, front: int) -> torch.Tensor:
+        rows, width = next(r for r in self.ladder if r >= num_rows), self.width_for(front)
+        self.graphs[rows, width].replay()
         self.num_replays += 1
         self.replays_by_rows[rows] = self.replays_by_rows.get(rows, 0) + 1
-        return self.tokens[rows][:num_rows].clone()  # the static output is overwritten by the next replay
+        self.replays_by_width[width] = self.replays_by_width.get(width, 0) + 1
+        return self.tokens[rows, width][:num_rows].clone()  # the static output is overwritten by the next replay
 
     def retire_tail(self, num_live: int) -> None:
         # dead slots that a graph still covers keep decoding: keep their positions in range
@@ -161,6 +182,15 @@ class GraphStepper(EagerStepper):
     def close(self) -> None:
         self.graphs, self.tokens = {}, {}
         super().close()
+
+
+def width_ladder(capacity: int, num_widths: int) -> tuple[int, ...]:
+    """Attention windows, ascending, ending at ``capacity``: the capacity cut in ``num_widths``
+    even parts, each rounded up to 16 columns (``num_widths=1``: the whole capacity)."""
+    if num_widths < 1:
+        raise ValueError(f"num_widths must be >= 1, got {num_widths}")
+    parts = {min(capacity, -(-capacity * k // num_widths // 16) * 16) for k in range(1, num_widths + 1)}
+    return tuple(sorted(parts | {capacity}))
 
 
 def graph_ladder(num_slots: int, max_graphs: int) -> tuple[int, ...]:
@@ -191,6 +221,8 @@ def describe(stepper: Any) -> dict[str, Any]:
         return {"kind": None}
     return {"kind": stepper.kind, "num_captures": stepper.num_captures,
             "num_replays": stepper.num_replays, "num_slots": stepper.key.num_slots,
-            "num_graphs": len(getattr(stepper, "ladder", ())),
+            "num_graphs": len(getattr(stepper, "graphs", ())),
+            "widths": list(stepper.widths),
             "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
+            "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity}
