@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="bucketed", choices=MODES, help="our route (default bucketed)")
     p.add_argument("--slots", type=int, default=None, help="continuous_batch_size (default: every request)")
     p.add_argument("--decode", default="auto", choices=("auto", "graph", "eager"), help="our decode stepper")
+    p.add_argument("--decode-widths", type=int, default=None, help="attention windows of 'ours' (default: the engine's)")
     p.add_argument("--reps", type=int, default=1, help="our timed calls after the warm-up (default 1)")
     p.add_argument("--peer-calls", type=int, default=1, help="HF's timed calls, no warm-up (default 1)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="paths to run, in order")
@@ -86,7 +87,7 @@ def run_ours(model, prompts, budgets, args, pad_id: int, device: torch.device, *
     config = RolloutConfig(mode=args.mode, eos_token_id=None, pad_token_id=pad_id,
                            continuous_batch_size=args.slots, decode=args.decode,
                            max_decode_graphs=graphs or default.max_decode_graphs,
-                           decode_widths=widths or default.decode_widths)
+                           decode_widths=widths or args.decode_widths or default.decode_widths)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # the weights
     if baseline is not None:
         torch.cuda.reset_peak_memory_stats(device)
