@@ -43,7 +43,7 @@ class RolloutConfig:
     profile: bool = False
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
-    decode_widths: int = 4  # attention windows over the cache capacity (1 = always the whole capacity)
+    decode_widths: int = 8  # attention windows over the cache capacity (1 = always the whole capacity)
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
