@@ -29,7 +29,7 @@ class Profile:
     ``num_replicated_rows`` the rows whose KV was copied from such a row instead.
     ``forwards`` (only when profiling or recalibrating online) lists every prefill forward
     (``kind`` prefill/chunk/nocb_prefill, ``batch``, ``width``, ``ms``; a chunk also ``offset``)
-    and decode burst (``kind`` decode/nocb_decode, ``rows``, ``steps``, ``ms``), for ``online``.
+    and decode burst (``kind`` decode/nocb_decode, ``rows``, ``steps``, ``ms``), for the online refit (``planner.fit``).
     """
 
     planning_ms: float = 0.0

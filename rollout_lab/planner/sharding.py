@@ -1,55 +1,34 @@
 """Split a global batch of prompts across data-parallel ranks so the predicted makespan is minimal.
 
 An RL step's rollout takes as long as its slowest rank. A rank's predicted cost is its own Auto
-plan: ``min(nocb, bucketed CB)`` as ``planner.choose_route`` computes it for the rank's prompts.
-Pure Python (no torch), deterministic, no I/O::
+plan: ``min(nocb, bucketed CB)`` as ``planner.routes.choose_route`` computes it for the rank's
+prompts. Pure Python (no torch), deterministic, no I/O::
 
     from rollout_lab.planner.sharding import shard_requests, predicted_makespan
     shards = shard_requests(lengths, 8, geometry, coeffs, max_new_tokens=16)
 
-This module is the API (``shard_requests``, ``predicted_rank_costs``, ``predicted_makespan``,
-``check_partition``); the methods, in this module:
+The API is ``shard_requests``, ``predicted_rank_costs``, ``predicted_makespan`` and
+``check_partition``. A rank is empty (``[]``, cost 0) when world_size exceeds the number of prompts.
 
-- ``balanced`` (``sharding_balanced``): the best contiguous split of the sorted order, polished by
-  local search on exact per-rank costs; never worse than either baseline.
-- ``round_robin``, ``karmarkar_karp`` (``sharding_baselines``): prompt i to rank i % world_size;
-  verl's equal-size largest differencing on ``L^2 + 24576 L``.
-- ``RankCost`` (``sharding_cost``): a rank's memoised predicted cost, with cheap bounds.
-
-A rank is empty (``[]``, cost 0) when world_size exceeds the number of prompts.
-
-A rank's predicted cost for sharding: its own Auto plan's cost, memoised, with cheap bounds.
-
-``RankCost(geometry, coeffs, max_new_tokens=16, continuous_batch_size=None)`` is called with a
-rank's prompt lengths as a sorted tuple and returns ``min(nocb, bucketed CB)`` in ms, as
-``planner.choose_route`` prices it; ``row``/``row_nokv`` are per-prompt row costs and
-``lower_bound`` a bound from a rank's count, longest length and row-cost sum that needs no DP.
-Pure Python (no torch), deterministic, no I/O.
-
-The sharding baselines that ``balanced`` is compared with (and polishes when they start better).
-
-- ``round_robin_shards``: prompt i goes to rank i % world_size.
-- ``karmarkar_karp_shards``: verl's ``get_seqlen_balanced_partitions(..., equal_size=True)``:
+- ``RankCost``: a rank's cost, called with its prompt lengths as a sorted tuple and memoised;
+  ``row``/``row_nokv`` are per-prompt row costs and ``lower_bound`` a bound from a rank's count,
+  longest length and row-cost sum that needs no DP.
+- The baselines: ``round_robin_shards`` (prompt i to rank i % world_size) and
+  ``karmarkar_karp_shards``, verl's ``get_seqlen_balanced_partitions(..., equal_size=True)``:
   largest differencing on the workload proxy ``L^2 + 24576 L`` (``verl_workload``), equal counts
-  per rank (counts differ by at most one when world_size does not divide n: zero-weight
-  placeholders fill the last group).
+  per rank (zero-weight placeholders fill the last group when world_size does not divide n).
+- ``balanced``: (1) the best split of the length-sorted order into contiguous ranges (bisection on
+  the makespan, each rank greedily taking the longest range that fits: exact for contiguous splits,
+  since a rank's cost only grows when a prompt is added); (2) local search that moves one prompt,
+  or swaps two, off the most expensive rank while that strictly lowers the pair's maximum, every
+  candidate priced exactly through ``RankCost``, within a fixed budget of priced rows. Adding a
+  prompt of length L raises a rank's cost by at least L's nocb row cost (nocb pays a row at a width
+  >= L; the DP's plan minus that row is a plan for the rest, cheaper by >= its row cost), which
+  prunes most candidates without a DP. Round-robin and Karmarkar-Karp are polished the same way
+  when they start out better, so ``balanced`` is never worse than either.
 
-Pure Python, deterministic, no I/O.
-
-The ``balanced`` sharding search: a contiguous split, then local search on the exact costs.
-
-(1) The best split of the length-sorted order into contiguous ranges (bisection on the makespan,
-each rank greedily taking the longest range that fits: exact for contiguous splits since a rank's
-cost only grows when a prompt is added); (2) local search that moves one prompt, or swaps two,
-off the most expensive rank while that strictly lowers the pair's maximum, every candidate priced
-exactly by ``choose_route`` (through ``RankCost``), within a fixed budget of priced rows.
-Adding a prompt of length L raises a rank's cost by at least L's nocb row cost (nocb pays a row at
-a width >= L; the DP's plan minus that row is a plan for the rest, cheaper by >= its row cost),
-which prunes most candidates without a DP. Round-robin and Karmarkar-Karp are also polished the
-same way when they start out better, so ``balanced`` is never worse than either.
-
-Pure Python (no torch), deterministic, no I/O.
-
+Budgets: one ``max_new_tokens`` for every request. ``engine.distributed`` prices per-request
+budgets at the largest (the search keys ranks by their lengths alone).
 """
 from __future__ import annotations
 
