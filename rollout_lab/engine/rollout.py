@@ -139,6 +139,9 @@ class Rollout:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
         before the first forward.
 
+        ``max_new_tokens`` is one budget for every request, or one per request (its samples share
+        it); a row stops at EOS or at its own budget.
+
         With ``do_sample=True``, ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off)
         shape the distribution and ``seed`` (an int >= 0; None draws one from torch's global
         generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
