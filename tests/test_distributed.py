@@ -89,15 +89,16 @@ def test_contiguous_split_is_optimal_among_contiguous_splits():
     for _ in range(25):
         lengths = random_lengths(rng, rng.randint(2, 11))
         world_size = rng.choice([2, 3, 4])
-        cost = RankCost(GEO, COSTS, max_new_tokens=16, continuous_batch_size=None)
+        cost = RankCost(GEO, COSTS, min_budget=16, continuous_batch_size=None)
+        items = [(length, 16) for length in lengths]
         order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-        widths = [lengths[i] for i in order]
+        widths = [items[i] for i in order]
         best = min(
             max(cost(tuple(widths[i:j])) for i, j in zip((0,) + cuts, cuts + (len(widths),)))
             for cuts in itertools.combinations_with_replacement(range(len(widths) + 1), world_size - 1)
         )
-        got = contiguous_shards(lengths, order, world_size, cost)
-        assert max(cost(tuple(sorted(lengths[i] for i in s))) for s in got) <= best * (1 + 1e-8)
+        got = contiguous_shards(items, order, world_size, cost)
+        assert max(cost(tuple(sorted(items[i] for i in s))) for s in got) <= best * (1 + 1e-8)
 
 
 def test_close_to_exhaustive_optimum_on_small_cases():
@@ -106,9 +107,9 @@ def test_close_to_exhaustive_optimum_on_small_cases():
     for _ in range(15):
         lengths = random_lengths(rng, rng.randint(3, 8))
         world_size = rng.choice([2, 3])
-        cost = RankCost(GEO, COSTS, max_new_tokens=16, continuous_batch_size=None)
+        cost = RankCost(GEO, COSTS, min_budget=16, continuous_batch_size=None)
         best = min(
-            max(cost(tuple(sorted(lengths[i] for i in range(len(lengths)) if a[i] == r)))
+            max(cost(tuple(sorted((lengths[i], 16) for i in range(len(lengths)) if a[i] == r)))
                 for r in range(world_size))
             for a in itertools.product(range(world_size), repeat=len(lengths)) if a[0] == 0
         )
@@ -233,3 +234,30 @@ def test_distributed_matches_single_process(world_size, eos_id):
         assert "different prompts" in r["mismatch"]
         assert r["few"].sequences == few_expected
         assert sorted(len(s) for s in r["few"].shards) == [0] + [1] * (world_size - 1)
+
+
+def test_per_request_budgets_are_priced_per_rank():
+    """Each rank's cost is Auto's with that rank's own budgets; balanced stays no worse than the
+    baselines, and splits the long budgets rather than stacking them."""
+    rng = random.Random(7)
+    coeffs = CostCoefficients(continuous_decode_cost_ms=1.0)
+    for _ in range(10):
+        n = rng.randint(4, 24)
+        lengths = random_lengths(rng, n)
+        budgets = [rng.choice([4, 64, 512]) for _ in range(n)]
+        for slots in (None, 3):
+            kw = dict(max_new_tokens=budgets, continuous_batch_size=slots)
+            shards = shard_requests(lengths, 2, GEO, coeffs, **kw)
+            for shard, cost in zip(shards, predicted_rank_costs(shards, lengths, GEO, coeffs, **kw)):
+                plan = choose_route([lengths[i] for i in shard], max_new_tokens=[budgets[i] for i in shard],
+                                    continuous_batch_size=slots, geometry=GEO, coeffs=coeffs) if shard else None
+                assert cost == (0.0 if plan is None else plan.nocb_cost_ms if plan.route == "nocb" else plan.cb_cost_ms)
+            spans = {m: predicted_makespan(shard_requests(lengths, 2, GEO, coeffs, method=m, **kw), lengths, GEO,
+                                           coeffs, **kw) for m in METHODS}
+            assert spans["balanced"] <= min(spans.values()) * (1 + 1e-12), spans
+    # two 512-token requests among short ones, one slot per rank: they must not share a rank
+    lengths, budgets = [16] * 8, [512, 512] + [4] * 6
+    shards = shard_requests(lengths, 2, GEO, coeffs, max_new_tokens=budgets, continuous_batch_size=1)
+    assert sorted(sum(budgets[i] == 512 for i in shard) for shard in shards) == [1, 1]
+    with pytest.raises(ValueError, match="3 budgets for 8 requests"):
+        shard_requests(lengths, 2, GEO, coeffs, max_new_tokens=[1, 2, 3])

@@ -65,8 +65,8 @@ def distributed_generate(
     """Run ``Rollout(model, config)`` on this rank's shard of ``prompts``; gather on every rank.
 
     Collective: every rank of ``group`` (default: the world) must call it with the same prompts,
-    ``max_new_tokens``, config and method. The shards are costed as Auto would plan them (with
-    per-request budgets, each at the largest budget: the sharding cost takes one budget).
+    ``max_new_tokens`` (one, or one per request), config and method. The shards are costed as
+    Auto would plan them, with each request's budget.
     """
     start = time.perf_counter()
     if not dist.is_available() or not dist.is_initialized():
@@ -78,7 +78,7 @@ def distributed_generate(
     lengths = [len(p) for p in prompts]
     budgets = budgets_of(max_new_tokens, len(prompts))
     cost_args = dict(
-        max_new_tokens=max(budgets, default=1), continuous_batch_size=config.continuous_batch_size,
+        max_new_tokens=budgets, continuous_batch_size=config.continuous_batch_size,
         nocb_allowed=config.cache_capacity is None and not config.trim_cache,
     )
     shards = shard_requests(lengths, world_size, rollout.geometry, config.costs, method=method,

@@ -31,7 +31,6 @@ Pure Python; the state lives on ``Rollout``, never on the frozen config.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from typing import Mapping, Sequence
 
@@ -87,20 +86,17 @@ def expected_decode_steps(
 
 
 def budget_decode_steps(budgets: Sequence[int], *, num_slots: int | None = None) -> int:
-    """Decode forwards of one call whose rows stop at their own budgets (no EOS): a row of budget b
-    holds a slot for b - 1 steps (the prefill gives its first token), rows are admitted in order
-    into the first slot that frees, and a refill costs no step. With every row admitted at once
-    that is max(b) - 1; with fewer slots, the makespan of that list schedule: a lower bound, which
-    the aligned cache reaches when its capacity lets each admission in as soon as a slot frees
-    (with the default capacity, a long prompt can wait for live rows to retire)."""
+    """Decode forwards of one call whose rows stop at their own budgets (no EOS), whatever their
+    order: a row of budget b needs b - 1 steps (the prefill gives its first token) and a step
+    serves at most ``num_slots`` rows, so at least max(b) - 1 steps and at least the rows' steps
+    shared over the slots. Exact with every row admitted at once (max(b) - 1); with refill, a lower
+    bound that a well-packed schedule reaches (the aligned cache can make admissions wait)."""
     if not budgets:
         return 0
     slots = len(budgets) if num_slots is None else min(num_slots, len(budgets))
-    free_at = [0] * slots  # a heap of the step at which each slot frees
-    for budget in budgets:
-        start = heapq.heappop(free_at)
-        heapq.heappush(free_at, start + budget - 1)
-    return max(free_at)
+    longest = max(budgets) - 1
+    total = sum(budget - 1 for budget in budgets)
+    return max(longest, -(-total // slots))
 
 
 # -- the response-length prior ---------------------------------------------------------------------

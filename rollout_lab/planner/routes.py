@@ -101,10 +101,11 @@ def choose_route(
     instead of ``max_new_tokens - 1``. ``chunk_long_prompts`` plans over-limit prompts with
     ``plan_chunked`` instead of raising (nocb is then not eligible).
 
-    ``max_new_tokens`` is one budget for all, or one per request. Different budgets are priced
-    exactly (``budget_decode_steps``): CB decodes until its list schedule of budgets ends, and nocb
-    (HF ``generate`` to the largest budget, each row cut at its own) pays the steps to the largest,
-    wasted ones included. With a prior as well, the prior is clipped at the largest budget.
+    ``max_new_tokens`` is one budget for all, or one per request. Without a prior, CB's decode
+    steps are ``budget_decode_steps`` (max budget - 1 with every request admitted; with refill, the
+    rows' steps shared over the slots), and nocb (HF ``generate`` to the largest budget, each row
+    cut at its own) pays the steps to the largest, wasted ones included. With a prior, both take
+    its expected steps, the prior clipped at the largest budget.
     """
     lengths = validate_lengths(lengths, None if chunk_long_prompts else coeffs)
     budgets = budgets_of(max_new_tokens, len(lengths))
@@ -130,7 +131,7 @@ def choose_route(
     if response_lengths is not None:
         steps = expected_decode_steps(response_lengths, n, longest_budget, num_slots=continuous_batch_size)
         nocb_steps = steps
-    elif len(set(budgets)) > 1:
+    else:
         steps = budget_decode_steps(budgets, num_slots=continuous_batch_size)
     decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
     nocb = None

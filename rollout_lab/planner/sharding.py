@@ -27,8 +27,8 @@ The API is ``shard_requests``, ``predicted_rank_costs``, ``predicted_makespan`` 
   prunes most candidates without a DP. Round-robin and Karmarkar-Karp are polished the same way
   when they start out better, so ``balanced`` is never worse than either.
 
-Budgets: one ``max_new_tokens`` for every request. ``engine.distributed`` prices per-request
-budgets at the largest (the search keys ranks by their lengths alone).
+Budgets: ``max_new_tokens`` is one for every request or one per request; the search sees each
+request as a (length, budget) item, and a rank's cost prices its own budgets.
 """
 from __future__ import annotations
 
@@ -37,11 +37,12 @@ import heapq
 from typing import Callable, Sequence
 
 from rollout_lab.planner.bucket_dp import validate_lengths
-from rollout_lab.planner.checks import check_max_new_tokens
+from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms
 from rollout_lab.planner.routes import cb_decode_cost_ms, choose_route
 
 METHODS = ("balanced", "round_robin", "karmarkar_karp")
+Item = tuple[int, int]  # a request as the search sees it: (prompt length, generation budget)
 
 
 def shard_requests(
@@ -50,7 +51,7 @@ def shard_requests(
     geometry: ModelGeometry,
     coeffs: CostCoefficients,
     *,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | Sequence[int] = 16,
     continuous_batch_size: int | None = None,
     nocb_allowed: bool = True,
     method: str = "balanced",
@@ -59,15 +60,17 @@ def shard_requests(
 
     ``continuous_batch_size`` and ``nocb_allowed`` are what each rank's Auto will see (nocb is
     not allowed with an explicit cache capacity or trimming), so the predicted costs match its plan.
+    ``max_new_tokens``: one budget, or one per request.
     """
-    lengths = _validate(lengths, world_size, coeffs, method, max_new_tokens)
+    lengths = _validate(lengths, world_size, coeffs, method)
+    budgets = budgets_of(max_new_tokens, len(lengths))
     if method == "round_robin":
         return round_robin_shards(len(lengths), world_size)
     if method == "karmarkar_karp":
         return karmarkar_karp_shards(lengths, world_size)
-    cost = RankCost(geometry, coeffs, max_new_tokens=max_new_tokens,
+    cost = RankCost(geometry, coeffs, min_budget=min(budgets, default=1),
                     continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
-    return balanced_shards(lengths, world_size, cost)
+    return balanced_shards(list(zip(lengths, budgets)), world_size, cost)
 
 
 def predicted_rank_costs(
@@ -76,16 +79,18 @@ def predicted_rank_costs(
     geometry: ModelGeometry,
     coeffs: CostCoefficients,
     *,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | Sequence[int] = 16,
     continuous_batch_size: int | None = None,
     nocb_allowed: bool = True,
 ) -> list[float]:
     """Each rank's predicted Auto cost in ms (0 for an empty rank)."""
     lengths = validate_lengths(lengths, coeffs)
+    budgets = budgets_of(max_new_tokens, len(lengths))
     check_partition(shards, len(lengths))
-    cost = RankCost(geometry, coeffs, max_new_tokens=max_new_tokens,
+    cost = RankCost(geometry, coeffs, min_budget=min(budgets, default=1),
                     continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
-    return [cost(tuple(sorted(lengths[i] for i in shard))) for shard in shards]
+    items = list(zip(lengths, budgets))
+    return [cost(_key(shard, items)) for shard in shards]
 
 
 def predicted_makespan(
@@ -94,7 +99,7 @@ def predicted_makespan(
     geometry: ModelGeometry,
     coeffs: CostCoefficients,
     *,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | Sequence[int] = 16,
     continuous_batch_size: int | None = None,
     nocb_allowed: bool = True,
 ) -> float:
@@ -120,74 +125,76 @@ def check_partition(shards: Sequence[Sequence[int]], num_requests: int) -> None:
         )
 
 
-def _validate(lengths, world_size, coeffs, method, max_new_tokens) -> list[int]:
+def _validate(lengths, world_size, coeffs, method) -> list[int]:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if method not in METHODS:
         raise ValueError(f"unknown sharding method {method!r}; valid methods: {', '.join(METHODS)}")
-    check_max_new_tokens(max_new_tokens)
     return validate_lengths(lengths, coeffs)
 
 # -- a rank's predicted cost -----------------------------------------------------------------------
 
 class RankCost:
-    """Memoised predicted cost of one rank's prompt lengths (a sorted tuple), with cheap bounds."""
+    """Memoised predicted cost of one rank's prompts, given as a sorted tuple of (length, budget)
+    items, with cheap bounds; ``min_budget`` (the smallest budget of any request) bounds decode."""
 
     def __init__(
-        self, geometry: ModelGeometry, coeffs: CostCoefficients, *, max_new_tokens: int,
-        continuous_batch_size: int | None, nocb_allowed: bool = True,
+        self, geometry: ModelGeometry, coeffs: CostCoefficients, *, continuous_batch_size: int | None,
+        nocb_allowed: bool = True, min_budget: int = 1,
     ) -> None:
         self.geometry, self.coeffs = geometry, coeffs
-        self.nocb_allowed = nocb_allowed
-        self.max_new_tokens, self.continuous_batch_size = max_new_tokens, continuous_batch_size
-        self.decode_ms = cb_decode_cost_ms(max_new_tokens, coeffs)
-        self._memo: dict[tuple[int, ...], float] = {}
+        self.nocb_allowed, self.continuous_batch_size = nocb_allowed, continuous_batch_size
+        self.decode_ms = cb_decode_cost_ms(min_budget, coeffs)
+        self._memo: dict[tuple[Item, ...], float] = {}
         self._row: dict[int, float] = {}
         self._row_nokv: dict[int, float] = {}
         self.num_evaluations = 0
         self.num_rows_evaluated = 0
 
-    def __call__(self, sorted_lengths: tuple[int, ...]) -> float:
-        cost = self._memo.get(sorted_lengths)
+    def __call__(self, sorted_items: tuple[Item, ...]) -> float:
+        cost = self._memo.get(sorted_items)
         if cost is None:
-            cost = self._exact(sorted_lengths)
-            self._memo[sorted_lengths] = cost
+            cost = self._exact(sorted_items)
+            self._memo[sorted_items] = cost
         return cost
 
-    def _exact(self, lengths: tuple[int, ...]) -> float:
-        if not lengths:
+    def _exact(self, items: tuple[Item, ...]) -> float:
+        if not items:
             return 0.0
         self.num_evaluations += 1
-        self.num_rows_evaluated += len(lengths)
+        self.num_rows_evaluated += len(items)
         plan = choose_route(
-            lengths, max_new_tokens=self.max_new_tokens,
+            [length for length, _ in items], max_new_tokens=[budget for _, budget in items],
             continuous_batch_size=self.continuous_batch_size, geometry=self.geometry,
             coeffs=self.coeffs, nocb_allowed=self.nocb_allowed,
         )
         return plan.nocb_cost_ms if plan.route == "nocb" else plan.cb_cost_ms
 
-    def is_known(self, sorted_lengths: tuple[int, ...]) -> bool:
-        return sorted_lengths in self._memo
+    def is_known(self, sorted_items: tuple[Item, ...]) -> bool:
+        return sorted_items in self._memo
 
-    def row(self, length: int) -> float:
+    def row(self, item: Item) -> float:
+        """The prefill row cost of an item's length."""
+        length = item[0]
         if length not in self._row:
             self._row[length] = per_row_cost_ms(length, self.geometry, self.coeffs)
         return self._row[length]
 
-    def row_nokv(self, length: int) -> float:
+    def row_nokv(self, item: Item) -> float:
+        length = item[0]
         if length not in self._row_nokv:
             self._row_nokv[length] = per_row_cost_ms(
                 length, self.geometry, self.coeffs, include_kv=False
             )
         return self._row_nokv[length]
 
-    def lower_bound(self, count: int, max_length: int, row_sum: float) -> float:
-        """A bound <= the exact cost from the count, longest length and sum of per-row costs."""
+    def lower_bound(self, count: int, longest: Item, row_sum: float) -> float:
+        """A bound <= the exact cost from the count, the longest item and the sum of row costs."""
         if count == 0:
             return 0.0
         cb = self.coeffs.prefill_fixed_cost_ms + self.decode_ms + row_sum
-        if self._nocb_eligible(count, max_length):
-            return min(cb, self.coeffs.prefill_fixed_cost_ms + count * self.row_nokv(max_length))
+        if self._nocb_eligible(count, longest[0]):
+            return min(cb, self.coeffs.prefill_fixed_cost_ms + count * self.row_nokv(longest))
         return cb
 
     def _nocb_eligible(self, count: int, max_length: int) -> bool:
@@ -250,31 +257,33 @@ _MAX_SEARCH_STEPS = 2000  # accepted local-search moves
 _SEARCH_ROW_BUDGET = 40_000
 
 
-def balanced_shards(lengths: list[int], world_size: int, cost: RankCost) -> list[list[int]]:
-    n = len(lengths)
+def balanced_shards(items: list[Item], world_size: int, cost: RankCost) -> list[list[int]]:
+    """The balanced split of requests given as (length, budget) items."""
+    n = len(items)
     if world_size == 1 or n == 0:
         return [list(range(n))] + [[] for _ in range(world_size - 1)]
-    order = sorted(range(n), key=lambda i: (lengths[i], i))
-    best = _LocalSearch(contiguous_shards(lengths, order, world_size, cost), lengths, cost).run()
-    best_makespan = max(cost(_key(s, lengths)) for s in best)
-    for seed in (round_robin_shards(n, world_size), karmarkar_karp_shards(lengths, world_size)):
-        if max(cost(_key(s, lengths)) for s in seed) < best_makespan:
-            polished = _LocalSearch(seed, lengths, cost).run()
-            makespan = max(cost(_key(s, lengths)) for s in polished)
+    order = sorted(range(n), key=lambda i: (items[i], i))
+    best = _LocalSearch(contiguous_shards(items, order, world_size, cost), items, cost).run()
+    best_makespan = max(cost(_key(s, items)) for s in best)
+    seeds = (round_robin_shards(n, world_size), karmarkar_karp_shards([length for length, _ in items], world_size))
+    for seed in seeds:
+        if max(cost(_key(s, items)) for s in seed) < best_makespan:
+            polished = _LocalSearch(seed, items, cost).run()
+            makespan = max(cost(_key(s, items)) for s in polished)
             if makespan < best_makespan:
                 best, best_makespan = polished, makespan
     return [sorted(shard) for shard in best]
 
 
-def _key(shard: Sequence[int], lengths: Sequence[int]) -> tuple[int, ...]:
-    return tuple(sorted(lengths[i] for i in shard))
+def _key(shard: Sequence[int], items: Sequence[Item]) -> tuple[Item, ...]:
+    return tuple(sorted(items[i] for i in shard))
 
 
 def contiguous_shards(
-    lengths: Sequence[int], order: list[int], world_size: int, cost: RankCost
+    items: Sequence[Item], order: list[int], world_size: int, cost: RankCost
 ) -> list[list[int]]:
     """The best split of ``order`` into world_size contiguous ranges, to bisection precision."""
-    widths = [lengths[i] for i in order]
+    widths = [items[i] for i in order]
     n = len(widths)
     prefix = [0.0]
     for w in widths:
@@ -338,16 +347,16 @@ class _LocalSearch:
     the maximum of the two ranks involved; the sorted cost vector falls lexicographically, so it
     terminates. The most expensive rank is tried first."""
 
-    def __init__(self, shards: list[list[int]], lengths: list[int], cost: RankCost) -> None:
-        self.lengths, self.cost = lengths, cost
-        # per rank: lengths sorted, and for each length the indices holding it
-        self.sorted_lengths = [sorted(lengths[i] for i in s) for s in shards]
-        self.members: list[dict[int, list[int]]] = []
+    def __init__(self, shards: list[list[int]], items: list[Item], cost: RankCost) -> None:
+        self.cost = cost
+        # per rank: its (length, budget) items sorted, and for each item the indices holding it
+        self.sorted_lengths = [sorted(items[i] for i in s) for s in shards]
+        self.members: list[dict[Item, list[int]]] = []
         for shard in shards:
-            by_length: dict[int, list[int]] = {}
+            by_item: dict[Item, list[int]] = {}
             for i in sorted(shard):
-                by_length.setdefault(lengths[i], []).append(i)
-            self.members.append(by_length)
+                by_item.setdefault(items[i], []).append(i)
+            self.members.append(by_item)
         self.row_sums = [sum(cost.row(w) for w in s) for s in self.sorted_lengths]
         self.costs = [cost(tuple(s)) for s in self.sorted_lengths]
 
@@ -369,20 +378,20 @@ class _LocalSearch:
         ranks = [r for r in range(len(self.costs)) if r != top and self.costs[r] < target]
         return sorted(ranks, key=lambda r: (self.costs[r], r))
 
-    def _candidate(self, rank: int, remove: int | None, add: int | None) -> tuple[int, int, float]:
-        """(count, longest, row-cost sum) of ``rank`` after removing/adding one length."""
+    def _candidate(self, rank: int, remove: Item | None, add: Item | None) -> tuple[int, Item, float]:
+        """(count, longest item, row-cost sum) of ``rank`` after removing/adding one item."""
         lens = self.sorted_lengths[rank]
         count, row_sum = len(lens), self.row_sums[rank]
-        longest = lens[-1] if lens else 0
+        longest = lens[-1] if lens else (0, 0)
         if remove is not None:
             count, row_sum = count - 1, row_sum - self.cost.row(remove)
             if remove == longest and (len(lens) < 2 or lens[-2] != longest):
-                longest = lens[-2] if len(lens) >= 2 else 0
+                longest = lens[-2] if len(lens) >= 2 else (0, 0)
         if add is not None:
             count, row_sum, longest = count + 1, row_sum + self.cost.row(add), max(longest, add)
         return count, longest, row_sum
 
-    def _price(self, rank: int, remove: int | None, add: int | None, limit: float) -> float | None:
+    def _price(self, rank: int, remove: Item | None, add: Item | None, limit: float) -> float | None:
         """The exact new cost of ``rank`` if it is below ``limit``, else None."""
         if self.cost.lower_bound(*self._candidate(rank, remove, add)) >= limit:
             return None
@@ -414,6 +423,7 @@ class _LocalSearch:
         for other in self._others(top):
             for give in sorted(self.members[top], reverse=True):
                 # a rank's cost never falls when a prompt gets longer: only shorter ones come back
+                # (with budgets, items order by length then budget: a heuristic cut, not a proof)
                 for take in sorted(self.members[other]):
                     if take >= give:
                         break
@@ -421,9 +431,9 @@ class _LocalSearch:
                         return True
         return False
 
-    def _try_exchange(self, top: int, other: int, give: int, take: int | None, limit: float) -> bool:
-        """Give a prompt of length ``give`` from ``top`` to ``other`` (and take one of length
-        ``take`` back, unless None) when both ranks' new costs are below ``limit``."""
+    def _try_exchange(self, top: int, other: int, give: Item, take: Item | None, limit: float) -> bool:
+        """Give a prompt ``give`` (its item) from ``top`` to ``other`` (and take one ``take`` back,
+        unless None) when both ranks' new costs are below ``limit``."""
         new_other = self._price(other, take, give, limit)
         if new_other is None:
             return False
@@ -439,7 +449,7 @@ class _LocalSearch:
             self._transfer(other, top, take)
         self.costs[top], self.costs[other] = new_top, new_other
 
-    def _transfer(self, src: int, dst: int, length: int) -> None:
+    def _transfer(self, src: int, dst: int, length: Item) -> None:
         ids = self.members[src][length]
         index = ids.pop()  # the largest index of that length: deterministic
         if not ids:
