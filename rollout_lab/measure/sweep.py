@@ -397,22 +397,20 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if path.suffix != ".json":
         path = path.with_name(path.name + ".json") if path.suffix != ".csv" else path.with_suffix(".json")
-    if not path.is_file():
-        raise ValueError(f"results file {str(path)!r} does not exist")
-    record = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(record, dict) or record.get("kind") != "sweep":
-        raise ValueError(f"{str(path)!r} is not a sweep record (kind != 'sweep')")
-    return record
+    return _load_record(path, "sweep")
 
 
 def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``scripts/bench_rl.py`` (kind "rl_throughput")."""
-    path = Path(path)
+    return _load_record(Path(path), "rl_throughput")
+
+
+def _load_record(path: Path, kind: str) -> dict[str, Any]:
     if not path.is_file():
-        raise ValueError(f"RL results file {str(path)!r} does not exist")
+        raise ValueError(f"results file {str(path)!r} does not exist")
     record = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(record, dict) or record.get("kind") != "rl_throughput":
-        raise ValueError(f"{str(path)!r} is not an RL throughput record (kind != 'rl_throughput')")
+    if not isinstance(record, dict) or record.get("kind") != kind:
+        raise ValueError(f"{str(path)!r} is not a {kind} record (kind != {kind!r})")
     return record
 
 
