@@ -34,7 +34,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import TINY_FAMILIES, load_model
+from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.workloads import (
@@ -164,8 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    special = [t for t in (cfg.pad_token_id, getattr(cfg, "eos_token_id", None), getattr(cfg, "bos_token_id", None))
-               if isinstance(t, int)]
+    special = special_token_ids(cfg)
     lengths = sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
     if args.scale != 1.0:
         lengths = scale_lengths(lengths, args.scale)

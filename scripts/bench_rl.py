@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import TINY_FAMILIES, load_model
+from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.sweep import rl_throughput_rows
@@ -169,8 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    special = [t for t in (cfg.pad_token_id, getattr(cfg, "eos_token_id", None), getattr(cfg, "bos_token_id", None))
-               if isinstance(t, int)]
+    special = special_token_ids(cfg)
     lengths, budgets = uniform_workload(args.num_seqs, low=args.min_len, high=args.max_len, seed=args.seed)
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=args.seed, special_ids=special)
     num_tokens = sum(budgets)

@@ -41,7 +41,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import load_model
+from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, read_cost_file
@@ -211,11 +211,6 @@ class CalibrationGrid:
         return dataclasses.asdict(self)
 
 
-def _special_ids(config: Any) -> list[int]:
-    """PAD, EOS and BOS ids of a model config: never drawn into a probe's prompts."""
-    return [t for t in (config.pad_token_id, config.eos_token_id, config.bos_token_id) if isinstance(t, int)]
-
-
 def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True) -> list[dict[str, Any]]:
     """Median forward and KV-copy milliseconds per grid shape, interleaved over the passes."""
     config = model.config.get_text_config(decoder=True)
@@ -228,7 +223,7 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     cache.set_front(max_width)
     kwarg = cache_kwarg_name(model)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
-    special = _special_ids(config)
+    special = special_token_ids(config)
     prompts = {(b, w): lengths_to_prompts([w] * b, vocab_size=config.vocab_size, seed=i, special_ids=special)
                for i, (b, w) in enumerate(shapes)}
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in shapes}
@@ -272,7 +267,7 @@ def measure_decode_overhead(
     with torch.no_grad():
         for batch in grid.decode_batches:
             prompts = lengths_to_prompts([grid.decode_width] * batch, vocab_size=config.vocab_size,
-                                         seed=1000 + batch, special_ids=_special_ids(config))
+                                         seed=1000 + batch, special_ids=special_token_ids(config))
             times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in budgets}
             for repeat in range(grid.decode_repeats + 1):
                 for mode in modes:

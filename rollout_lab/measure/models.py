@@ -162,6 +162,13 @@ def _clear_generation_defaults(model: torch.nn.Module) -> None:
 
 # ---------------------------------------------------------------- what the notebooks call
 
+def special_token_ids(config: Any) -> list[int]:
+    """PAD, EOS and BOS ids of a model config (those that are set): never drawn into random prompts."""
+    ids = (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None),
+           getattr(config, "bos_token_id", None))
+    return [t for t in ids if isinstance(t, int)]
+
+
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu") -> tuple[Any, str]:
     """(model, name) for ``model`` = "tiny-<family>", a preset name, or a local checkpoint folder."""
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):

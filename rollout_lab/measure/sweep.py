@@ -50,7 +50,7 @@ from rollout_lab.engine.config import MANUAL_ROUTES, MODES, RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.calibrate import load_calibration, run_metadata
-from rollout_lab.measure.models import TINY_VOCAB_SIZE, load_model, tiny_model
+from rollout_lab.measure.models import TINY_VOCAB_SIZE, load_model, special_token_ids, tiny_model
 from rollout_lab.measure.peers import hf_generate, hf_generate_batch, oracle_sequences
 from rollout_lab.measure.workloads import WORKLOADS, get_workload, lengths_to_prompts, padding_share
 from rollout_lab.planner.checks import check_max_new_tokens
@@ -117,7 +117,7 @@ def run_sweep(
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     pad = config.pad_token_id if config.pad_token_id is not None else 0
-    special = [t for t in (config.pad_token_id, config.eos_token_id, config.bos_token_id) if isinstance(t, int)]
+    special = special_token_ids(config)
     record: dict[str, Any] = {
         "kind": "sweep",
         "provenance": run_metadata(model, model_name=model_name),
