@@ -40,7 +40,7 @@ EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "no
 
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
-        lengths = [int(n) for n in args.lengths]
+        lengths = list(args.lengths)  # ints already (_lengths_argument)
         if args.file:
             lengths += read_lengths_file(args.file)
         if args.dataset:

@@ -92,6 +92,7 @@ class EagerStepper:
         self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device)
         self.sampling = key.sampling
+        self.widths = width_ladder(key.capacity, key.num_widths)  # attention windows, ascending
         self.num_captures = 0
         self.num_replays = 0
 
@@ -101,10 +102,6 @@ class EagerStepper:
     def reset(self) -> None:
         self.cache.reset()
         self.state.reset()
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        return width_ladder(self.key.capacity, self.key.num_widths)
 
     def width_for(self, front: int) -> int:
         """The smallest window that holds the column ``front`` this step writes and attends to."""
