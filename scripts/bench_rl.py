@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from rollout_lab.cli import positive_int
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
@@ -53,25 +54,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
     p.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
     p.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
-    p.add_argument("--num-seqs", type=int, default=256, help="requests (default 256)")
-    p.add_argument("--min-len", type=int, default=100, help="smallest prompt length and budget (default 100)")
-    p.add_argument("--max-len", type=int, default=1024, help="largest prompt length and budget (default 1024)")
+    p.add_argument("--num-seqs", type=positive_int, default=256, help="requests (default 256)")
+    p.add_argument("--min-len", type=positive_int, default=100, help="smallest prompt length and budget (default 100)")
+    p.add_argument("--max-len", type=positive_int, default=1024, help="largest prompt length and budget (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--mode", default="bucketed", choices=MODES, help="our route (default bucketed)")
-    p.add_argument("--slots", type=int, default=None, help="continuous_batch_size (default: every request)")
+    p.add_argument("--slots", type=positive_int, default=None, help="continuous_batch_size (default: every request)")
     p.add_argument("--decode", default="auto", choices=("auto", "graph", "eager"), help="our decode stepper")
     p.add_argument("--decode-widths", type=int, default=None, help="attention windows of 'ours' (default: the engine's)")
-    p.add_argument("--reps", type=int, default=1, help="our timed calls after the warm-up (default 1)")
-    p.add_argument("--peer-calls", type=int, default=1, help="HF's timed calls, no warm-up (default 1)")
+    p.add_argument("--reps", type=positive_int, default=1, help="our timed calls after the warm-up (default 1)")
+    p.add_argument("--peer-calls", type=positive_int, default=1, help="HF's timed calls, no warm-up (default 1)")
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="paths to run, in order")
     args = p.parse_args(argv)
-    for name in ("num_seqs", "min_len", "reps", "peer_calls"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_len < args.min_len:
         p.error(f"--max-len {args.max_len} is below --min-len {args.min_len}")
-    if args.slots is not None and args.slots < 1:
-        p.error(f"--slots must be >= 1, got {args.slots}")
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     return args
