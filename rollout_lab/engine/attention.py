@@ -5,7 +5,9 @@ step; under CUDA-graph replay that copy was 43% of a Qwen2.5-3B decode step on a
 query token, the ``group`` query heads that share a KV head can instead be treated as ``group``
 query rows of that head: view the query as ``[B, kv_heads, group, head_dim]`` and call SDPA on the
 unrepeated cache; a ``[B, 1, 1, S]`` mask broadcasts over the group. Prefill (q_len > 1) and
-anything unusual go to HF's own ``sdpa`` function unchanged.
+anything unusual go to HF's own ``sdpa`` function unchanged. When the decode step passes
+``span_starts`` and ``span_front`` (``RolloutConfig(decode_attention="span")``), a decode token
+attends with ``engine.span_attention`` instead, over its row's live columns only.
 
     use_gqa_decode_attention(model)   # registers ``rollout_gqa`` and switches the model to it
 
@@ -21,20 +23,27 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rollout_lab.engine.span_attention import span_attention
+
 NAME = "rollout_gqa"
 _registered = False
 
 
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          is_causal=None, **kwargs):
+    starts, front = kwargs.pop("span_starts", None), kwargs.pop("span_front", None)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape  # [B, H, q, D]
     plain = (
-        q_len != 1 or groups == 1 or dropout or kwargs.get("softcap") is not None
+        q_len != 1 or dropout or kwargs.get("softcap") is not None
         or kwargs.get("position_bias") is not None or key.shape[-1] != value.shape[-1]
+        or kwargs.get("sliding_window") is not None
         or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))
     )
-    if plain:
+    if not plain and starts is not None:  # each row's live span only (engine.span_attention)
+        scale = head_dim ** -0.5 if scaling is None else scaling
+        return span_attention(query, key, value, starts, front, scale), None  # [B, 1, H, D]
+    if plain or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     q = query.reshape(batch, heads // groups, groups, head_dim)  # [B, kv_heads, group, D]
@@ -78,15 +87,16 @@ def is_grouped_query(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def decode_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, an ``sdpa`` grouped-query model attends with ``rollout_gqa``.
+def decode_attention(model: torch.nn.Module, *, spans: bool = False) -> Iterator[None]:
+    """Within the block, an ``sdpa`` grouped-query model attends with ``rollout_gqa``; with
+    ``spans``, every ``sdpa`` model does (the step then passes ``span_starts``/``span_front``).
 
     Used around our own decode step only (and so baked into its CUDA graph), so that HF's own
     paths on the same model (nocb, the peers) keep the stock ``sdpa``.
     """
     config = model.config
     current = getattr(config, "_attn_implementation", None)
-    if current != "sdpa" or not is_grouped_query(model):
+    if current != "sdpa" or not (spans or is_grouped_query(model)):
         yield
         return
     register()

@@ -321,6 +321,7 @@ class ContinuousBatcher:
         with self.timer.phase("cache_ms"):
             self.profile.moved_bytes += self.cache.move_rows(movers, holes)
             self.state.move_rows(movers, holes)
+            self.cache.retire(num_live)
             self.stepper.retire_tail(num_live)
         rows = self.rows
         for src, dst in zip(movers, holes):

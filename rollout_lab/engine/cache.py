@@ -90,6 +90,9 @@ class AlignedKVCache:
         self.capacity = capacity
         self.num_slots = num_slots
         self.row_starts = [0] * num_slots  # first valid column of each slot (host)
+        # the same on the device, for span attention (engine.span_attention); a dead slot holds
+        # ``capacity`` (past any front: it attends to the front column only)
+        self.starts = torch.full((num_slots,), capacity, dtype=torch.int32, device=device)
         self._views: dict[tuple[int, int], Cache] = {}
 
     @classmethod
@@ -132,6 +135,16 @@ class AlignedKVCache:
         self.mask.fill_(self.masked_value)
         self.set_front(0)
         self.row_starts = [0] * self.num_slots
+        self.starts.fill_(self.capacity)
+
+    def retire(self, num_live: int) -> None:
+        """Slots from ``num_live`` on are dead: span attention reads only their front column."""
+        self.starts[num_live:].fill_(self.capacity)
+
+    def _push_starts(self, slots: Sequence[int]) -> None:
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.starts.device)
+        values = torch.tensor([self.row_starts[s] for s in slots], dtype=torch.int32)
+        self.starts.index_copy_(0, index, values.to(self.starts.device))
 
     def set_front(self, front: int) -> None:
         self.front_int = front
@@ -178,6 +191,7 @@ class AlignedKVCache:
         self.mask.index_copy_(0, index, row_mask[:, None, None, :])
         for slot, n in zip(slots, lengths):
             self.row_starts[slot] = front - n
+        self._push_starts(slots)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy slots ``src`` onto slots ``dst`` (compaction); returns the KV bytes moved."""
@@ -193,6 +207,7 @@ class AlignedKVCache:
         self.mask.index_copy_(0, dst_t, self.mask.index_select(0, src_t))
         for s, d in zip(src, dst):
             self.row_starts[d] = self.row_starts[s]
+        self._push_starts(dst)
         return len(src) * (self.front_int - lo) * self.column_bytes
 
     def shift_columns(self, num_rows: int, delta: int) -> int:
@@ -218,5 +233,6 @@ class AlignedKVCache:
         mask[..., lo + delta : hi + delta] = span
         for slot in range(num_rows):
             self.row_starts[slot] += delta
+        self.starts[:num_rows].add_(delta)
         self.set_front(hi + delta)
         return num_rows * (hi - lo) * self.column_bytes

@@ -26,6 +26,10 @@ MANUAL_ROUTES = ("nocb", "equal_width", "aligned", "bucketed")
 CB_ROUTES = MANUAL_ROUTES[1:]  # prefill into the aligned cache, then continuous batching
 MODES = MANUAL_ROUTES + ("auto",)
 DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager elsewhere
+# decode attention: "span" reads each row's live columns (engine.span_attention), "masked" the
+# window with a mask; "auto": span where its kernel runs (CUDA with Triton), masked elsewhere
+DECODE_ATTENTIONS = ("auto", "span", "masked")
+COMPILE_MODES = ("auto", True, False)  # "auto": compile the captured step where graphs run
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,9 @@ class RolloutConfig:
     profile: bool = False
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
-    decode_widths: int = 8  # attention windows over the cache capacity (1 = always the whole capacity)
+    decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
+    decode_attention: str = "auto"  # "span", "masked" or "auto" (DECODE_ATTENTIONS)
+    compile: bool | str = "auto"  # torch.compile the graph-captured step; False to debug
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
@@ -56,6 +62,11 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {self.decode!r}")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(
+                f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {self.decode_attention!r}")
+        if not any(self.compile is c for c in COMPILE_MODES) and self.compile != "auto":
+            raise ValueError(f"compile must be 'auto', True or False, got {self.compile!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         for name in ("max_decode_graphs", "decode_widths"):

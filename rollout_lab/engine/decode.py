@@ -103,21 +103,27 @@ def decode_step(
     cache_kwarg: str,
     sampling: SamplingParams | None = None,
     width: int | None = None,
+    spans: bool = False,
+    forward=None,
 ) -> torch.Tensor:
     """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids.
 
     Attention reads the first ``width`` columns (default: the capacity); they must cover the front.
+    With ``spans`` it reads only each row's live columns (``engine.span_attention``); the mask is
+    kept up to date either way. ``forward`` replaces ``model`` as the callable (a compiled one).
     """
     width = cache.capacity if width is None else width
     mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
     mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
-    with decode_attention(model):  # GQA without repeat_kv
-        out = model(
+    extra = {"span_starts": cache.starts[:num_rows], "span_front": cache.front} if spans else {}
+    with decode_attention(model, spans=spans):  # GQA without repeat_kv
+        out = (forward or model)(
             input_ids=state.input_ids[:num_rows],
             position_ids=state.position_ids[:num_rows],
             attention_mask=mask[..., :width],  # [rows, 1, 1, width]
             use_cache=True,
             **{cache_kwarg: cache.hf_cache(num_rows, width)},
+            **extra,
         )
     seen = None if state.seen is None else state.seen[:num_rows]
     steps = state.steps[:num_rows]

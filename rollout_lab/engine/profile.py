@@ -36,6 +36,7 @@ class Profile:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     cache_ms: float = 0.0
+    stepper_build_ms: float = 0.0  # a new decode stepper: cache, compile and capture (first call of a shape)
     total_ms: float = 0.0
     num_prefill_forwards: int = 0
     num_decode_forwards: int = 0

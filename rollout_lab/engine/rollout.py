@@ -36,7 +36,9 @@ from rollout_lab.engine.steppers import (
     describe,
     graph_capacity,
     make_stepper,
+    resolve_compile,
     resolve_decode_mode,
+    resolve_spans,
 )
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import budgets_of, is_int
@@ -64,6 +66,8 @@ class Rollout:
         self.cache_kwarg = cache_kwarg_name(model)
         # chosen before any routing decision: graph replay on CUDA, eager elsewhere
         self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
+        self.spans = resolve_spans(self.config.decode_attention, model, self.device)
+        self.compiled = resolve_compile(self.config.compile, self.decode_mode)
         self._stepper: EagerStepper | None = None
         # learned across calls; the frozen config is never changed
         self.costs: CostCoefficients = self.config.costs
@@ -112,7 +116,7 @@ class Rollout:
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
                          sampling is not None, params.temperature, params.top_k, params.top_p,
                          self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
-                         self.config.decode_widths)
+                         self.config.decode_widths, self.spans, self.compiled)
         if old is not None and old.fits(self.model, key):
             return old
         self.close()  # drop the old cache and graph before allocating their replacement
@@ -178,7 +182,7 @@ class Rollout:
         num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
         if route != "nocb":
-            with timer.phase("cache_ms"):
+            with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
                 stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling)
             capacity = stepper.key.capacity
         with torch.no_grad():

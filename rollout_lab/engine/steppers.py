@@ -11,7 +11,14 @@ shape or layout) triggers a recapture. ``Rollout.close()`` releases them.
 Attention reads a window of the first ``width`` columns, the smallest of ``width_ladder`` (the
 capacity cut in ``num_widths`` even parts) that covers the front: early in a call, while the front
 is far from the capacity, a step reads a fraction of the cache. Eager and graph steps use the same
-windows, so they compute the same thing; the graph ladder is row counts x widths.
+windows, so they compute the same thing; the graph ladder is row counts x widths. With span
+attention (``key.spans``, ``engine.span_attention``) each row reads only its live columns, so there
+is one window, the capacity, and the ladder is row counts only.
+
+With ``key.compiled`` the graph stepper runs ``torch.compile(model, dynamic=True)`` inside each
+captured step: inductor fuses the norms, rotary and activations, and symbolic sizes let one compile
+serve every rung. Every shape runs once before any capture, so compiling never happens while a
+graph records; ``build_ms`` is that first-call cost, paid once per stepper.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
     tokens = stepper.step(num_rows, front)                    # [num_rows] ids, device tensor
@@ -22,15 +29,17 @@ everything they touched is reset afterwards, and every call starts from ``reset(
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.config import DECODE_MODES
+from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
 from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.engine.span_attention import kernel_available
 
 GRAPH_CAPACITY_STEP = 64  # graph capacities are rounded up so that nearby shapes share a capture
 
@@ -49,6 +58,26 @@ def resolve_decode_mode(decode: str, device: torch.device | str) -> str:
     if decode == "graph" and not graph_supported(device):
         raise ValueError(f"decode='graph' needs a CUDA device, the model is on {torch.device(device)}")
     return decode
+
+
+def resolve_spans(choice: str, model: torch.nn.Module, device: torch.device | str) -> bool:
+    """Whether decode attends over live spans: "span" always (on a CPU without Triton that runs the
+    torch reference, the same numbers with no saving), "auto" where the kernel runs and the model
+    uses ``sdpa`` (the implementation ``engine.attention`` replaces)."""
+    if choice not in DECODE_ATTENTIONS:
+        raise ValueError(f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {choice!r}")
+    if choice == "auto":
+        sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        return sdpa and kernel_available(device)
+    return choice == "span"
+
+
+def resolve_compile(choice: bool | str, decode_mode: str) -> bool:
+    """Whether the captured step is compiled: "auto" wherever graphs run; the eager step never is."""
+    if choice is True and decode_mode != "graph":
+        raise ValueError("compile=True compiles the graph-captured step, which needs decode='graph' "
+                         f"on a CUDA device (decode is {decode_mode!r}); use compile='auto' or False")
+    return decode_mode == "graph" and choice is not False
 
 
 def weights_signature(model: torch.nn.Module) -> tuple:
@@ -71,7 +100,9 @@ class StepperKey:
     top_k: int = 0
     top_p: float = 1.0
     max_graphs: int = 1  # row counts captured (graph decode only)
-    num_widths: int = 1  # attention windows over the capacity
+    num_widths: int = 1  # masked attention: windows over the capacity
+    spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
+    compiled: bool = False  # torch.compile the forward inside the captured step (graph decode only)
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -92,9 +123,12 @@ class EagerStepper:
         self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device)
         self.sampling = key.sampling
-        self.widths = width_ladder(key.capacity, key.num_widths)  # attention windows, ascending
+        # attention windows, ascending; span attention reads live columns whatever the window
+        self.widths = (key.capacity,) if key.spans else width_ladder(key.capacity, key.num_widths)
+        self.forward = None  # the model, unless compiled
         self.num_captures = 0
         self.num_replays = 0
+        self.build_ms = 0.0  # compile + capture when the stepper was made
 
     def fits(self, model: torch.nn.Module, key: StepperKey) -> bool:
         return model is self.model and key == self.key
@@ -114,7 +148,7 @@ class EagerStepper:
         return decode_step(
             self.model, self.cache, self.state, num_rows,
             repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
-            sampling=self.sampling, width=width,
+            sampling=self.sampling, width=width, spans=self.key.spans, forward=self.forward,
         )
 
     def retire_tail(self, num_live: int) -> None:
@@ -132,6 +166,9 @@ class GraphStepper(EagerStepper):
 
     def __init__(self, model: torch.nn.Module, key: StepperKey, *, num_warmups: int = 2):
         super().__init__(model, key)
+        started = time.perf_counter()
+        if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder
+            self.forward = torch.compile(model, dynamic=True)
         self.signature = weights_signature(model)
         self.ladder = graph_ladder(key.num_slots, key.max_graphs)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, width) -> graph
@@ -139,6 +176,7 @@ class GraphStepper(EagerStepper):
         self.replays_by_rows: dict[int, int] = {}  # ladder row count -> replays
         self.replays_by_width: dict[int, int] = {}
         self._capture(num_warmups)
+        self.build_ms = (time.perf_counter() - started) * 1e3
 
     def fits(self, model: torch.nn.Module, key: StepperKey) -> bool:
         return super().fits(model, key) and weights_signature(model) == self.signature
@@ -146,13 +184,17 @@ class GraphStepper(EagerStepper):
     def _capture(self, num_warmups: int) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        shapes = [(rows, width) for rows in self.ladder for width in self.widths]
         with torch.cuda.stream(side):
             for width in self.widths:
                 for _ in range(num_warmups):
                     self._run(self.key.num_slots, width)
+            if self.key.compiled:  # every shape compiles (or hits the cache) before any capture
+                for shape in shapes:
+                    self.reset()
+                    self._run(*shape)
         torch.cuda.current_stream().wait_stream(side)
         pool = None
-        shapes = [(rows, width) for rows in self.ladder for width in self.widths]
         for shape in sorted(shapes, reverse=True):  # the largest first: the others fit its pool
             self.reset()
             graph = torch.cuda.CUDAGraph()
@@ -219,7 +261,8 @@ def describe(stepper: Any) -> dict[str, Any]:
     return {"kind": stepper.kind, "num_captures": stepper.num_captures,
             "num_replays": stepper.num_replays, "num_slots": stepper.key.num_slots,
             "num_graphs": len(getattr(stepper, "graphs", ())),
-            "widths": list(stepper.widths),
+            "widths": list(stepper.widths), "spans": stepper.key.spans,
+            "compiled": stepper.key.compiled, "build_ms": stepper.build_ms,
             "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity}
