@@ -10,13 +10,15 @@ and whose output budgets, are drawn uniformly from ``[--min-len, --max-len]`` (s
 ignored, so every request generates exactly its budget and output tok/s counts those tokens only.
 
 Paths: ``ours`` (``Rollout.generate(prompts, max_new_tokens=budgets)`` in ``--mode``; one warm-up
-call, its graph capture included, then ``--reps`` timed calls and one profiled call), two ablations
-(``ours_full_width``: attention over the whole capacity, ``decode_widths=1``; ``ours_one_graph``: one
-captured graph over every slot as well, ``max_decode_graphs=1``) and, last, HF
+call, its compile and graph capture included, then ``--reps`` timed calls and one profiled call),
+four ablations that take the levers away one at a time (``ours_no_compile``; ``ours_masked``:
+masked attention over windows instead of live spans; ``ours_full_width``: over the whole capacity;
+``ours_one_graph``: one captured graph over every slot as well) and, last, HF
 ``generate_batch``'s manager with the same per-request budgets (``hf_generate_batch``). Every call is
 timed whole with the device synchronised; peak memory is over the weights (cache and graphs included).
 Writes ``<out>.json`` (record with provenance: tok/s,
-decode ms per step, slots, peak memory per path) and ``<out>.csv``.
+decode ms per step, slots, peak memory per path) and ``<out>.csv`` after every path; an existing
+``<out>`` is an error, never overwritten.
 """
 from __future__ import annotations
 
@@ -38,13 +40,11 @@ from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import rl_throughput_rows
+from rollout_lab.measure.sweep import DECODE_VARIANTS, rl_throughput_rows
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.workspace import csv_text, json_text, write_text_atomic
 
-PATHS = ("ours", "ours_full_width", "ours_one_graph", "hf_generate_batch")
-# our variants: (max_decode_graphs, decode_widths); None = the engine's default
-VARIANTS = {"ours": (None, None), "ours_full_width": (None, 1), "ours_one_graph": (1, 1)}
+PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,18 +78,17 @@ def peak_memory(device: torch.device, baseline: int | None) -> int | None:
 
 
 def run_ours(model, prompts, budgets, args, pad_id: int, device: torch.device, *, variant: str) -> dict[str, Any]:
-    graphs, widths = VARIANTS[variant]
-    default = RolloutConfig()
+    settings = dict(DECODE_VARIANTS[variant])
+    if args.decode_widths is not None:
+        settings.setdefault("decode_widths", args.decode_widths)
     config = RolloutConfig(mode=args.mode, eos_token_id=None, pad_token_id=pad_id,
-                           continuous_batch_size=args.slots, decode=args.decode,
-                           max_decode_graphs=graphs or default.max_decode_graphs,
-                           decode_widths=widths or args.decode_widths or default.decode_widths)
+                           continuous_batch_size=args.slots, decode=args.decode, **settings)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # the weights
     if baseline is not None:
         torch.cuda.reset_peak_memory_stats(device)
     rollout = Rollout(model, config)
     first_ms, _ = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
-    print(f"{variant:16s} warm-up {first_ms:10.1f} ms (capture included)", file=sys.stderr)
+    print(f"{variant:16s} warm-up {first_ms:10.1f} ms (compile and capture included)", file=sys.stderr)
     samples = []
     for rep in range(args.reps):
         ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
@@ -102,12 +101,14 @@ def run_ours(model, prompts, budgets, args, pad_id: int, device: torch.device, *
     stepper = rollout.stepper_info
     rollout.close()
     return {
-        "samples_ms": samples, "mean_ms": statistics.fmean(samples), "first_call_ms": first_ms,
+        "settings": settings, "samples_ms": samples, "mean_ms": statistics.fmean(samples),
+        "first_call_ms": first_ms,
         "peak_memory_bytes": peak, "route": profiled.route, "decode": rollout.decode_mode,
         "num_slots": args.slots or len(prompts), "num_decode_steps": prof.num_decode_forwards,
         "stepper": stepper,
         "decode_ms_per_step": prof.decode_ms / max(1, prof.num_decode_forwards),
         "profile": {k: getattr(prof, k) for k in ("planning_ms", "prefill_ms", "decode_ms", "cache_ms",
+                                                  "stepper_build_ms",
                                                   "total_ms", "num_prefill_forwards", "peak_cache_columns",
                                                   "cache_bytes")},
     }
@@ -158,7 +159,8 @@ def run_peer(model, prompts, budgets, args, pad_id: int, device: torch.device) -
             "peak_memory_bytes": peak_memory(device, baseline)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save=lambda record: None) -> dict[str, Any]:
+    """Every path in order; ``save(record)`` after each, so a later failure loses nothing."""
     model, model_name = load_model(f"tiny-{args.tiny}" if args.tiny else args.preset, dtype=args.dtype,
                                    device=args.device)
     device = next(model.parameters()).device
@@ -170,6 +172,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=args.seed, special_ids=special)
     num_tokens = sum(budgets)
     results: dict[str, Any] = {}
+    record = {
+        "kind": "rl_throughput",
+        "provenance": provenance(device=device, dtype=args.dtype, script="scripts/bench_rl.py", argv=sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model": model_name},
+        "workload": {"num_requests": len(prompts), "lengths": lengths, "budgets": budgets,
+                     "num_output_tokens": num_tokens, "num_prompt_tokens": sum(lengths)},
+        "results": results,
+    }
     for path in args.paths:  # ours first: HF's manager last, after our graphs are captured
         if path == "hf_generate_batch":
             results[path] = run_peer(model, prompts, budgets, args, pad_id, device)
@@ -178,14 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "mean_ms" in results[path]:
             results[path]["output_tokens_per_s"] = num_tokens / (results[path]["mean_ms"] / 1e3)
         synchronize(device)
-    return {
-        "kind": "rl_throughput",
-        "provenance": provenance(device=device, dtype=args.dtype, script="scripts/bench_rl.py", argv=sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model": model_name},
-        "workload": {"num_requests": len(prompts), "lengths": lengths, "budgets": budgets,
-                     "num_output_tokens": num_tokens, "num_prompt_tokens": sum(lengths)},
-        "results": results,
-    }
+        save(record)
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,10 +197,17 @@ def main(argv: list[str] | None = None) -> None:
     stem = Path(args.out)
     if stem.suffix in (".json", ".csv"):
         stem = stem.with_suffix("")
-    record = run(args)
-    json_body, csv_body = json_text(record), csv_text(rl_throughput_rows(record))  # both before writing either
-    json_path = write_text_atomic(stem.with_name(stem.name + ".json"), json_body)
-    csv_path = write_text_atomic(stem.with_name(stem.name + ".csv"), csv_body)
+    json_path, csv_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
+    if json_path.exists() or csv_path.exists():
+        raise SystemExit(f"error: {json_path} or {csv_path} exists; choose another --out")
+
+    def save(record: dict[str, Any]) -> str:
+        json_body, csv_body = json_text(record), csv_text(rl_throughput_rows(record))  # both before either
+        write_text_atomic(json_path, json_body)
+        write_text_atomic(csv_path, csv_body)
+        return csv_body
+
+    csv_body = save(run(args, save))
     print(csv_body, end="")
     print(f"wrote {json_path} and {csv_path}")
 

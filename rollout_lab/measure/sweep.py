@@ -61,6 +61,17 @@ PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
 PROFILE_FIELDS = ("planning_ms", "prefill_ms", "decode_ms", "cache_ms", "total_ms",
                   "num_prefill_forwards", "num_decode_forwards", "num_generated_tokens")
+# the decode levers, as RolloutConfig settings over the engine's defaults (on CUDA: span attention,
+# the compiled step, the row ladder); each ablation takes one more away (scripts/bench_rl.py,
+# scripts/bench_decode_step.py)
+DECODE_VARIANTS: dict[str, dict[str, Any]] = {
+    "ours": {},
+    "ours_no_compile": {"compile": False},
+    "ours_masked": {"compile": False, "decode_attention": "masked"},  # attention windows, not spans
+    "ours_full_width": {"compile": False, "decode_attention": "masked", "decode_widths": 1},
+    "ours_one_graph": {"compile": False, "decode_attention": "masked", "decode_widths": 1,
+                       "max_decode_graphs": 1},
+}
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
 
 

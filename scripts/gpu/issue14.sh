@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The H200 runs behind issue 14's records: the decode step (Qwen2.5-3B) and the RL-shape throughput
+# (Qwen3-0.6B), with span attention and the compiled step against their ablations.
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue14.sh tests step rl    # the same steps on a tiny CPU model
+#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue14.sh tests step   # one device call
+#   ... bash scripts/gpu/issue14.sh rl                                           # the next
+# Each step has its own time limit, sized from measured times (the device tool allows 600 s a call),
+# and every script writes its record after each case or path, so a step that runs out loses nothing
+# it finished.
+set -u
+OUT=${OUT:?set OUT}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+if [ -n "${TINY:-}" ]; then
+  STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
+else
+  STEP="--preset qwen2.5-3b"; RL="--preset qwen3-0.6b"
+fi
+$PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+for what in "$@"; do
+  case $what in
+    tests) step 300 $PY -m pytest -q -x tests/test_span_attention.py tests/test_steppers.py ;;
+    step)  step 300 $PY scripts/bench_decode_step.py $STEP --variants ours ours_no_compile ours_masked \
+               --out $OUT/decode_step ;;
+    rl)    step 420 $PY scripts/bench_rl.py $RL --paths ours ours_no_compile ours_masked --out $OUT/rl ;;
+    *) echo "unknown step $what (tests, step, rl)"; exit 2 ;;
+  esac
+done
