@@ -117,7 +117,7 @@ def decode_step(
     mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
     extra = {"span_starts": cache.starts[:num_rows], "span_front": cache.front} if spans else {}
     with decode_attention(model, spans=spans):  # GQA without repeat_kv
-        out = (forward or model)(
+        out = (model if forward is None else forward)(
             input_ids=state.input_ids[:num_rows],
             position_ids=state.position_ids[:num_rows],
             attention_mask=mask[..., :width],  # [rows, 1, 1, width]
