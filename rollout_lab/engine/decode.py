@@ -33,9 +33,11 @@ def seen_from_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> to
 
 class DecodeState:
     """Static per-slot decode inputs: next input id, logical position, ids seen (for the penalty),
-    and for seeded sampling each row's key and step (the number of tokens it has generated)."""
+    and for seeded sampling each row's key and step (the number of tokens it has generated).
+    With ``keep_logits`` the step also leaves each row's fp32 logits in ``logits`` [slots, vocab]
+    (before the penalty), for teacher-forced checks (``measure.fidelity``)."""
 
-    def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device):
+    def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device, keep_logits: bool = False):
         self.input_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.position_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.seen = (
@@ -44,6 +46,9 @@ class DecodeState:
         )  # [slots, vocab]
         self.sample_keys = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
         self.steps = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+        self.logits = (
+            torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=device) if keep_logits else None
+        )  # [slots, vocab]
 
     def _buffers(self) -> list[torch.Tensor]:
         seen = [self.seen] if self.seen is not None else []
@@ -127,6 +132,8 @@ def decode_step(
         )
     seen = None if state.seen is None else state.seen[:num_rows]
     steps = state.steps[:num_rows]
+    if state.logits is not None:
+        state.logits[:num_rows].copy_(out.logits[:, -1])
     tokens = select_tokens(
         out.logits[:, -1], seen, repetition_penalty, sampling=sampling,
         sample_keys=state.sample_keys[:num_rows], steps=steps,

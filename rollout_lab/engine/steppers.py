@@ -103,6 +103,7 @@ class StepperKey:
     num_widths: int = 1  # masked attention: windows over the capacity
     spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
     compiled: bool = False  # torch.compile the forward inside the captured step (graph decode only)
+    keep_logits: bool = False  # the step leaves its logits in state.logits (teacher-forced checks)
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -121,7 +122,8 @@ class EagerStepper:
         device = next(model.parameters()).device
         vocab = model.get_input_embeddings().weight.shape[0]
         self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
-        self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device)
+        self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device,
+                                 keep_logits=key.keep_logits)
         self.sampling = key.sampling
         # attention windows, ascending; span attention reads live columns whatever the window
         self.widths = (key.capacity,) if key.spans else width_ladder(key.capacity, key.num_widths)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind issue 14's records: the decode step (Qwen2.5-3B) and the RL-shape throughput
-# (Qwen3-0.6B), with span attention and the compiled step against their ablations.
+# (Qwen3-0.6B), with span attention and the compiled step against their ablations; the bf16
+# teacher-forced logits check and GRPO 64 x 8 x 512 (Qwen2.5-3B).
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/issue14.sh tests step rl    # the same steps on a tiny CPU model
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue14.sh tests step   # one device call
 #   ... bash scripts/gpu/issue14.sh rl                                           # the next
@@ -14,8 +15,10 @@ PY=${PY:-python3}
 step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
+  LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"; GRPO="--tiny qwen2 --scale 0.1 --max-new-tokens 16"
 else
   STEP="--preset qwen2.5-3b"; RL="--preset qwen3-0.6b"
+  LOGITS="--preset qwen2.5-3b --steps 32"; GRPO="--preset qwen2.5-3b --max-new-tokens 512"
 fi
 $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 for what in "$@"; do
@@ -24,6 +27,9 @@ for what in "$@"; do
     step)  step 300 $PY scripts/bench_decode_step.py $STEP --variants ours ours_no_compile ours_masked \
                --out $OUT/decode_step ;;
     rl)    step 420 $PY scripts/bench_rl.py $RL --paths ours ours_no_compile ours_masked --out $OUT/rl ;;
-    *) echo "unknown step $what (tests, step, rl)"; exit 2 ;;
+    # the same model as the next step: its compile finds inductor's cache warm
+    logits) step 330 $PY scripts/check_logits.py $LOGITS --out $OUT/logits ;;
+    grpo)  step 330 $PY scripts/bench_grpo.py $GRPO --reps 1 --out $OUT/grpo ;;
+    *) echo "unknown step $what (tests, step, rl, logits, grpo)"; exit 2 ;;
   esac
 done

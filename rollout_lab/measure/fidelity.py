@@ -1,0 +1,110 @@
+"""Teacher-forced logits: does our decode step compute the model's logits, whatever the dtype?
+
+On random weights in bf16 the logits are nearly flat, so any change of kernel flips an argmax
+somewhere and token match rates say nothing (DESIGN.md). Instead, feed both sides the same tokens
+and compare each step's logits:
+
+- the reference is one plain forward of the model (its own attention, no cache) over each prompt
+  followed by the forced tokens, one request at a time, so no padding enters;
+- ours prefills the prompts as the engine does, then runs the decode stepper of ``config`` (graph,
+  compiled, span attention: whatever the config resolves to on this device) with the forced token
+  written into each row before every step, and reads the step's logits.
+
+    report = teacher_forced_check(model, prompts, forced, RolloutConfig())
+    report["max_abs_error"], report["top1_agreement"]
+
+``top1_agreement`` counts only the positions where the reference's top-2 margin exceeds the step's
+error there: where the margin is smaller, either argmax is right within the error.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
+from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.steppers import StepperKey, graph_capacity, make_stepper
+
+
+@torch.no_grad()
+def reference_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                     forced: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Per request, fp32 ``[len(forced), vocab]``: the logits that predict each forced token."""
+    device = next(model.parameters()).device
+    out = []
+    for prompt, tokens in zip(prompts, forced):
+        ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=device)
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()  # [len, vocab]
+        out.append(logits[len(prompt) - 1:])
+    return out
+
+
+@torch.no_grad()
+def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                   forced: Sequence[Sequence[int]], config: RolloutConfig) -> tuple[list[torch.Tensor], dict]:
+    """Per request, fp32 ``[len(forced), vocab]`` from our prefill and decode step; and the stepper's
+    description. Every request is forced for the same number of tokens."""
+    steps = {len(t) for t in forced}
+    if len(steps) != 1 or len(prompts) != len(forced):
+        raise ValueError("teacher forcing needs one forced sequence per prompt, all of the same length")
+    num_forced = steps.pop()
+    rollout = Rollout(model, config)  # resolves the decode mode, span attention and compile
+    rows = len(prompts)
+    longest = max(len(p) for p in prompts)
+    capacity = longest + num_forced
+    if rollout.decode_mode == "graph":
+        capacity = graph_capacity(capacity)
+    key = StepperKey(rows, capacity, 1.0, False, rollout.cache_kwarg,
+                     max_graphs=config.max_decode_graphs if rollout.decode_mode == "graph" else 1,
+                     num_widths=config.decode_widths, spans=rollout.spans, compiled=rollout.compiled,
+                     keep_logits=True)
+    stepper = make_stepper(model, key, decode=rollout.decode_mode)
+    try:
+        stepper.reset()
+        cache, state = stepper.cache, stepper.state
+        pad = model.config.get_text_config(decoder=True).pad_token_id or 0
+        first, layer_kv = prefill_bucket(model, prompts, pad_token_id=pad, cache_kwarg=cache_kwarg_name(model))
+        cache.set_front(longest)
+        slots = list(range(rows))
+        cache.admit(slots, layer_kv, [len(p) for p in prompts])
+        device = first.device
+        forced_t = torch.tensor([list(t) for t in forced], dtype=torch.long, device=device)  # [rows, steps]
+        state.admit(slots, forced_t[:, 0], [len(p) for p in prompts], None)
+        logits = [first.float()]  # [rows, vocab] per step
+        for step in range(1, num_forced):
+            stepper.step(rows, cache.front_int)
+            cache.front_int += 1  # the step advanced the device front
+            logits.append(state.logits[:rows].clone())
+            state.input_ids[:rows, 0].copy_(forced_t[:, step])  # force the next input
+        info = {"kind": stepper.kind, "spans": key.spans, "compiled": key.compiled,
+                "build_ms": stepper.build_ms}
+    finally:
+        stepper.close()
+    stacked = torch.stack(logits, dim=1)  # [rows, steps, vocab]
+    return [stacked[r] for r in range(rows)], info
+
+
+def teacher_forced_check(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                         forced: Sequence[Sequence[int]], config: RolloutConfig | None = None) -> dict[str, Any]:
+    """Our step's logits against the reference's, position by position (see the module doc)."""
+    config = config or RolloutConfig()
+    ours, info = stepper_logits(model, prompts, forced, config)
+    theirs = reference_logits(model, prompts, forced)
+    errors, agree, decided = [], 0, 0
+    per_step: list[float] = [0.0] * len(forced[0])
+    for a, b in zip(ours, theirs):
+        err = (a - b.to(a.device)).abs().amax(dim=-1)  # [steps]
+        top2 = b.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        clear = margin > err.to(margin.device)
+        agree += int((a.argmax(-1).to(b.device) == b.argmax(-1))[clear].sum())
+        decided += int(clear.sum())
+        errors.append(float(err.max()))
+        per_step = [max(x, float(e)) for x, e in zip(per_step, err)]
+    return {
+        "max_abs_error": max(errors), "per_step_max_abs_error": per_step,
+        "top1_agreement": agree / decided if decided else None, "num_decided": decided,
+        "num_positions": sum(len(t) for t in forced), "stepper": info,
+    }

@@ -1,0 +1,100 @@
+"""Teacher-forced logits of our decode step against a plain forward (measure.fidelity), per lever.
+
+    # GPU (H200): Qwen3-0.6B in bf16, 16 prompts of 100..1024 tokens, 64 forced tokens each
+    PYTHONPATH=. python3 scripts/check_logits.py --out data/results/fidelity_qwen3-0.6b_bfloat16_cuda
+    # CPU check in seconds
+    PYTHONPATH=. python3 scripts/check_logits.py --tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6 --out /tmp/fid
+
+The forced tokens are the oracle's: HF ``generate`` (greedy, EOS ignored), one request at a time.
+For each variant of ``measure.sweep.DECODE_VARIANTS`` the record has the largest absolute logit error
+over every position and the top-1 agreement where the reference's top-2 margin exceeds that error.
+Written after every variant, atomically; an existing ``--out`` is an error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from rollout_lab.cli import positive_int
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.measure.fidelity import teacher_forced_check
+from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
+from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.sweep import DECODE_VARIANTS
+from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
+from rollout_lab.workspace import csv_text, json_text, write_text_atomic
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
+    p.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS), help="architecture (random weights)")
+    p.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
+    p.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
+    p.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
+    p.add_argument("--num-seqs", type=positive_int, default=16)
+    p.add_argument("--min-len", type=positive_int, default=100)
+    p.add_argument("--max-len", type=positive_int, default=1024)
+    p.add_argument("--steps", type=positive_int, default=64, help="forced tokens per request")
+    p.add_argument("--variants", nargs="+", default=["ours", "ours_no_compile", "ours_masked"],
+                   choices=sorted(DECODE_VARIANTS))
+    args = p.parse_args(argv)
+    if args.max_len < args.min_len:
+        p.error(f"--max-len {args.max_len} is below --min-len {args.min_len}")
+    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    return args
+
+
+@torch.no_grad()
+def oracle_tokens(model, prompts, steps: int) -> list[list[int]]:
+    device = next(model.parameters()).device
+    config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    return [model.generate(torch.tensor([p], device=device), generation_config=config)[0, len(p):].tolist()
+            for p in prompts]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    stem = Path(args.out).with_suffix("") if Path(args.out).suffix in (".json", ".csv") else Path(args.out)
+    json_path, csv_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
+    if json_path.exists() or csv_path.exists():
+        raise SystemExit(f"error: {json_path} or {csv_path} exists; choose another --out")
+    model, name = load_model(f"tiny-{args.tiny}" if args.tiny else args.preset, dtype=args.dtype, device=args.device)
+    model.generation_config = GenerationConfig()  # nothing from the model's defaults (EOS) stops the oracle
+    cfg = model.config.get_text_config(decoder=True)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    lengths, _ = uniform_workload(args.num_seqs, low=args.min_len, high=args.max_len, seed=0)
+    prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=special_token_ids(cfg))
+    forced = oracle_tokens(model, prompts, args.steps)
+    device = next(model.parameters()).device
+    record: dict[str, Any] = {
+        "kind": "teacher_forced_logits",
+        "provenance": provenance(device=device, dtype=args.dtype, script="scripts/check_logits.py", argv=sys.argv[1:]),
+        "config": {"model": name, "lengths": lengths, "steps": args.steps}, "variants": {},
+    }
+    rows = []
+    for variant in args.variants:
+        report = teacher_forced_check(model, prompts, forced, RolloutConfig(**DECODE_VARIANTS[variant]))
+        record["variants"][variant] = report | {"settings": DECODE_VARIANTS[variant]}
+        rows.append({"variant": variant, "max_abs_error": report["max_abs_error"],
+                     "top1_agreement": report["top1_agreement"], "num_decided": report["num_decided"],
+                     "num_positions": report["num_positions"], "spans": report["stepper"]["spans"],
+                     "compiled": report["stepper"]["compiled"], "kind": report["stepper"]["kind"]})
+        print(f"{variant:16s} max |err| {report['max_abs_error']:.4g}  top-1 {report['top1_agreement']}",
+              file=sys.stderr)
+        write_text_atomic(json_path, json_text(record))
+        write_text_atomic(csv_path, csv_text(rows))
+    print(csv_text(rows), end="")
+    print(f"wrote {json_path} and {csv_path}")
+
+
+if __name__ == "__main__":
+    main()

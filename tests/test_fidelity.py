@@ -1,0 +1,48 @@
+"""Teacher-forced logits (measure.fidelity): our step against a plain forward, position by position."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import get_tiny
+
+from rollout_lab import RolloutConfig
+from rollout_lab.engine import span_attention as span_module
+from rollout_lab.measure.fidelity import teacher_forced_check
+from rollout_lab.measure.models import TINY_VOCAB_SIZE
+
+
+def _case(seed=0, lengths=(5, 12, 1, 8), steps=7):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+    forced = [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(steps)] for _ in lengths]
+    return prompts, forced
+
+
+@pytest.mark.parametrize("attention", ["masked", "span"])
+def test_fp32_step_equals_plain_forward(family, attention):
+    prompts, forced = _case()
+    report = teacher_forced_check(get_tiny(family), prompts, forced, RolloutConfig(decode_attention=attention))
+    assert report["max_abs_error"] < 1e-4, report
+    assert report["top1_agreement"] == 1.0 and report["num_decided"] > 20
+    assert report["num_positions"] == 28 and len(report["per_step_max_abs_error"]) == 7
+    assert report["stepper"]["spans"] is (attention == "span")
+
+
+def test_a_wrong_attention_is_caught(monkeypatch):
+    real = span_module.span_attention_reference
+
+    def off_by_one(query, key, value, starts, front, scale):  # drops each row's first live column
+        return real(query, key, value, starts + 1, front, scale)
+
+    monkeypatch.setattr(span_module, "span_attention_reference", off_by_one)
+    prompts, forced = _case(seed=1)
+    report = teacher_forced_check(get_tiny("qwen2"), prompts, forced, RolloutConfig(decode_attention="span"))
+    assert report["max_abs_error"] > 1e-3
+
+
+def test_forced_sequences_must_match():
+    prompts, forced = _case()
+    with pytest.raises(ValueError, match="one forced sequence per prompt"):
+        teacher_forced_check(get_tiny("qwen2"), prompts, [forced[0], forced[1][:3]] + forced[2:])
