@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from rollout_lab.cli import positive_int
 from rollout_lab.engine.config import RolloutConfig
@@ -31,7 +30,7 @@ from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import DECODE_VARIANTS
+from rollout_lab.measure.sweep import DECODE_VARIANTS, decode_step_rows
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.workspace import csv_text, json_text, write_text_atomic
 
@@ -115,13 +114,6 @@ def run_case(model, slots: int, span: int, args, pad_id: int, special: list[int]
     return out
 
 
-def rows_of(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"case": name, "variant": variant, "step_ms_median": r["step_ms_median"],
-             "step_ms_stdev": r["step_ms_stdev"], "first_call_ms": r["first_call_ms"],
-             "spans": r["spans"], "compiled": r["compiled"]}
-            for name, variants in record["cases"].items() for variant, r in variants.items()]
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     stem = Path(args.out).with_suffix("") if Path(args.out).suffix in (".json", ".csv") else Path(args.out)
@@ -141,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for slots, span in args.cases:
         record["cases"][f"{slots}x{span}"] = run_case(model, slots, span, args, pad_id, special_token_ids(cfg))
         write_text_atomic(json_path, json_text(record))
-        write_text_atomic(csv_path, csv_text(rows_of(record)))
-    print(csv_text(rows_of(record)), end="")
+        write_text_atomic(csv_path, csv_text(decode_step_rows(record)))
+    print(csv_text(decode_step_rows(record)), end="")
     print(f"wrote {json_path} and {csv_path}")
 
 

@@ -176,18 +176,34 @@ def test_03_latency_outputs(executed):
 def test_03_renders_a_saved_results_file(executed, tmp_path):
     out, _ = executed
     saved = out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.json"
-    rl_record = Path(__file__).resolve().parents[1] / "data" / "results" / "rl_qwen3-0.6b_bfloat16_cuda.json"
+    committed = Path(__file__).resolve().parents[1] / "data" / "results"
+    rl_records = [str(committed / "rl_qwen3-0.6b_bfloat16_cuda_levers.json"),
+                  str(committed / "rl_qwen3-0.6b_bfloat16_cuda.json")]  # the same workload, two runs
+    steps = committed / "decode_step_qwen2.5-3b_bfloat16_cuda.json"
     run_notebooks(names=["03_latency_tables"], out_dir=tmp_path,
-                  extra={"03_latency_tables": {"results_file": str(saved), "rl_results_file": str(rl_record)}},
+                  extra={"03_latency_tables": {"results_file": str(saved), "rl_results_file": rl_records,
+                                               "decode_step_file": str(steps)}},
                   progress=False)
     assert not (tmp_path / "data" / "results").exists() or not any((tmp_path / "data" / "results").iterdir())
     assert_figure(tmp_path / "figures", "03_e2e_tiny_qwen2_float32_cpu")
     assert read_csv(tmp_path / "data" / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
-    # the committed H200 RL record, rendered: a row per path, ours faster than HF's
-    rl = {r["path"]: r for r in read_csv(tmp_path / "data" / "tables" / "03_rl_throughput_qwen3_0_6b_bfloat16_cuda.csv")}
-    assert set(rl) == {"ours", "hf_generate_batch"}
-    assert float(rl["ours"]["output_tokens_per_s"]) > float(rl["hf_generate_batch"]["output_tokens_per_s"]) > 0
+    # the committed H200 RL records, joined: a row per path and run, each lever faster than none
+    rl = {(r["path"], r["git_sha"]): float(r["output_tokens_per_s"])
+          for r in read_csv(tmp_path / "data" / "tables" / "03_rl_throughput_qwen3_0_6b_bfloat16_cuda.csv")}
+    shas = sorted({sha for _, sha in rl})
+    assert len(shas) == 2 and {p for p, _ in rl} == {"ours", "ours_no_compile", "ours_masked", "hf_generate_batch"}
+    ours = max(v for (p, _), v in rl.items() if p == "ours")
+    no_compile, masked, hf = (next(v for (p, _), v in rl.items() if p == name)
+                              for name in ("ours_no_compile", "ours_masked", "hf_generate_batch"))
+    assert ours > no_compile > masked > hf > 0
     assert_figure(tmp_path / "figures", "03_rl_throughput_qwen3_0_6b_bfloat16_cuda")
+    # the decode-step record: every case and variant, the compiled span step the fastest
+    steps = read_csv(tmp_path / "data" / "tables" / "03_decode_step_qwen2_5_3b_bfloat16_cuda.csv")
+    assert {r["case"] for r in steps} == {"32x80", "128x710"}
+    for case in ("32x80", "128x710"):
+        ms = {r["variant"]: float(r["step_ms_median"]) for r in steps if r["case"] == case}
+        assert ms["ours"] < ms["ours_no_compile"] < ms["ours_masked"]
+    assert_figure(tmp_path / "figures", "03_decode_step_qwen2_5_3b_bfloat16_cuda")
 
 
 # ---------------------------------------------------------------- 04: beyond the reference planner

@@ -416,6 +416,11 @@ def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
     return _load_record(Path(path), "rl_throughput")
 
 
+def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
+    """A record written by ``scripts/bench_decode_step.py`` (kind "decode_step")."""
+    return _load_record(Path(path), "decode_step")
+
+
 def _load_record(path: Path, kind: str) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"results file {str(path)!r} does not exist")
@@ -426,15 +431,27 @@ def _load_record(path: Path, kind: str) -> dict[str, Any]:
 
 
 def rl_throughput_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One row per path of an RL throughput record: E2E, output tok/s, decode ms per step, memory."""
+    """One row per path of an RL throughput record: E2E, output tok/s, decode ms per step, memory;
+    ``git_sha`` (7 characters) names the code that ran, for tables that join several records."""
     rows = []
+    sha = str(record.get("provenance", {}).get("git_sha") or "")[:7]
     for path, res in record["results"].items():
         peak = res.get("peak_memory_bytes")
-        rows.append({"path": path, "mean_ms": res.get("mean_ms"), "output_tokens_per_s": res.get("output_tokens_per_s"),
+        rows.append({"path": path, "git_sha": sha, "mean_ms": res.get("mean_ms"),
+                     "output_tokens_per_s": res.get("output_tokens_per_s"),
                      "first_call_ms": res.get("first_call_ms"), "decode_ms_per_step": res.get("decode_ms_per_step"),
                      "num_slots": res.get("num_slots"), "peak_memory_gb": None if peak is None else peak / 1e9,
                      "skipped": res.get("skipped")})
     return rows
+
+
+def decode_step_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per (case, variant) of a decode-step record: median ms per step and its spread, the
+    first-call cost (compile and capture) and which levers were on."""
+    return [{"case": case, "variant": variant, "step_ms_median": r["step_ms_median"],
+             "step_ms_stdev": r["step_ms_stdev"], "first_call_ms": r["first_call_ms"],
+             "spans": r["spans"], "compiled": r["compiled"]}
+            for case, variants in record["cases"].items() for variant, r in variants.items()]
 
 
 # -- what make reproduce and notebook 03 call ------------------------------------------------------

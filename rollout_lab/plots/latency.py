@@ -107,19 +107,44 @@ def plot_rl_throughput(rows: Sequence[Mapping[str, Any]], *, title: str = "") ->
     """Output tok/s and decode ms per step per path of an RL throughput record
     (``measure.sweep.rl_throughput_rows``); a skipped path is named, not drawn."""
     ran = [r for r in rows if r.get("output_tokens_per_s") is not None]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
-    names = [r["path"] for r in ran]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.45 * max(4, len(ran))))
+    several = len({r.get("git_sha") for r in rows}) > 1  # rows from several records: name the code
+    names = [f"{r['path']} @{r['git_sha']}" if several else r["path"] for r in ran]
     left.barh(names, [r["output_tokens_per_s"] for r in ran], color=[PALETTE(i) for i in range(len(ran))])
     for i, r in enumerate(ran):
         left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), va="center", fontsize=8)
     left.set_xlabel("output tokens / s")
     left.margins(x=0.2)
     steps = [r for r in ran if r.get("decode_ms_per_step") is not None]
-    right.barh([r["path"] for r in steps], [r["decode_ms_per_step"] for r in steps], color="0.5")
+    right.barh([names[ran.index(r)] for r in steps], [r["decode_ms_per_step"] for r in steps], color="0.5")
     right.set_xlabel("decode ms per step (mean over the call)")
     skipped = [r["path"] for r in rows if r.get("skipped")]
     if skipped:
         left.set_title(f"skipped: {', '.join(skipped)}", fontsize=8)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Median decode ms per step (error bar: one standard deviation over the timed steps) per case
+    and variant of a decode-step record (``measure.sweep.decode_step_rows``)."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(3 + 1.6 * len(cases), 3.4))
+    width = 0.8 / len(variants)
+    for j, variant in enumerate(variants):
+        for i, case in enumerate(cases):
+            r = next((r for r in rows if r["case"] == case and r["variant"] == variant), None)
+            if r is None:
+                continue
+            x = i + (j - (len(variants) - 1) / 2) * width
+            ax.bar(x, r["step_ms_median"], width, yerr=r["step_ms_stdev"], color=PALETTE(j),
+                   label=variant if i == 0 else None)
+            ax.annotate(f"{r['step_ms_median']:.2f}", (x, r["step_ms_median"]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(cases)), [f"{c} (slots x span)" for c in cases])
+    ax.set_ylabel("ms per decode step (median)")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
