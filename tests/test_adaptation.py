@@ -64,7 +64,7 @@ def test_plan_chunked_is_the_dp_over_heads(seed):
 
 # ---------------------------------------------------------------- 1: chunked prefill (engine)
 
-@pytest.mark.parametrize("mode", ["bucketed", "auto"])
+@pytest.mark.parametrize("mode", ["bucketed", "packed", "auto"])
 @pytest.mark.parametrize("slots", [None, 2])
 def test_chunked_prefill_matches_oracle_within_the_limit(family, mode, slots, oracle):
     model = get_tiny(family)
@@ -76,8 +76,8 @@ def test_chunked_prefill_matches_oracle_within_the_limit(family, mode, slots, or
         result = Rollout(model, config).generate(prompts, max_new_tokens=5)
     assert result.sequences == oracle(model, prompts, max_new_tokens=5, repetition_penalty=1.3)
     prefill = [b * w for b, w in shapes if w > 1]
-    assert max(prefill) <= LIMIT  # every forward's padded positions
-    assert result.route == "bucketed"
+    assert max(prefill) <= LIMIT  # every forward's padded positions (a packed one: its tokens)
+    assert result.route == ("packed" if mode == "packed" else "bucketed")
     chunks = sum(len(t) for plan in result.plans for _, t in plan.chunks)
     assert chunks == sum(len(split_prompt(n, LIMIT)) - 1 for n in lengths)
     assert result.profile.num_prefill_forwards == sum(p.num_forwards for p in result.plans)

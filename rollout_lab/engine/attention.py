@@ -5,7 +5,8 @@ step; under CUDA-graph replay that copy was 43% of a Qwen2.5-3B decode step on a
 query token, the ``group`` query heads that share a KV head can instead be treated as ``group``
 query rows of that head: view the query as ``[B, kv_heads, group, head_dim]`` and call SDPA on the
 unrepeated cache; a ``[B, 1, 1, S]`` mask broadcasts over the group. Prefill (q_len > 1) and
-anything unusual go to HF's own ``sdpa`` function unchanged. When the decode step passes
+anything unusual go to HF's own ``sdpa`` function unchanged. A packed prefill (one row of several
+prompts, ``packed_offsets``) attends per prompt. When the decode step passes
 ``span_starts`` and ``span_front`` (``RolloutConfig(decode_attention="span")``), a decode token
 attends with ``engine.span_attention`` instead, over its row's live columns only.
 
@@ -32,8 +33,11 @@ _registered = False
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          is_causal=None, **kwargs):
     starts, front = kwargs.pop("span_starts", None), kwargs.pop("span_front", None)
+    offsets = kwargs.pop("packed_offsets", None)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape  # [B, H, q, D]
+    if offsets is not None:  # a packed prefill: each prompt attends causally to itself only
+        return packed_segments_attention(query, key, value, offsets, scaling), None
     plain = (
         q_len != 1 or dropout or kwargs.get("softcap") is not None
         or kwargs.get("position_bias") is not None or key.shape[-1] != value.shape[-1]
@@ -49,6 +53,21 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
     q = query.reshape(batch, heads // groups, groups, head_dim)  # [B, kv_heads, group, D]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, head_dim).transpose(1, 2).contiguous(), None  # [B, 1, H, D]
+
+
+def packed_segments_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              offsets: tuple[int, ...], scaling: float | None) -> torch.Tensor:
+    """Causal SDPA per prompt of a packed row: ``query`` ``[1, H, T, D]``, ``key``/``value``
+    ``[1, KVH, T, D]``, prompt i at tokens ``[offsets[i], offsets[i + 1])``; ``[1, T, H, D]``."""
+    if query.shape[0] != 1 or offsets[0] != 0 or offsets[-1] != query.shape[2]:
+        raise ValueError(f"a packed prefill is one row of {offsets[-1]} tokens, got query {tuple(query.shape)}")
+    gqa = key.shape[1] != query.shape[1]
+    parts = [
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                       scale=scaling, enable_gqa=gqa)
+        for a, b in zip(offsets[:-1], offsets[1:])
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
 def register() -> str:
@@ -87,16 +106,17 @@ def is_grouped_query(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def decode_attention(model: torch.nn.Module, *, spans: bool = False) -> Iterator[None]:
+def rollout_attention(model: torch.nn.Module, *, every_sdpa_model: bool = False) -> Iterator[None]:
     """Within the block, an ``sdpa`` grouped-query model attends with ``rollout_gqa``; with
-    ``spans``, every ``sdpa`` model does (the step then passes ``span_starts``/``span_front``).
+    ``every_sdpa_model``, every ``sdpa`` model does (for span decode and packed prefill, which
+    pass ``span_starts``/``span_front`` or ``packed_offsets``).
 
-    Used around our own decode step only (and so baked into its CUDA graph), so that HF's own
-    paths on the same model (nocb, the peers) keep the stock ``sdpa``.
+    Used around our own decode step (and so baked into its CUDA graph) and packed prefill only,
+    so that HF's own paths on the same model (nocb, the peers) keep the stock ``sdpa``.
     """
     config = model.config
     current = getattr(config, "_attn_implementation", None)
-    if current != "sdpa" or not (spans or is_grouped_query(model)):
+    if current != "sdpa" or not (every_sdpa_model or is_grouped_query(model)):
         yield
         return
     register()

@@ -34,12 +34,13 @@ import torch
 from transformers import DynamicCache
 
 from rollout_lab.engine.decode import seen_from_ids, select_tokens
-from rollout_lab.engine.prefill import prefill_bucket
+from rollout_lab.engine.prefill import packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.engine.steppers import EagerStepper, StepperKey
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.chunks import plan_chunked
+from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 
 
@@ -77,10 +78,13 @@ def plan_admission(
     if route == "aligned":
         cost = sum(prefill_cost_ms(1, w, geometry, costs) for w in widths)
         return BucketPlan(tuple((r,) for r in requests), tuple(widths), cost)
-    plan = plan_chunked(widths, geometry, costs)  # plan_buckets unless a prompt is over the limit
+    if route == "packed":  # as few packed forwards as prefill_max_tokens allows (planner.packing)
+        plan = plan_packed(widths, geometry, costs)
+    else:
+        plan = plan_chunked(widths, geometry, costs)  # plan_buckets unless a prompt is over the limit
     buckets = tuple(tuple(requests[i] for i in bucket) for bucket in plan.buckets)
     chunks = tuple((requests[i], tail) for i, tail in plan.chunks)
-    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks)
+    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks, packed=plan.packed)
 
 
 class ContinuousBatcher:
@@ -221,8 +225,9 @@ class ContinuousBatcher:
         self.tails = dict(plan.chunks)
         slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
         self.rows.extend(_Row(r, 0) for r in requests)
+        kind = "packed_prefill" if plan.packed else "prefill"  # a packed width is its tokens
         for bucket, width in zip(plan.buckets, plan.widths):
-            with self.timer.record("prefill", batch=len(bucket), width=width):
+            with self.timer.record(kind, batch=len(bucket), width=width):
                 self._prefill(bucket, [members[r] for r in bucket], slot_of)
         self._note_peak()
         self._retire()
@@ -237,8 +242,12 @@ class ContinuousBatcher:
         source = [i for i, group in enumerate(members) for _ in group]  # their prefilled row
         slots = [slot_of[r] for r in rows]
         lengths = [self.lengths[r] for r in rows]
+        packed = self.settings.route == "packed"
         with self.timer.phase("prefill_ms"):
-            logits, layer_kv = self._bucket_forward(requests)
+            if packed:
+                logits, layer_kv, offsets = self._packed_forward(requests)
+            else:
+                logits, layer_kv = self._bucket_forward(requests)
             index = None
             if len(rows) != len(requests):
                 index = torch.tensor(source, dtype=torch.long, device=logits.device)
@@ -258,7 +267,11 @@ class ContinuousBatcher:
         self.profile.num_prefill_rows += len(requests)
         self.profile.num_replicated_rows += len(rows) - len(requests)
         with self.timer.phase("cache_ms"):
-            self.cache.admit(slots, layer_kv, lengths, source_rows=source)
+            if packed:  # each prompt's head from its offset (a chunked prompt's whole KV follows)
+                heads = [self._head_length(requests[s]) for s in source]
+                self.cache.admit_packed(slots, layer_kv, [offsets[s] for s in source], heads)
+            else:
+                self.cache.admit(slots, layer_kv, lengths, source_rows=source)
             self._admit_spans(slots, source)
             self.state.admit(slots, first, lengths, seen, sample_keys=keys)
         for slot, token in zip(slots, first.tolist()):
@@ -274,14 +287,39 @@ class ContinuousBatcher:
         return seen_from_ids(ids.to(self.device), valid.to(self.device), self.vocab_size)
 
     # -- chunked prefill (planner.chunks.plan_chunked) ---------------------------------------------
+    def _head_length(self, request: int) -> int:
+        return self.lengths[request] - sum(self.tails.get(request, ()))
+
+    def _packed_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list, list[int]]:
+        """One packed forward over each request's head (``engine.prefill.prefill_packed``); a chunked
+        request's tails run after it as in ``_bucket_forward``. Returns (last logits, packed
+        per-layer KV, each request's token offset)."""
+        heads = [self.prompts[r][: self._head_length(r)] for r in requests]
+        backend = packed_backend(self.model)
+        self.profile.prefill_backend = backend
+        logits, layer_kv, offsets = prefill_packed(self.model, heads, cache_kwarg=self.settings.cache_kwarg,
+                                                   backend=backend)
+        logits = self._run_tails(requests, heads, logits, lambda row: [
+            (k[:, :, offsets[row]: offsets[row] + len(heads[row])],
+             v[:, :, offsets[row]: offsets[row] + len(heads[row])]) for k, v in layer_kv])
+        return logits, layer_kv, offsets
+
     def _bucket_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list]:
         """The bucket's forward over each request's head; a chunked request's tails run after it
         (chunk k over a cache of chunks < k), its logits replace the head's and its whole KV
         waits in ``_spans`` for ``_admit_spans``."""
-        heads = [self.prompts[r][: self.lengths[r] - sum(self.tails.get(r, ()))] for r in requests]
+        heads = [self.prompts[r][: self._head_length(r)] for r in requests]
         logits, layer_kv = prefill_bucket(
             self.model, heads, pad_token_id=self.settings.pad_token_id, cache_kwarg=self.settings.cache_kwarg
         )
+        self.profile.prefill_backend = "padded"
+        return self._run_tails(requests, heads, logits,
+                               lambda row: head_kv_of_row(layer_kv, row, len(heads[row]))), layer_kv
+
+    def _run_tails(self, requests, heads, logits: torch.Tensor, head_kv) -> torch.Tensor:
+        """Each chunked request's tail chunks after its head (``head_kv(row)``: its per-layer KV);
+        its logits replace the head's (in ``logits``, returned) and its whole KV waits in
+        ``_spans`` for ``_admit_spans``."""
         self._spans = {}
         for row, r in enumerate(requests):
             if r not in self.tails:
@@ -291,15 +329,14 @@ class ContinuousBatcher:
                 chunks.append(self.prompts[r][start : start + width])
                 start += width
             row_logits, kv = extend_prefill(
-                self.model, head_kv_of_row(layer_kv, row, len(heads[row])), chunks,
-                cache_kwarg=self.settings.cache_kwarg,
+                self.model, head_kv(row), chunks, cache_kwarg=self.settings.cache_kwarg,
                 record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o),
             )
             logits = logits.clone() if not self._spans else logits
             logits[row] = row_logits[0]
             self._spans[row] = kv
             self.profile.num_prefill_forwards += len(chunks)
-        return logits, layer_kv
+        return logits
 
     def _admit_spans(self, slots: Sequence[int], source_rows: Sequence[int] | None = None) -> None:
         """Overwrite each chunked request's slot with its whole prompt (``admit`` wrote the head)."""

@@ -193,6 +193,42 @@ class AlignedKVCache:
             self.row_starts[slot] = front - n
         self._push_starts(slots)
 
+    def admit_packed(
+        self,
+        slots: Sequence[int],
+        layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        """Scatter packed prompts' KV into ``slots`` at ``[front - len, front)``.
+
+        ``layer_kv[i]`` is layer i's (keys, values) of a packed forward, ``[1, kv_heads, T, head_dim]``;
+        slot ``slots[j]`` gets the ``lengths[j]`` tokens from ``offsets[j]`` (several slots may take
+        the same prompt: shared prefill). One indexed copy per layer and tensor.
+        """
+        front, device = self.front_int, self.mask.device
+        if max(lengths) > front:
+            raise RuntimeError(f"a prompt of {max(lengths)} tokens does not fit left of front {front}")
+        sizes = torch.tensor(list(lengths), device=device)
+        slot_idx = torch.repeat_interleave(torch.tensor(list(slots), device=device), sizes)  # [sum]
+        within = torch.arange(int(sizes.sum()), device=device) - torch.repeat_interleave(
+            torch.cumsum(sizes, 0) - sizes, sizes)  # position inside its prompt
+        token_idx = torch.repeat_interleave(torch.tensor(list(offsets), device=device), sizes) + within
+        col_idx = front - torch.repeat_interleave(sizes, sizes) + within
+        for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
+            for dst, src in ((dst_k, src_k), (dst_v, src_v)):
+                values = src[0].index_select(1, token_idx).transpose(0, 1)  # [sum, kv_heads, head_dim]
+                dst.permute(0, 2, 1, 3)[slot_idx, col_idx] = values.to(dst.dtype)
+        index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        cols = torch.arange(self.capacity, device=device)
+        live = (cols[None, :] >= front - sizes[:, None]) & (cols[None, :] < front)  # [slots, capacity]
+        row_mask = torch.full((len(slots), self.capacity), self.masked_value, dtype=self.mask.dtype,
+                              device=device).masked_fill_(live, 0.0)
+        self.mask.index_copy_(0, index, row_mask[:, None, None, :])
+        for slot, n in zip(slots, lengths):
+            self.row_starts[slot] = front - n
+        self._push_starts(slots)
+
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy slots ``src`` onto slots ``dst`` (compaction); returns the KV bytes moved."""
         if not src:

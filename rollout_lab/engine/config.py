@@ -22,7 +22,7 @@ from rollout_lab.planner.decode_steps import check_prior_settings
 from rollout_lab.planner.fit import check_window
 
 # The routes, in the order tables and figures show them: the four a user can force, then Auto's choice.
-MANUAL_ROUTES = ("nocb", "equal_width", "aligned", "bucketed")
+MANUAL_ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed")
 CB_ROUTES = MANUAL_ROUTES[1:]  # prefill into the aligned cache, then continuous batching
 MODES = MANUAL_ROUTES + ("auto",)
 DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager elsewhere

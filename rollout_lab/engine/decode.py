@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from rollout_lab.engine.attention import decode_attention
+from rollout_lab.engine.attention import rollout_attention
 from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.sampling import SamplingParams, sample_tokens
 
@@ -121,7 +121,7 @@ def decode_step(
     mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
     mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
     extra = {"span_starts": cache.starts[:num_rows], "span_front": cache.front} if spans else {}
-    with decode_attention(model, spans=spans):  # GQA without repeat_kv
+    with rollout_attention(model, every_sdpa_model=spans):  # GQA without repeat_kv
         out = (model if forward is None else forward)(
             input_ids=state.input_ids[:num_rows],
             position_ids=state.position_ids[:num_rows],

@@ -9,6 +9,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from rollout_lab.engine.attention import rollout_attention
+
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
     """transformers renamed ``past_key_values`` to ``cache`` in the forward signatures (5.2x)."""
@@ -52,3 +54,59 @@ def prefill_bucket(
     )
     layer_kv = [(layer.keys, layer.values) for layer in temp.layers]
     return out.logits[:, -1], layer_kv
+
+
+PACKED_BACKENDS = ("segments", "masked")
+
+
+def packed_backend(model: torch.nn.Module) -> str:
+    """How a packed prefill attends: "segments" (``engine.attention``: causal SDPA per prompt, no
+    mask) for ``sdpa`` models, else "masked" (one forward with a block-diagonal causal mask, which
+    any attention implementation that takes an additive 4-D mask runs)."""
+    return "segments" if getattr(model.config, "_attn_implementation", None) == "sdpa" else "masked"
+
+
+def block_diagonal_mask(lengths: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """``[1, 1, T, T]`` additive mask: token t of prompt i sees prompt i's tokens up to t only."""
+    total = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(list(lengths), device=device))  # [T]
+    pos = torch.arange(total, device=device)
+    keep = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    mask = torch.zeros(total, total, dtype=dtype, device=device)
+    return mask.masked_fill_(~keep, torch.finfo(dtype).min)[None, None]
+
+
+@torch.no_grad()
+def prefill_packed(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    cache_kwarg: str,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """One forward of ``prompts`` packed into one row of sum(L) tokens, positions restarting per
+    prompt: (last logits [n, vocab], per-layer (keys, values) ``[1, kv_heads, T, head_dim]``, each
+    prompt's first token offset). ``backend``: ``PACKED_BACKENDS`` (default ``packed_backend``)."""
+    backend = packed_backend(model) if backend is None else backend
+    if backend not in PACKED_BACKENDS:
+        raise ValueError(f"backend must be one of {list(PACKED_BACKENDS)}, got {backend!r}")
+    device = next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    ids = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)  # [1, T]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # [1, T]
+    last = torch.tensor(offsets[1:], device=device) - 1  # [n]
+    temp = DynamicCache(config=model.config)
+    common = dict(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=last,
+                  **{cache_kwarg: temp})
+    if backend == "segments":
+        with rollout_attention(model, every_sdpa_model=True):
+            out = model(attention_mask=None, packed_offsets=tuple(offsets), **common)
+    else:
+        dtype = next(model.parameters()).dtype
+        out = model(attention_mask=block_diagonal_mask(lengths, dtype, device), **common)
+    layer_kv = [(layer.keys, layer.values) for layer in temp.layers]
+    return out.logits[0], layer_kv, offsets[:-1]

@@ -28,7 +28,8 @@ class Profile:
     actually prefilled (one per unique prompt per admission with shared prefill) and
     ``num_replicated_rows`` the rows whose KV was copied from such a row instead.
     ``forwards`` (only when profiling or recalibrating online) lists every prefill forward
-    (``kind`` prefill/chunk/nocb_prefill, ``batch``, ``width``, ``ms``; a chunk also ``offset``)
+    (``kind`` prefill/chunk/nocb_prefill/packed_prefill, ``batch``, ``width``, ``ms``; a chunk also
+    ``offset``; a packed forward's ``width`` is its tokens, and the online refit skips it)
     and decode burst (``kind`` decode/nocb_decode, ``rows``, ``steps``, ``ms``), for the online refit (``planner.fit``).
     """
 
@@ -48,6 +49,7 @@ class Profile:
     cache_bytes: int = 0
     num_prefill_rows: int = 0
     num_replicated_rows: int = 0
+    prefill_backend: str | None = None  # "padded" (bucketed routes), or packed's "segments" / "masked"
     forwards: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:

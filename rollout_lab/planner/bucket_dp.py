@@ -39,6 +39,9 @@ class BucketPlan:
     cost_ms: float
     # chunked prefill: (request index, widths of its tail chunks); its bucket entry is its head
     chunks: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # packed route (planner.packing): each bucket is one packed forward and its width the tokens
+    # in it (no padding), not a padded width
+    packed: bool = False
 
     @property
     def num_buckets(self) -> int:
@@ -52,6 +55,8 @@ class BucketPlan:
     @property
     def num_padded_tokens(self) -> int:
         tails = sum(sum(tail) for _, tail in self.chunks)
+        if self.packed:
+            return sum(self.widths) + tails
         return sum(len(b) * w for b, w in zip(self.buckets, self.widths)) + tails
 
 

@@ -2,6 +2,10 @@
 
     C(B, L) = fixed + token * B*L + attention * attn_GFLOPs(B, L) + kv * KV_MiB(B, L)
 
+and for a packed forward of prompts L_1..L_n (``packed_prefill_cost_ms``):
+
+    P(L_1..L_n) = fixed + sum_i [C(1, L_i) - fixed] + packed_prompt * n
+
 Every term is linear in the batch B, so C(B, L) = fixed + B * per_row_cost_ms(L); the planner
 relies on that. Pure Python: no torch import (``ModelGeometry.from_config`` takes any dtype-like).
 
@@ -13,7 +17,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rollout_lab.workspace import write_json_atomic
 
@@ -39,10 +43,16 @@ class CostCoefficients:
     nocb_decode_cost_ms: float = 0.0  # nocb's own decode cost per remaining step
     prefill_replicate_cost_ms: float = 0.0  # per MiB of KV copied from a shared prefill row
     prefill_max_tokens: int | None = 65536  # padded positions per forward; None = no limit
+    # the packed route (planner.packing): what one prompt adds to a packed forward beyond the shared
+    # terms (its own attention call, its KV scatter). None = not calibrated: Auto does not consider
+    # packed (mode="packed" still runs, priced with 0); a calibration measures and fits it
+    packed_prompt_cost_ms: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "packed_prompt_cost_ms" and value is None:
+                continue
             if f.name == "prefill_max_tokens":
                 if value is None:
                     continue
@@ -62,8 +72,9 @@ class CostCoefficients:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostCoefficients":
         names = {f.name for f in fields(cls)}
+        optional = {"packed_prompt_cost_ms"}  # added later: files written before it lack it
         unknown = sorted(set(data) - names)
-        missing = sorted(names - set(data))
+        missing = sorted(names - set(data) - optional)
         if unknown or missing:
             raise ValueError(
                 f"cost coefficients: unknown keys {unknown}, missing keys {missing}; "
@@ -174,6 +185,19 @@ def prefill_cost_ms(
     return coeffs.prefill_fixed_cost_ms + batch * per_row_cost_ms(
         width, geometry, coeffs, include_kv=include_kv
     )
+
+
+def packed_prefill_cost_ms(
+    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+) -> float:
+    """Estimated time of one packed forward of ``lengths`` (one row of sum(lengths) tokens, each
+    prompt attending to itself): fixed + token * sum(L) + attention * sum attn(1, L_i)
+    + kv * sum KV(1, L_i) + packed_prompt * n."""
+    if not lengths:
+        return 0.0
+    per_prompt = coeffs.packed_prompt_cost_ms or 0.0
+    return coeffs.prefill_fixed_cost_ms + sum(
+        per_row_cost_ms(length, geometry, coeffs) + per_prompt for length in lengths)
 
 
 def per_row_cost_ms(

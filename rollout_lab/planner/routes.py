@@ -1,4 +1,4 @@
-"""Bucket planner: the nocb/bucketed route choice over the exactly optimal bucket DP.
+"""Route planner: nocb, bucketed (the exactly optimal bucket DP) or packed (``planner.packing``).
 
 Pure Python (no torch), deterministic, no I/O. Run ``rollout-lab plan 512 16 16 ...`` to try it.
 
@@ -40,8 +40,9 @@ from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
 from rollout_lab.planner.decode_steps import LengthPrior, budget_decode_steps, expected_decode_steps
+from rollout_lab.planner.packing import plan_packed
 
-ROUTES = ("nocb", "bucketed")
+ROUTES = ("nocb", "bucketed", "packed")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RoutePlan:
     nocb_cost_ms: float | None  # None when nocb is not eligible
     cb_cost_ms: float
     cb_cost_is_lower_bound: bool = False  # True when the DP was skipped because nocb wins anyway
+    packed_cost_ms: float | None = None  # None when packed is not a candidate (not calibrated)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -93,7 +95,9 @@ def choose_route(
     response_lengths: LengthPrior | None = None,
     chunk_long_prompts: bool = False,
 ) -> RoutePlan:
-    """Compare nocb with bucketed CB by the cost model and take the cheaper (nocb on a tie).
+    """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
+    nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
+    (a calibration measured it); its plan is ``planner.packing.plan_packed``; its decode is CB's.
 
     nocb is eligible when ``nocb_allowed`` (no explicit capacity or trimming), every request
     fits the slots at once and the padded batch fits ``prefill_max_tokens``.
@@ -145,9 +149,15 @@ def choose_route(
             return RoutePlan("nocb", (tuple(range(n)),), nocb, bound, cb_cost_is_lower_bound=True)
     plan = plan_chunked(lengths, geometry, coeffs) if chunk_long_prompts else plan_buckets(lengths, geometry, coeffs)
     cb = plan.cost_ms + decode
-    if nocb is not None and nocb <= cb:
-        return RoutePlan("nocb", (tuple(range(n)),), nocb, cb)
-    return RoutePlan("bucketed", plan.buckets, nocb, cb)
+    packed, packs = None, ()
+    if coeffs.packed_prompt_cost_ms is not None:
+        packing = plan_packed(lengths, geometry, coeffs)
+        packed, packs = packing.cost_ms + decode, packing.buckets
+    if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
+        return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed)
+    if packed is not None and packed < cb:
+        return RoutePlan("packed", packs, nocb, cb, packed_cost_ms=packed)
+    return RoutePlan("bucketed", plan.buckets, nocb, cb, packed_cost_ms=packed)
 
 
 # -- shared prefill --------------------------------------------------------------------------------
@@ -215,7 +225,10 @@ def choose_shared_route(
     if nocb_allowed:
         nocb = choose_route(rows, max_new_tokens=row_budgets, nocb_allowed=True, **common).nocb_cost_ms
     shared = choose_route(lengths, max_new_tokens=budgets, nocb_allowed=False, **common)
-    cb = shared.cb_cost_ms + replication_cost_ms(lengths, replicas, geometry, coeffs)
-    if nocb is not None and nocb <= cb:
-        return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb)
-    return RoutePlan("bucketed", shared.buckets, nocb, cb)
+    copies = replication_cost_ms(lengths, replicas, geometry, coeffs)
+    cb = shared.cb_cost_ms + copies
+    packed = None if shared.packed_cost_ms is None else shared.packed_cost_ms + copies
+    best_cb = cb if packed is None else min(cb, packed)
+    if nocb is not None and nocb <= best_cb:
+        return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb, packed_cost_ms=packed)
+    return RoutePlan(shared.route, shared.buckets, nocb, cb, packed_cost_ms=packed)

@@ -1,0 +1,123 @@
+"""The packed route: its plan and price (planner.packing), the route choice, and the engine's packed
+prefill against the one-request oracle (both attention backends, shared prefill, sampling)."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from conftest import get_tiny
+
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.engine.prefill import block_diagonal_mask, cache_kwarg_name, prefill_packed
+from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms, prefill_cost_ms
+from rollout_lab.planner.packing import min_forwards, pack_first_fit, plan_packed
+from rollout_lab.planner.routes import choose_route
+
+GEO = ModelGeometry.qwen25_3b(2)
+
+
+def _prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+# ---------------------------------------------------------------- planner
+
+def test_packed_price_is_one_fixed_cost_plus_each_prompt_alone():
+    coeffs = CostCoefficients(packed_prompt_cost_ms=0.7)
+    lengths = [512, 16, 16, 100]
+    alone = sum(prefill_cost_ms(1, n, GEO, coeffs) - coeffs.prefill_fixed_cost_ms for n in lengths)
+    assert packed_prefill_cost_ms(lengths, GEO, coeffs) == pytest.approx(
+        coeffs.prefill_fixed_cost_ms + alone + 0.7 * 4)
+    assert packed_prefill_cost_ms([], GEO, coeffs) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_first_fit_packs_within_the_limit_and_near_the_bound(seed):
+    rng = random.Random(seed)
+    limit = rng.choice([64, 100, 512])
+    lengths = [rng.randint(1, limit) for _ in range(rng.randint(1, 40))]
+    packs = pack_first_fit(lengths, limit)
+    assert sorted(itertools.chain(*packs)) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p) <= limit for p in packs)
+    bound = min_forwards(lengths, limit)
+    assert bound <= len(packs) <= 11 * bound / 9 + 1
+    assert pack_first_fit(lengths, None) == [list(range(len(lengths)))]
+
+
+def test_plan_packed_chunks_prompts_over_the_limit():
+    coeffs = CostCoefficients(prefill_max_tokens=32, packed_prompt_cost_ms=0.0)
+    plan = plan_packed([40, 5, 3, 70, 16], GEO, coeffs)
+    assert plan.packed and dict(plan.chunks) == {0: (32,), 3: (32, 32)}
+    assert all(w <= 32 for w in plan.widths) and plan.num_padded_tokens == sum([40, 5, 3, 70, 16])
+    with pytest.raises(ValueError, match="length at index 1 must be a positive int, got 0"):
+        plan_packed([3, 0], GEO, coeffs)
+
+
+def test_route_choice_with_and_without_a_packed_price():
+    lengths = [512] + [16] * 31
+    uncalibrated = choose_route(lengths, max_new_tokens=16, continuous_batch_size=None, geometry=GEO,
+                                coeffs=CostCoefficients())
+    assert uncalibrated.packed_cost_ms is None and uncalibrated.route == "bucketed"
+    cheap = choose_route(lengths, max_new_tokens=16, continuous_batch_size=None, geometry=GEO,
+                         coeffs=CostCoefficients(packed_prompt_cost_ms=0.1))
+    assert cheap.route == "packed" and cheap.packed_cost_ms < cheap.cb_cost_ms
+    assert cheap.buckets == (tuple(range(32)),)
+    dear = choose_route(lengths, max_new_tokens=16, continuous_batch_size=None, geometry=GEO,
+                        coeffs=CostCoefficients(packed_prompt_cost_ms=50.0))
+    assert dear.route == "bucketed" and dear.packed_cost_ms > dear.cb_cost_ms
+
+
+# ---------------------------------------------------------------- engine
+
+def test_block_diagonal_mask():
+    mask = block_diagonal_mask([2, 1, 3], torch.float32, "cpu")[0, 0]
+    keep = mask == 0
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for a, b in ((0, 2), (2, 3), (3, 6)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a).tril().bool()
+    assert torch.equal(keep, expected)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_forward_equals_one_forward_per_prompt(family, attn):
+    model = get_tiny(family, attn)
+    prompts = _prompts([5, 1, 12, 7], seed=3)
+    logits, layer_kv, offsets = prefill_packed(model, prompts, cache_kwarg=cache_kwarg_name(model))
+    assert offsets == [0, 5, 6, 18]
+    for i, prompt in enumerate(prompts):
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        torch.testing.assert_close(logits[i], out.logits[0, -1], atol=1e-5, rtol=1e-5)
+        keys = out.past_key_values.layers[0].keys
+        torch.testing.assert_close(layer_kv[0][0][:, :, offsets[i]: offsets[i] + len(prompt)], keys,
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_route_backend_is_in_the_profile(attn, oracle):
+    model = get_tiny("llama", attn)
+    prompts = _prompts([9, 3, 14, 1, 6], seed=4)
+    result = Rollout(model, RolloutConfig(mode="packed", profile=True, continuous_batch_size=2)).generate(
+        prompts, max_new_tokens=5)
+    assert result.route == "packed"
+    assert result.profile.prefill_backend == ("segments" if attn == "sdpa" else "masked")
+    assert result.sequences == oracle(model, prompts, max_new_tokens=5)
+    assert all(plan.packed for plan in result.plans) and len(result.plans) >= 3  # refills packed too
+    kinds = {f["kind"] for f in result.profile.forwards}
+    assert "packed_prefill" in kinds and "prefill" not in kinds
+
+
+def test_packed_shared_prefill_and_sampling_equal_bucketed():
+    model = get_tiny("qwen3")
+    prompts = _prompts([6, 11, 2, 9], seed=6)
+    prompts[2] = list(prompts[0])  # a repeated request: one group
+    gen = dict(num_samples=3, do_sample=True, temperature=0.9, top_k=40, top_p=0.9, seed=11)
+    runs = {}
+    for mode in ("bucketed", "packed"):
+        config = RolloutConfig(mode=mode, profile=True, repetition_penalty=1.2, continuous_batch_size=5)
+        runs[mode] = Rollout(model, config).generate(prompts, max_new_tokens=7, **gen)
+    assert runs["packed"].sequences == runs["bucketed"].sequences
+    assert runs["packed"].profile.num_replicated_rows > 0  # samples copied from one packed prompt
