@@ -19,6 +19,9 @@ fixed/token/attention are fitted (NNLS, relative weights, ``planner.fit.fit_coef
 forwards, and kv (plus the copy's own per-call cost, added to ``fixed``) to the copies. The reported
 fit compares the sum forward + copy with C(B, L). ``prefill_replicate_cost_ms`` (shared prefill's KV
 copies into the other samples' slots) is the same copy, so it takes kv's slope.
+- ``packed``: the packed forward of each shape with batch >= 2 (its prompts in one row) plus its KV
+  scatter; ``packed_prompt_cost_ms`` is what each packed prompt costs beyond the shared
+  coefficients (``fit_packed_prompt_cost``). Without it Auto never considers packed.
 
 The metadata: the fields in ``CHECKED_FIELDS`` (model, geometry, dtype, device, attention
 implementation, library versions, TF32) must agree between a cost file and the run that loads it:
@@ -38,13 +41,13 @@ from tqdm.auto import tqdm
 
 from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.config import RolloutConfig
-from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
+from rollout_lab.engine.prefill import cache_kwarg_name, packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.workloads import lengths_to_prompts
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, read_cost_file
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms, read_cost_file
 from rollout_lab.planner.fit import decode_costs, fit_coefficients
 from rollout_lab.workspace import Workspace
 
@@ -58,6 +61,7 @@ class CalibrationResult:
     fit: tuple[dict[str, Any], ...]  # batch, width, measured_ms, predicted_ms, rel_error, ...
     decode: tuple[dict[str, Any], ...] = field(default=())  # batch, nocb/cb ms per step, overhead
     r2: float = float("nan")
+    packed: tuple[dict[str, Any], ...] = field(default=())  # prompts, width, measured/predicted ms
 
     @property
     def worst_rel_error(self) -> float:
@@ -68,7 +72,7 @@ class CalibrationResult:
         metadata = dict(self.metadata)
         metadata["fit"] = {
             "r2": self.r2, "worst_rel_error": self.worst_rel_error,
-            "shapes": list(self.fit), "decode": list(self.decode),
+            "shapes": list(self.fit), "decode": list(self.decode), "packed": list(self.packed),
         }
         return self.coeffs.to_json(path, metadata=metadata)
 
@@ -78,7 +82,7 @@ class CalibrationResult:
         coeffs, metadata = read_cost_file(path)
         fit = metadata.pop("fit", None) or {}
         return cls(coeffs, metadata, tuple(fit.get("shapes", ())), tuple(fit.get("decode", ())),
-                   float(fit.get("r2", float("nan"))))
+                   float(fit.get("r2", float("nan"))), tuple(fit.get("packed", ())))
 
 
 # -- the whole calibration ---------------------------------------------------------------------
@@ -117,7 +121,12 @@ def calibrate(
     for record, measured in zip(fit, prefill):
         record["forward_samples_ms"] = measured["forward_samples_ms"]
         record["kv_copy_samples_ms"] = measured["kv_copy_samples_ms"]
-    return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2)
+    packed = measure_packed(model, grid, progress=progress) if grid.packed else []
+    packed_records: tuple[dict[str, Any], ...] = ()
+    if packed:
+        per_prompt, packed_records = fit_packed_prompt_cost(packed, geometry, coeffs)
+        coeffs = replace(coeffs, packed_prompt_cost_ms=per_prompt)
+    return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records)
 
 
 # -- what notebook 01 calls ------------------------------------------------------------------------
@@ -174,6 +183,7 @@ class CalibrationGrid:
     decode_steps: int = 8  # decode steps measured (calls with decode_steps + 1 and 1 new tokens)
     decode_repeats: int = 3
     statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
+    packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
 
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
@@ -249,6 +259,63 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
          "kv_copy_samples_ms": [c for _, c in samples[(b, w)]]}
         for b, w in shapes
     ]
+
+
+def measure_packed(model: Any, grid: CalibrationGrid, *, progress: bool = True) -> list[dict[str, Any]]:
+    """Per grid shape with batch >= 2: the packed forward of ``batch`` prompts of ``width`` tokens
+    (``prefill.prefill_packed``, one row of batch * width tokens) plus its KV scatter into the cache
+    (``AlignedKVCache.admit_packed``), in ms (the grid's statistic over its repeats)."""
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    shapes = [(b, w) for b, w in grid.shapes(getattr(config, "max_position_embeddings", None)) if b >= 2]
+    if not shapes:
+        return []
+    max_width = max(w for _, w in shapes)
+    cache = AlignedKVCache.for_model(model, num_slots=max(b for b, _ in shapes), capacity=max_width + 1)
+    cache.set_front(max_width)
+    kwarg = cache_kwarg_name(model)
+    special = special_token_ids(config)
+    prompts = {(b, w): lengths_to_prompts([w] * b, vocab_size=config.vocab_size, seed=500 + i, special_ids=special)
+               for i, (b, w) in enumerate(shapes)}
+    samples: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+    backend = packed_backend(model)
+
+    def run(batch: int, width: int) -> None:
+        _, layer_kv, offsets = prefill_packed(model, prompts[(batch, width)], cache_kwarg=kwarg, backend=backend)
+        cache.admit_packed(range(batch), layer_kv, offsets, [width] * batch)
+
+    bar = tqdm(total=(grid.repeats + 1) * len(shapes), desc="calibrate packed", disable=not progress)
+    with torch.no_grad():
+        for repeat in range(grid.repeats + 1):  # pass 0 is the warm-up
+            for shape in shapes:
+                ms, _ = timed_ms(lambda: run(*shape), device)
+                if repeat > 0:
+                    samples[shape].append(ms)
+                bar.update()
+    bar.close()
+    stat = STATISTICS[grid.statistic]
+    return [{"prompts": b, "width": w, "backend": backend, "measured_ms": stat(samples[(b, w)]),
+             "samples_ms": samples[(b, w)]} for b, w in shapes]
+
+
+def fit_packed_prompt_cost(
+    packed: list[dict[str, Any]], geometry: ModelGeometry, coeffs: CostCoefficients
+) -> tuple[float, tuple[dict[str, Any], ...]]:
+    """``packed_prompt_cost_ms``: with the shared coefficients fitted on the padded forwards, what
+    each prompt of a packed forward costs beyond them (least squares on relative error, >= 0), and
+    the per-shape fit."""
+    shared = replace(coeffs, packed_prompt_cost_ms=0.0)
+    base = [packed_prefill_cost_ms([r["width"]] * r["prompts"], geometry, shared) for r in packed]
+    weights = [1.0 / r["measured_ms"] for r in packed]
+    num = sum(w * w * r["prompts"] * (r["measured_ms"] - b) for r, b, w in zip(packed, base, weights))
+    den = sum(w * w * r["prompts"] ** 2 for r, w in zip(packed, weights))
+    per_prompt = max(0.0, num / den)
+    records = []
+    for r, b in zip(packed, base):
+        predicted = b + per_prompt * r["prompts"]
+        records.append({**r, "predicted_ms": predicted,
+                        "rel_error": (predicted - r["measured_ms"]) / r["measured_ms"]})
+    return per_prompt, tuple(records)
 
 
 def measure_decode_overhead(
