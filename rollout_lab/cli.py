@@ -26,6 +26,7 @@ from rollout_lab.measure.workloads import DATASETS, SEED_FIVE, WORKLOADS, read_l
 from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks
 from rollout_lab.planner.bucket_dp import plan_buckets
 from rollout_lab.planner.cost import CostCoefficients, prefill_cost_ms, read_cost_file
+from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.workspace import Workspace
 
@@ -50,6 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         geometry = geometry_for(args.preset, args.dtype)
         coeffs = read_cost_file(args.costs)[0] if args.costs else CostCoefficients()
         plan = plan_buckets(lengths, geometry, coeffs)
+        packing = plan_packed(lengths, geometry, coeffs)
         route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
                              continuous_batch_size=args.continuous_batch_size,
                              geometry=geometry, coeffs=coeffs)
@@ -63,9 +65,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
     print(f"bucketed prefill {plan.cost_ms:.2f} ms in {plan.num_buckets} forwards "
           f"(one bucket: {one:.2f} ms)")
+    print(f"packed prefill {packing.cost_ms:.2f} ms in {packing.num_buckets} forwards of "
+          f"{', '.join(map(str, packing.widths))} tokens"
+          + ("" if coeffs.packed_prompt_cost_ms is not None else " (per-prompt cost not calibrated: priced 0)"))
     nocb = "not eligible" if route.nocb_cost_ms is None else f"{route.nocb_cost_ms:.2f} ms"
+    packed = ("not a candidate: the costs have no packed_prompt_cost_ms (calibrate to price it)"
+              if route.packed_cost_ms is None else f"{route.packed_cost_ms:.2f} ms")
     print(f"route for {args.max_new_tokens} new tokens: {route.route} "
-          f"(nocb {nocb}, bucketed CB {route.cb_cost_ms:.2f} ms)")
+          f"(nocb {nocb}, bucketed CB {route.cb_cost_ms:.2f} ms, packed CB {packed})")
     return 0
 
 

@@ -111,6 +111,11 @@ def test_tiny_calibration_end_to_end(calibrated):
     result, path = calibrated
     c = result.coeffs
     assert all(np.isfinite(v) and v >= 0 for k, v in c.to_dict().items() if k != "prefill_max_tokens")
+    # the packed route: every shape with >= 2 prompts timed, and its per-prompt cost fitted
+    multi = [(b, w) for b, w in CalibrationGrid.tiny().shapes() if b >= 2]
+    assert [(r["prompts"], r["width"]) for r in result.packed] == multi
+    assert c.packed_prompt_cost_ms is not None and all(r["measured_ms"] > 0 for r in result.packed)
+    assert all(r["backend"] == "segments" for r in result.packed)
     assert len(result.fit) == len(CalibrationGrid.tiny().shapes())
     assert np.isfinite(result.r2) and result.worst_rel_error >= 0
     assert result.decode and result.decode[0]["nocb_ms_per_step"] > 0
@@ -123,6 +128,7 @@ def test_tiny_calibration_end_to_end(calibrated):
     assert coeffs == c and saved["fit"]["shapes"][0]["measured_ms"] > 0
     again = CalibrationResult.load(path)
     assert again.coeffs == c and again.fit == result.fit and again.r2 == pytest.approx(result.r2)
+    assert again.packed == result.packed
 
 
 def test_load_accepts_the_same_run(calibrated, tiny):
@@ -179,3 +185,18 @@ def test_decode_costs_keep_the_reference_form_or_give_both():
     faster = [{"cb_ms_per_step": 6.0, "nocb_ms_per_step": 30.0}]
     assert decode_costs(faster) == (6.0, 30.0)
     assert decode_costs([]) == (0.0, 0.0)
+
+
+def test_fit_packed_prompt_cost_recovers_a_known_cost():
+    from rollout_lab.measure.calibrate import fit_packed_prompt_cost
+    from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms
+
+    geometry, coeffs = ModelGeometry.qwen25_3b(2), CostCoefficients()
+    truth = CostCoefficients(packed_prompt_cost_ms=0.8)
+    packed = [{"prompts": b, "width": w, "measured_ms": packed_prefill_cost_ms([w] * b, geometry, truth)}
+              for b, w in [(2, 16), (8, 64), (32, 128)]]
+    per_prompt, records = fit_packed_prompt_cost(packed, geometry, coeffs)
+    assert per_prompt == pytest.approx(0.8)
+    assert all(abs(r["rel_error"]) < 1e-9 for r in records)
+    cheaper = [dict(r, measured_ms=r["measured_ms"] - 100.0) for r in packed]  # faster than shared terms
+    assert fit_packed_prompt_cost(cheaper, geometry, coeffs)[0] == 0.0  # clipped at zero

@@ -17,6 +17,19 @@ def test_plan_a_real_dataset_batch(capsys):
     assert "bucketed prefill" in out and "route for 16 new tokens" in out
 
 
+def test_plan_prices_the_packed_route_once_calibrated(tmp_path, capsys):
+    from rollout_lab.planner.cost import CostCoefficients
+
+    assert main(["plan", "512", "16", "16", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "packed prefill" in out and "1 forwards of 560 tokens" in out and "not calibrated" in out
+    assert "packed CB not a candidate" in out
+    CostCoefficients(packed_prompt_cost_ms=0.1).to_json(tmp_path / "c.json")
+    assert main(["plan", "512", "16", "16", "16", "--costs", str(tmp_path / "c.json"), "--max-new-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "route for 1 new tokens: packed" in out and "not calibrated" not in out
+
+
 def test_plan_reads_a_csv_with_a_header_and_plain_numbers(tmp_path, capsys):
     (tmp_path / "h.csv").write_text("name,index,num_tokens\nx,0,512\nx,1,16\nx,2,16\n")
     (tmp_path / "n.txt").write_text("512, 16\n16 16")

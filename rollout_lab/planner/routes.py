@@ -141,18 +141,19 @@ def choose_route(
     nocb = None
     if eligible:
         nocb = nocb_cost_ms(lengths, geometry, coeffs, max_new_tokens=longest_budget, decode_steps=nocb_steps)
-    if nocb is not None:
-        # cheapest conceivable CB: one fixed cost, every prompt at its own width
-        bound = coeffs.prefill_fixed_cost_ms + decode
-        bound += sum(per_row_cost_ms(length, geometry, coeffs) for length in lengths)
-        if nocb <= bound:
-            return RoutePlan("nocb", (tuple(range(n)),), nocb, bound, cb_cost_is_lower_bound=True)
-    plan = plan_chunked(lengths, geometry, coeffs) if chunk_long_prompts else plan_buckets(lengths, geometry, coeffs)
-    cb = plan.cost_ms + decode
     packed, packs = None, ()
     if coeffs.packed_prompt_cost_ms is not None:
         packing = plan_packed(lengths, geometry, coeffs)
         packed, packs = packing.cost_ms + decode, packing.buckets
+    if nocb is not None:
+        # cheapest conceivable CB: one fixed cost, every prompt at its own width (packed's too)
+        bound = coeffs.prefill_fixed_cost_ms + decode
+        bound += sum(per_row_cost_ms(length, geometry, coeffs) for length in lengths)
+        if nocb <= bound:
+            return RoutePlan("nocb", (tuple(range(n)),), nocb, bound, cb_cost_is_lower_bound=True,
+                             packed_cost_ms=packed)
+    plan = plan_chunked(lengths, geometry, coeffs) if chunk_long_prompts else plan_buckets(lengths, geometry, coeffs)
+    cb = plan.cost_ms + decode
     if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
         return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed)
     if packed is not None and packed < cb:
