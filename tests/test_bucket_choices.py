@@ -115,3 +115,24 @@ def test_tables_and_route_map(tmp_path):
     assert m.max_lengths == (16, 128, 1024, 2048)
     path = write_csv(m.rows(), tmp_path / "t" / "route.csv")
     assert path.read_text().splitlines()[0].startswith("distribution,scale,max_len")
+
+
+def test_packed_crossing_is_where_the_two_prices_meet():
+    from dataclasses import replace
+
+    from rollout_lab.measure.bucket_choices import packed_crossing_rows
+    from rollout_lab.planner.bucket_dp import plan_buckets
+    from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+    from rollout_lab.planner.packing import plan_packed
+    from rollout_lab.measure.workloads import lognormal_lengths
+
+    geometry = ModelGeometry.qwen25_3b(2)
+    rows = packed_crossing_rows(geometry, CostCoefficients(), batch_sizes=(32,), seeds=(0,))
+    assert [r["packed_wins"] for r in rows] == [None, None]  # no calibrated overhead
+    row = next(r for r in rows if r["distribution"] == "lognormal")
+    lengths = lognormal_lengths(32, 120.0, 0.8, 0, 2048)
+    at_crossing = replace(CostCoefficients(), packed_prompt_cost_ms=row["crossing_ms_per_prompt"])
+    assert plan_packed(lengths, geometry, at_crossing).cost_ms == pytest.approx(
+        plan_buckets(lengths, geometry, CostCoefficients()).cost_ms)
+    cheap = packed_crossing_rows(geometry, CostCoefficients(packed_prompt_cost_ms=0.01), batch_sizes=(32,), seeds=(0,))
+    assert all(r["packed_wins"] for r in cheap)

@@ -85,8 +85,12 @@ def test_02_figures(executed):
     out, _ = executed
     figures = out / "figures"
     for stem in ("02_buckets_all", "02_buckets_gsm8k", "02_cost_by_num_buckets", "02_fixed_cost_sweep",
-                 "02_fixed_cost_buckets_gsm8k", "02_route_maps"):
+                 "02_fixed_cost_buckets_gsm8k", "02_route_maps", "02_packed_crossing"):
         assert_figure(figures, stem)
+    crossing = read_csv(out / "data" / "tables" / "02_packed_crossing.csv")
+    assert {r["distribution"] for r in crossing} == {"lognormal", "bimodal"}
+    assert {int(r["batch_size"]) for r in crossing} == {32, 64, 128, 256, 512}
+    assert all(float(r["packed_zero_ms"]) <= float(r["bucketed_ms"]) for r in crossing)  # packed's floor
     assert_figure(figures, "02_explorer_static", svg=False)
 
 

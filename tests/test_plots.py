@@ -98,7 +98,7 @@ def test_explorer_widget_builds_without_frontend():
     pytest.importorskip("ipywidgets")
     widget = explorer_widget(Settings(), GEO, COEFFS)
     sliders = [c for box in widget.children[0].children for c in box.children]
-    assert len(sliders) == 14
+    assert len(sliders) == 15  # 6 coefficients (packed included) + 9 settings
     sliders[0].value = 100.0  # a redraw must not raise
     with pytest.raises(ValueError, match="kind must be one of"):
         Settings(kind="zipf")

@@ -18,9 +18,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from rollout_lab.measure.workloads import Distribution, scale_lengths
+from rollout_lab.measure.workloads import Distribution, bimodal_lengths, lognormal_lengths, scale_lengths
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, plans_by_num_buckets
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import cb_decode_cost_ms, choose_route, nocb_cost_ms
 
 
@@ -157,3 +158,44 @@ def route_map(
         routes.append(tuple("nocb" if n <= c else "bucketed" for n, c in zip(nocb_cols, row_c)))
     return RouteMap(label, tuple(scales), tuple(max(c) for c in columns),
                     tuple(int(b) for b in budgets), tuple(nocb), tuple(cb), tuple(routes))
+
+
+# ---------------------------------------------------------------- packed against bucketed
+
+PACKED_BATCH_SIZES = (32, 64, 128, 256, 512)
+
+
+def packed_crossing_rows(
+    geometry: ModelGeometry, coeffs: CostCoefficients, *, batch_sizes: Sequence[int] = PACKED_BATCH_SIZES,
+    seeds: Sequence[int] = (0, 1, 2), median: float = 120.0, sigma: float = 0.8,
+    short_median: float = 40.0, long_median: float = 600.0, long_share: float = 0.1, max_len: int = 2048,
+) -> list[dict[str, Any]]:
+    """Where packed and bucketed prefill cross, from the cost model, on lognormal and bimodal
+    batches of each size (one row per distribution, size and seed).
+
+    Packed costs ``packed_zero_ms + n * c`` with ``c`` = ``packed_prompt_cost_ms``, so it wins while
+    ``c`` < ``crossing_ms_per_prompt`` = (bucketed - packed_zero) / n; ``packed_wins`` applies the
+    coefficients' own ``c`` (None when they have none: not calibrated)."""
+    zero = replace(coeffs, packed_prompt_cost_ms=0.0)
+    rows = []
+    for n in batch_sizes:
+        for seed in seeds:
+            samples = {
+                "lognormal": lognormal_lengths(n, median, sigma, seed, max_len),
+                "bimodal": bimodal_lengths(n, short_median, long_median, long_share=long_share,
+                                           sigma=sigma / 4, seed=seed, max_len=max_len),
+            }
+            for kind, lengths in samples.items():
+                bucketed = plan_buckets(lengths, geometry, coeffs)
+                packed = plan_packed(lengths, geometry, zero)
+                crossing = (bucketed.cost_ms - packed.cost_ms) / n
+                c = coeffs.packed_prompt_cost_ms
+                rows.append({
+                    "distribution": kind, "batch_size": n, "seed": seed, "num_tokens": sum(lengths),
+                    "bucketed_ms": bucketed.cost_ms, "bucketed_forwards": bucketed.num_buckets,
+                    "bucketed_padding_share": plan_padding_share(lengths, bucketed),
+                    "packed_zero_ms": packed.cost_ms, "packed_forwards": packed.num_buckets,
+                    "crossing_ms_per_prompt": crossing,
+                    "packed_wins": None if c is None else c < crossing,
+                })
+    return rows

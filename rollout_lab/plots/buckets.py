@@ -1,10 +1,11 @@
-"""Figures of ``notebooks/02_bucket_choices.ipynb``: DP buckets, k-bucket curves, fixed-cost sweeps, route maps.
+"""Figures of ``notebooks/02_bucket_choices.ipynb``: DP buckets, k-bucket curves, fixed-cost sweeps,
+route maps, and where packed prefill beats the buckets.
 
 Each takes plans or the rows of ``rollout_lab.measure.bucket_choices`` and returns a matplotlib ``Figure``; save
-it with ``plots.save_figure``. All are re-exported by ``rollout_lab.plots``. No torch import::
+it with ``plots.style.save_figure``. No torch import::
 
-    from rollout_lab import plots
-    fig = plots.plot_buckets(lengths, plan, title="gsm8k")
+    from rollout_lab.plots.buckets import plot_buckets
+    fig = plot_buckets(lengths, plan, title="gsm8k")
 
 """
 from __future__ import annotations
@@ -175,5 +176,29 @@ def plot_route_maps(maps: Sequence[Any], *, ncols: int = 3) -> Figure:
         fig.colorbar(mesh, ax=ax, label="log2(nocb / bucketed)")
     fig.suptitle("Route map: blue = bucketed CB cheaper, red = nocb cheaper; black line: Auto's switch; "
                  "dashed: the unscaled lengths", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_packed_crossing(rows: Sequence[Mapping[str, Any]], *, calibrated_ms: float | None = None) -> Figure:
+    """The per-prompt overhead below which packed prefill beats the bucket DP, against the batch size
+    (``measure.bucket_choices.packed_crossing_rows``; points: seeds, line: their mean), with the
+    calibrated overhead as a horizontal line when there is one."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for k, kind in enumerate(dict.fromkeys(r["distribution"] for r in rows)):
+        mine = [r for r in rows if r["distribution"] == kind]
+        sizes = sorted({r["batch_size"] for r in mine})
+        ax.scatter([r["batch_size"] for r in mine], [r["crossing_ms_per_prompt"] for r in mine],
+                   s=10, color=PALETTE(k), alpha=0.6)
+        ax.plot(sizes, [np.mean([r["crossing_ms_per_prompt"] for r in mine if r["batch_size"] == n]) for n in sizes],
+                color=PALETTE(k), label=kind)
+    if calibrated_ms is not None:
+        ax.axhline(calibrated_ms, color="0.3", linestyle="--", linewidth=1,
+                   label=f"calibrated: {calibrated_ms:.3g} ms/prompt")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompts in the batch")
+    ax.set_ylabel("packed wins below (ms per prompt)")
+    ax.set_title("Packed vs bucketed prefill: the break-even per-prompt overhead", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

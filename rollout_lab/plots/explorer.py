@@ -21,6 +21,7 @@ from rollout_lab.measure.bucket_choices import plan_padding_share
 from rollout_lab.measure.workloads import DATASETS, bimodal_lengths, lognormal_lengths, sample_lengths
 from rollout_lab.planner.bucket_dp import plan_buckets, plans_by_num_buckets
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
+from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import cb_decode_cost_ms, choose_route, nocb_cost_ms
 from rollout_lab.plots.buckets import draw_buckets
 
@@ -80,12 +81,16 @@ def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
     ax_pad.set_ylim(0, 1)
     ax_pad.set_ylabel("padded share", color="C1")
     nocb = nocb_cost_ms(lengths, geometry, coeffs) if route.nocb_cost_ms is not None else None
-    cb = plan.cost_ms + cb_decode_cost_ms(settings.max_new_tokens, coeffs)
-    names, values = ["nocb", "bucketed CB"], [nocb or 0.0, cb]
-    bars = ax_r.bar(names, values, color=["C3" if route.route == "nocb" else "0.7",
-                                          "C0" if route.route == "bucketed" else "0.7"])
+    decode = cb_decode_cost_ms(settings.max_new_tokens, coeffs)
+    cb = plan.cost_ms + decode
+    packed = plan_packed(lengths, geometry, coeffs).cost_ms + decode  # priced with 0 per prompt if unset
+    names, values = ["nocb", "bucketed", "packed"], [nocb or 0.0, cb, packed]
+    colors = {"nocb": "C3", "bucketed": "C0", "packed": "C2"}
+    bars = ax_r.bar(names, values, color=[colors[n] if route.route == n else "0.7" for n in names])
     for bar, v, name in zip(bars, values, names):
         text = "n/a" if name == "nocb" and nocb is None else f"{v:.0f}"
+        if name == "packed" and route.packed_cost_ms is None:
+            text += "\n(not calibrated)"
         ax_r.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax_r.set_ylabel("estimated ms")
     ax_r.set_title(f"Auto: {route.route} (budget {settings.max_new_tokens})", fontsize=9)
@@ -117,6 +122,7 @@ def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
         "attention": log_slider("attention (ms/GFLOP)", coeffs.prefill_attention_cost_ms, -5, 0),
         "kv": log_slider("kv (ms/MiB)", coeffs.prefill_kv_cost_ms, -5, 0),
         "decode": log_slider("CB decode (ms/step)", coeffs.continuous_decode_cost_ms, -2, 2),
+        "packed": log_slider("packed (ms/prompt)", coeffs.packed_prompt_cost_ms or 0.0, -4, 2),
         "kind": w.Dropdown(options=KINDS, value=settings.kind, description="distribution", style=style, layout=layout),
         "batch_size": int_slider("batch size", settings.batch_size, 1, 256),
         "seed": int_slider("seed", settings.seed, 0, 20),
@@ -131,9 +137,10 @@ def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
         "max_new_tokens": int_slider("max_new_tokens", settings.max_new_tokens, 1, 1024),
     }
 
-    def redraw(fixed, token, attention, kv, decode, **rest):
+    def redraw(fixed, token, attention, kv, decode, packed, **rest):
         c = replace(coeffs, prefill_fixed_cost_ms=fixed, prefill_token_cost_ms=token,
-                    prefill_attention_cost_ms=attention, prefill_kv_cost_ms=kv, continuous_decode_cost_ms=decode)
+                    prefill_attention_cost_ms=attention, prefill_kv_cost_ms=kv, continuous_decode_cost_ms=decode,
+                    packed_prompt_cost_ms=packed)
         s = replace(settings, **{k: (int(v) if k in ("batch_size", "seed", "max_new_tokens") else v)
                                  for k, v in rest.items()})
         fig = explorer_figure(s, geometry, c)
