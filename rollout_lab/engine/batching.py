@@ -41,6 +41,7 @@ from rollout_lab.engine.steppers import EagerStepper, StepperKey
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.packing import plan_packed
+from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 
 
@@ -64,11 +65,12 @@ class BatchSettings:
     repetition_penalty: float
     cache_kwarg: str
     sampling: SamplingParams | None = None  # None: greedy
+    prefill_classes: ShapeClasses | None = None  # bucketed prefill at class shapes
 
 
 def plan_admission(
     route: str, requests: Sequence[int], lengths: Sequence[int],
-    geometry: ModelGeometry, costs: CostCoefficients,
+    geometry: ModelGeometry, costs: CostCoefficients, classes: ShapeClasses | None = None,
 ) -> BucketPlan:
     """The buckets, as tuples of request indices, for the requests admitted together."""
     widths = [lengths[r] for r in requests]
@@ -81,10 +83,10 @@ def plan_admission(
     if route == "packed":  # as few packed forwards as prefill_max_tokens allows (planner.packing)
         plan = plan_packed(widths, geometry, costs)
     else:
-        plan = plan_chunked(widths, geometry, costs)  # plan_buckets unless a prompt is over the limit
+        plan = plan_chunked(widths, geometry, costs, classes)  # plan_buckets unless a prompt is over the limit
     buckets = tuple(tuple(requests[i] for i in bucket) for bucket in plan.buckets)
     chunks = tuple((requests[i], tail) for i, tail in plan.chunks)
-    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks, packed=plan.packed)
+    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks, packed=plan.packed, rows=plan.rows)
 
 
 class ContinuousBatcher:
@@ -220,23 +222,28 @@ class ContinuousBatcher:
         for r in requests:
             members.setdefault(first_of.setdefault(self.groups[r], r), []).append(r)
         with self.timer.phase("planning_ms"):
-            plan = plan_admission(self.settings.route, list(members), self.lengths, self.geometry, self.costs)
+            plan = plan_admission(self.settings.route, list(members), self.lengths, self.geometry, self.costs,
+                                  self.settings.prefill_classes)
         self.plans.append(plan)
         self.tails = dict(plan.chunks)
         slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
         self.rows.extend(_Row(r, 0) for r in requests)
         kind = "packed_prefill" if plan.packed else "prefill"  # a packed width is its tokens
-        for bucket, width in zip(plan.buckets, plan.widths):
-            with self.timer.record(kind, batch=len(bucket), width=width):
-                self._prefill(bucket, [members[r] for r in bucket], slot_of)
+        rows = plan.rows or tuple(len(b) for b in plan.buckets)
+        for bucket, width, batch in zip(plan.buckets, plan.widths, rows):
+            with self.timer.record(kind, batch=batch, width=width):
+                self._prefill(bucket, [members[r] for r in bucket], slot_of,
+                              shape=(batch, width) if plan.rows else None)
         self._note_peak()
         self._retire()
         return True
 
     def _prefill(
-        self, requests: Sequence[int], members: Sequence[Sequence[int]], slot_of: dict[int, int]
+        self, requests: Sequence[int], members: Sequence[Sequence[int]], slot_of: dict[int, int],
+        shape: tuple[int, int] | None = None,
     ) -> None:
-        """Prefill ``requests`` (one per group) and fill the slots of every row in ``members``."""
+        """Prefill ``requests`` (one per group) and fill the slots of every row in ``members``;
+        ``shape``: the (rows, width) class the bucket runs at (``planner.shape_classes``)."""
         prompts = [self.prompts[r] for r in requests]
         rows = [m for group in members for m in group]  # the rows that get a slot
         source = [i for i, group in enumerate(members) for _ in group]  # their prefilled row
@@ -247,7 +254,7 @@ class ContinuousBatcher:
             if packed:
                 logits, layer_kv, offsets = self._packed_forward(requests)
             else:
-                logits, layer_kv = self._bucket_forward(requests)
+                logits, layer_kv = self._bucket_forward(requests, shape)
             index = None
             if len(rows) != len(requests):
                 index = torch.tensor(source, dtype=torch.long, device=logits.device)
@@ -304,13 +311,15 @@ class ContinuousBatcher:
              v[:, :, offsets[row]: offsets[row] + len(heads[row])]) for k, v in layer_kv])
         return logits, layer_kv, offsets
 
-    def _bucket_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list]:
+    def _bucket_forward(self, requests: Sequence[int], shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, list]:
         """The bucket's forward over each request's head; a chunked request's tails run after it
         (chunk k over a cache of chunks < k), its logits replace the head's and its whole KV
         waits in ``_spans`` for ``_admit_spans``."""
         heads = [self.prompts[r][: self._head_length(r)] for r in requests]
+        rows, width = shape if shape is not None else (None, None)
         logits, layer_kv = prefill_bucket(
-            self.model, heads, pad_token_id=self.settings.pad_token_id, cache_kwarg=self.settings.cache_kwarg
+            self.model, heads, pad_token_id=self.settings.pad_token_id, cache_kwarg=self.settings.cache_kwarg,
+            rows=rows, width=width,
         )
         self.profile.prefill_backend = "padded"
         return self._run_tails(requests, heads, logits,

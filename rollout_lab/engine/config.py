@@ -19,6 +19,7 @@ from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import as_int, is_int
 from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.planner.decode_steps import check_prior_settings
+from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.planner.fit import check_window
 
 # The routes, in the order tables and figures show them: the four a user can force, then Auto's choice.
@@ -50,6 +51,9 @@ class RolloutConfig:
     decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
     decode_attention: str = "auto"  # "span", "masked" or "auto" (DECODE_ATTENTIONS)
     compile: bool | str = "auto"  # torch.compile the graph-captured step; False to debug
+    # bucketed prefill at a bounded set of shapes (planner.shape_classes), planned and priced there;
+    # None: every bucket at its own shape
+    prefill_classes: ShapeClasses | None = None
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
@@ -67,6 +71,8 @@ class RolloutConfig:
                 f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {self.decode_attention!r}")
         if not any(self.compile is c for c in COMPILE_MODES) and self.compile != "auto":
             raise ValueError(f"compile must be 'auto', True or False, got {self.compile!r}")
+        if self.prefill_classes is not None and not isinstance(self.prefill_classes, ShapeClasses):
+            raise ValueError(f"prefill_classes must be a ShapeClasses or None, got {self.prefill_classes!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         for name in ("max_decode_graphs", "decode_widths"):

@@ -20,10 +20,11 @@ def cache_kwarg_name(model: torch.nn.Module) -> str:
 
 @torch.no_grad()
 def left_padded(
-    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str, width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)``, both ``[rows, width]`` long on ``device``, padded on the left."""
-    width = max(len(p) for p in prompts)
+    """``(input_ids, attention_mask)``, both ``[rows, width]`` long on ``device``, padded on the left
+    (``width``: default the longest prompt)."""
+    width = max(len(p) for p in prompts) if width is None else width
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -38,10 +39,21 @@ def prefill_bucket(
     *,
     pad_token_id: int,
     cache_kwarg: str,
+    rows: int | None = None,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One left-padded forward of ``prompts``: (last logits [rows, vocab], per-layer (keys, values))."""
-    ids, attention = left_padded(prompts, pad_token_id, next(model.parameters()).device)
-    has_padding = any(len(p) != ids.shape[1] for p in prompts)
+    """One left-padded forward of ``prompts``: (last logits [rows, vocab], per-layer (keys, values)).
+
+    ``rows``/``width`` (a shape class, ``planner.shape_classes``): the forward runs at that shape,
+    left-padded to ``width`` and with the first prompt repeated up to ``rows``; what it returns
+    covers the real prompts only, and the KV only the columns of the longest one."""
+    longest = max(len(p) for p in prompts)
+    if (rows is not None and rows < len(prompts)) or (width is not None and width < longest):
+        raise ValueError(f"class shape ({rows}, {width}) cannot hold {len(prompts)} prompts of up to {longest} tokens")
+    real = len(prompts)
+    padded = list(prompts) + [prompts[0]] * ((rows or real) - real)
+    ids, attention = left_padded(padded, pad_token_id, next(model.parameters()).device, width)
+    has_padding = any(len(p) != ids.shape[1] for p in padded)
     positions = (attention.cumsum(-1) - 1).clamp_(min=0)  # [rows, width]
     temp = DynamicCache(config=model.config)
     out = model(
@@ -52,8 +64,8 @@ def prefill_bucket(
         logits_to_keep=1,
         **{cache_kwarg: temp},
     )
-    layer_kv = [(layer.keys, layer.values) for layer in temp.layers]
-    return out.logits[:, -1], layer_kv
+    layer_kv = [(layer.keys[:real, :, -longest:], layer.values[:real, :, -longest:]) for layer in temp.layers]
+    return out.logits[:real, -1], layer_kv
 
 
 PACKED_BACKENDS = ("segments", "masked")

@@ -197,7 +197,7 @@ class Rollout:
                     route=route, budgets=tuple(row_budgets), num_slots=num_slots,
                     capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
-                    cache_kwarg=self.cache_kwarg, sampling=sampling,
+                    cache_kwarg=self.cache_kwarg, sampling=sampling, prefill_classes=cfg.prefill_classes,
                 )
                 sequences, plans = ContinuousBatcher(
                     self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
@@ -287,6 +287,7 @@ class Rollout:
             geometry=self.geometry, coeffs=self.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
             response_lengths=self.length_prior.current(), chunk_long_prompts=True,
+            classes=cfg.prefill_classes,
         )
         self._explored = False
         if self.online is not None and plan.nocb_cost_ms is not None:

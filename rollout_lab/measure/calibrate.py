@@ -49,6 +49,7 @@ from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms, read_cost_file
 from rollout_lab.planner.fit import decode_costs, fit_coefficients
+from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import Workspace
 
 
@@ -209,6 +210,12 @@ class CalibrationGrid:
         """A few seconds on CPU with a tiny model: for tests and the notebooks' tiny default."""
         return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=5, decode_batches=(4,),
                    decode_width=8, decode_steps=4, decode_repeats=3, statistic="min")
+
+    @classmethod
+    def for_classes(cls, classes: ShapeClasses, **settings: Any) -> "CalibrationGrid":
+        """The grid of the shapes a ``RolloutConfig(prefill_classes=classes)`` runs, so that the
+        fitted fixed cost is the one those forwards pay (rows default to the grid's batches)."""
+        return cls(batches=classes.rows or cls.batches, widths=classes.widths, **settings)
 
     def shapes(self, max_width: int | None = None) -> list[tuple[int, int]]:
         """(batch, width) pairs within ``max_batch_tokens`` and the model's ``max_width``."""

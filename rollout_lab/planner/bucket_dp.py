@@ -42,6 +42,9 @@ class BucketPlan:
     # packed route (planner.packing): each bucket is one packed forward and its width the tokens
     # in it (no padding), not a padded width
     packed: bool = False
+    # shape classes (planner.shape_classes): each bucket's class row count (its prompts, then
+    # repeats of one of them); empty: every bucket runs at its own row count
+    rows: tuple[int, ...] = ()
 
     @property
     def num_buckets(self) -> int:
@@ -57,7 +60,8 @@ class BucketPlan:
         tails = sum(sum(tail) for _, tail in self.chunks)
         if self.packed:
             return sum(self.widths) + tails
-        return sum(len(b) * w for b, w in zip(self.buckets, self.widths)) + tails
+        rows = self.rows or tuple(len(b) for b in self.buckets)
+        return sum(r * w for r, w in zip(rows, self.widths)) + tails
 
 
 def validate_lengths(lengths: Sequence[int], coeffs: CostCoefficients | None = None) -> list[int]:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, validate_lengths
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, attention_gflops, prefill_cost_ms
+from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 # -- chunked prefill ---------------------------------------------------------------------------
 
@@ -30,14 +31,18 @@ def chunk_cost_ms(
 
 
 def plan_chunked(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients,
+    classes: ShapeClasses | None = None,
 ) -> BucketPlan:
     """``plan_buckets`` with over-limit prompts chunked (module docstring): the DP buckets the
-    heads with the short prompts; ``chunks`` lists each long prompt's tail widths."""
+    heads with the short prompts; ``chunks`` lists each long prompt's tail widths. With
+    ``classes`` the heads are bucketed at their class shapes (``plan_buckets_classed``)."""
     lengths = validate_lengths(lengths, None)
     limit = coeffs.prefill_max_tokens
     splits = [split_prompt(n, limit) for n in lengths]
-    plan = plan_buckets([s[0] for s in splits], geometry, coeffs)
+    heads = [s[0] for s in splits]
+    plan = plan_buckets(heads, geometry, coeffs) if classes is None else \
+        plan_buckets_classed(heads, geometry, coeffs, classes)
     chunks = tuple((i, s[1:]) for i, s in enumerate(splits) if len(s) > 1)
     cost = plan.cost_ms
     for i, tail in chunks:
@@ -45,4 +50,4 @@ def plan_chunked(
         for width in tail:
             cost += chunk_cost_ms(width, offset, geometry, coeffs)
             offset += width
-    return BucketPlan(plan.buckets, plan.widths, cost, chunks)
+    return BucketPlan(plan.buckets, plan.widths, cost, chunks, rows=plan.rows)

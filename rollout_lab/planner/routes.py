@@ -41,6 +41,7 @@ from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
 from rollout_lab.planner.decode_steps import LengthPrior, budget_decode_steps, expected_decode_steps
 from rollout_lab.planner.packing import plan_packed
+from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 ROUTES = ("nocb", "bucketed", "packed")
 
@@ -94,6 +95,7 @@ def choose_route(
     nocb_allowed: bool = True,
     response_lengths: LengthPrior | None = None,
     chunk_long_prompts: bool = False,
+    classes: ShapeClasses | None = None,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
     nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
@@ -103,7 +105,8 @@ def choose_route(
     fits the slots at once and the padded batch fits ``prefill_max_tokens``.
     ``response_lengths`` (a prior, see ``expected_decode_steps``) prices the expected decode steps
     instead of ``max_new_tokens - 1``. ``chunk_long_prompts`` plans over-limit prompts with
-    ``plan_chunked`` instead of raising (nocb is then not eligible).
+    ``plan_chunked`` instead of raising (nocb is then not eligible). With ``classes`` the bucketed
+    plan runs, and is priced, at class shapes (``planner.shape_classes``).
 
     ``max_new_tokens`` is one budget for all, or one per request. Without a prior, CB's decode
     steps are ``budget_decode_steps`` (max budget - 1 with every request admitted; with refill, the
@@ -152,7 +155,12 @@ def choose_route(
         if nocb <= bound:
             return RoutePlan("nocb", (tuple(range(n)),), nocb, bound, cb_cost_is_lower_bound=True,
                              packed_cost_ms=packed)
-    plan = plan_chunked(lengths, geometry, coeffs) if chunk_long_prompts else plan_buckets(lengths, geometry, coeffs)
+    if chunk_long_prompts:
+        plan = plan_chunked(lengths, geometry, coeffs, classes)
+    elif classes is not None:
+        plan = plan_buckets_classed(lengths, geometry, coeffs, classes)
+    else:
+        plan = plan_buckets(lengths, geometry, coeffs)
     cb = plan.cost_ms + decode
     if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
         return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed)

@@ -1,0 +1,121 @@
+"""Shape classes: the bounded set of prefill shapes the engine runs, and the DP that plans over them.
+
+A compiled or CUDA-graph-captured prefill forward costs a compile or a capture per shape, so the
+engine runs a bucket at a *class* shape: its width rounded up to a ladder of widths, its rows to a
+ladder of row counts (the extra rows repeat a real prompt and are dropped). The DP must then price
+a bucket of longest prompt L and B rows at its class shape, C(rows_for(B), width_for(L)), not at
+(B, L): the buckets that look cheapest unrounded can cost more once rounded.
+
+``plan_buckets_classed`` is exactly optimal for that priced cost. Rounding is monotone in L and in B,
+so given any partition, re-filling its buckets (same sizes, ordered by their longest prompt) with
+the sorted lengths never raises a bucket's longest prompt: contiguous buckets of the sorted lengths
+are enough, and the O(n^2) DP over them is exact (checked against every set partition in the
+tests). A length or row count above the ladder's top runs at its own size. Pure Python.
+
+    classes = ShapeClasses.ladder(max_width=2048, max_rows=64)
+    plan = plan_buckets_classed(lengths, geometry, coeffs, classes)   # widths/rows: the class shapes
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+from rollout_lab.planner.bucket_dp import BucketPlan, _fixed_with_tie_break, validate_lengths
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms, prefill_cost_ms
+
+
+def _ascending(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    values = tuple(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values) or \
+            list(values) != sorted(set(values)):
+        raise ValueError(f"ShapeClasses.{name} must be strictly ascending positive ints, got {values!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class ShapeClasses:
+    """Ladders of prefill widths and row counts (``rows=()``: rows run as they are)."""
+
+    widths: tuple[int, ...]
+    rows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", _ascending("widths", self.widths))
+        object.__setattr__(self, "rows", _ascending("rows", self.rows))
+        if not self.widths:
+            raise ValueError("ShapeClasses.widths must hold at least one width")
+
+    @classmethod
+    def ladder(cls, max_width: int, max_rows: int | None = None) -> "ShapeClasses":
+        """Widths 16, 32, 64, 128, 256, then every 256 up to ``max_width``; rows 1, 2, 4, 8, then
+        every 8 up to 32 and every 16 after, up to ``max_rows`` (None: rows unclassed)."""
+        if max_width < 1 or (max_rows is not None and max_rows < 1):
+            raise ValueError(f"max_width and max_rows must be >= 1, got {max_width}, {max_rows}")
+        widths = [w for w in (16, 32, 64, 128) if w < max_width] + list(range(256, max_width, 256)) + [max_width]
+        rows: list[int] = []
+        if max_rows is not None:
+            rows = [r for r in (1, 2, 4, 8, 16, 24) if r < max_rows] + list(range(32, max_rows, 16)) + [max_rows]
+        return cls(tuple(sorted(set(widths))), tuple(sorted(set(rows))))
+
+    def width_for(self, length: int) -> int:
+        """The smallest class width that holds ``length`` (the length itself above the top)."""
+        i = bisect.bisect_left(self.widths, length)
+        return self.widths[i] if i < len(self.widths) else length
+
+    def rows_for(self, batch: int) -> int:
+        """The smallest class row count that holds ``batch`` (``batch`` itself above the top, or
+        without a row ladder)."""
+        i = bisect.bisect_left(self.rows, batch)
+        return self.rows[i] if i < len(self.rows) else batch
+
+    @property
+    def num_shapes(self) -> int:
+        """The most distinct prefill shapes a rollout can run within the ladders."""
+        return len(self.widths) * max(1, len(self.rows))
+
+
+def classed_cost_ms(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostCoefficients,
+                    classes: ShapeClasses) -> float:
+    """C at the class shape of a bucket of ``batch`` prompts whose longest has ``longest`` tokens."""
+    return prefill_cost_ms(classes.rows_for(batch), classes.width_for(longest), geometry, coeffs)
+
+
+def plan_buckets_classed(
+    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, classes: ShapeClasses
+) -> BucketPlan:
+    """The cheapest contiguous bucketing of the sorted lengths when every bucket runs (and is
+    priced) at its class shape; ``widths`` and ``rows`` hold the class shapes. O(n^2)."""
+    lengths = validate_lengths(lengths, coeffs)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    widths = [lengths[i] for i in order]
+    n = len(widths)
+    if n == 0:
+        return BucketPlan((), (), 0.0, rows=())
+    limit = coeffs.prefill_max_tokens
+    per_row = {w: per_row_cost_ms(classes.width_for(w), geometry, coeffs) for w in set(widths)}
+    fixed = _fixed_with_tie_break(coeffs, [per_row[widths[-1]]])
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        width = classes.width_for(widths[j - 1])
+        for i in range(j - 1, -1, -1):
+            rows = classes.rows_for(j - i)
+            if limit is not None and rows * width > limit:
+                if i == j - 1:
+                    raise ValueError(f"a prompt of {widths[j - 1]} tokens runs at class width {width}, "
+                                     f"over prefill_max_tokens={limit}; add a smaller class or raise the limit")
+                break  # fewer rows fit for every smaller i too
+            cost = best[i] + fixed + rows * per_row[widths[j - 1]]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    bounds, j = [], n
+    while j > 0:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    bounds.reverse()
+    buckets = tuple(tuple(order[i:j]) for i, j in bounds)
+    class_widths = tuple(classes.width_for(widths[j - 1]) for _, j in bounds)
+    class_rows = tuple(classes.rows_for(j - i) for i, j in bounds)
+    cost = sum(prefill_cost_ms(r, w, geometry, coeffs) for r, w in zip(class_rows, class_widths))
+    return BucketPlan(buckets, class_widths, cost, rows=class_rows)

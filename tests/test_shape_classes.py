@@ -1,0 +1,149 @@
+"""Shape classes (planner.shape_classes): the ladders, and the DP over class shapes against every
+set partition."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.shape_classes import ShapeClasses, classed_cost_ms, plan_buckets_classed
+
+GEO = ModelGeometry.qwen25_3b(2)
+
+
+def set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+        yield [[first]] + part
+
+
+def brute_force(lengths, coeffs, classes):
+    best = float("inf")
+    for part in set_partitions(list(range(len(lengths)))):
+        shapes = [(classes.rows_for(len(b)), classes.width_for(max(lengths[i] for i in b))) for b in part]
+        if coeffs.prefill_max_tokens is not None and any(r * w > coeffs.prefill_max_tokens for r, w in shapes):
+            continue
+        best = min(best, sum(classed_cost_ms(len(b), max(lengths[i] for i in b), GEO, coeffs, classes) for b in part))
+    return best
+
+
+def test_ladders():
+    classes = ShapeClasses.ladder(max_width=1000, max_rows=40)
+    assert classes.widths == (16, 32, 64, 128, 256, 512, 768, 1000)
+    assert classes.rows == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert classes.width_for(17) == 32 and classes.width_for(1000) == 1000 and classes.width_for(1500) == 1500
+    assert classes.rows_for(3) == 4 and classes.rows_for(41) == 41
+    assert ShapeClasses((16, 64)).rows_for(7) == 7 and ShapeClasses((16, 64)).num_shapes == 2
+    for bad in ((), (16, 16), (32, 16), (0, 16)):
+        with pytest.raises(ValueError, match="ShapeClasses.widths"):
+            ShapeClasses(bad)
+    with pytest.raises(ValueError, match="ShapeClasses.rows"):
+        ShapeClasses((16,), (4, 2))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_classed_dp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    lengths = [rng.choice([rng.randint(1, 40), rng.randint(1, 600)]) for _ in range(n)]
+    classes = ShapeClasses(tuple(sorted(rng.sample([8, 16, 32, 64, 100, 128, 256, 512, 640], 4))),
+                           rng.choice([(), (1, 2, 4, 8), (2, 3, 5)]))
+    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.5, 5.0, 25.0]),
+                              prefill_max_tokens=rng.choice([None, 4096]))
+    plan = plan_buckets_classed(lengths, GEO, coeffs, classes)
+    assert sorted(i for b in plan.buckets for i in b) == list(range(n))
+    assert plan.cost_ms == pytest.approx(brute_force(lengths, coeffs, classes), rel=1e-9)
+    for bucket, width, rows in zip(plan.buckets, plan.widths, plan.rows):
+        assert width == classes.width_for(max(lengths[i] for i in bucket))
+        assert rows == classes.rows_for(len(bucket))
+
+
+def test_classes_change_the_plan():
+    """Unrounded, two buckets; at a width ladder of (64, 1024) the short prompts' class is 64 anyway
+    but a 300-token prompt pays 1024: it joins the long bucket."""
+    from rollout_lab.planner.bucket_dp import plan_buckets
+
+    lengths = [1000, 300] + [20] * 30
+    coeffs = CostCoefficients()
+    plain = plan_buckets(lengths, GEO, coeffs)
+    classed = plan_buckets_classed(lengths, GEO, coeffs, ShapeClasses((64, 1024)))
+    assert classed.widths[-1] == 1024 and all(w in (64, 1024) for w in classed.widths)
+    assert plain != classed
+    assert classed.num_padded_tokens >= sum(lengths)
+
+
+def test_a_class_over_the_limit_is_named():
+    with pytest.raises(ValueError, match="runs at class width 512, over prefill_max_tokens=400"):
+        plan_buckets_classed([300], GEO, CostCoefficients(prefill_max_tokens=400), ShapeClasses((16, 512)))
+
+
+# ---------------------------------------------------------------- the engine at class shapes
+
+def _prompts(lengths, seed=0):
+    from rollout_lab.measure.models import TINY_VOCAB_SIZE
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_engine_at_class_shapes_matches_oracle(family, slots, oracle):
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+
+    model = get_tiny(family)
+    prompts = _prompts([7, 2, 15, 1, 9, 4, 11, 30], seed=2)
+    budgets = [5, 9, 2, 7, 1, 6, 3, 4]
+    expected = [oracle(model, [p], max_new_tokens=b, repetition_penalty=1.2)[0] for p, b in zip(prompts, budgets)]
+    classes = ShapeClasses((8, 16, 32), (1, 2, 4, 8))
+    for mode in ("bucketed", "auto"):
+        config = RolloutConfig(mode=mode, prefill_classes=classes, continuous_batch_size=slots, profile=True,
+                               repetition_penalty=1.2,
+                               costs=CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0))
+        result = Rollout(model, config).generate(prompts, max_new_tokens=budgets)
+        assert result.sequences == expected, (mode, slots)
+        if result.route == "bucketed":
+            shapes = {(f["batch"], f["width"]) for f in result.profile.forwards if f["kind"] == "prefill"}
+            assert all(b in classes.rows and w in classes.widths for b, w in shapes), shapes
+
+
+def test_engine_at_class_shapes_with_chunked_prompts(oracle):
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+
+    model = get_tiny("qwen3")
+    prompts = _prompts([40, 5, 3, 70, 16, 17, 1], seed=7)
+    config = RolloutConfig(mode="bucketed", prefill_classes=ShapeClasses((8, 16, 32), (1, 2, 4)),
+                           costs=CostCoefficients(prefill_max_tokens=32), continuous_batch_size=3)
+    result = Rollout(model, config).generate(prompts, max_new_tokens=5)
+    assert sum(len(t) for plan in result.plans for _, t in plan.chunks) > 0
+    assert result.sequences == oracle(model, prompts, max_new_tokens=5)
+
+
+def test_bad_class_settings_are_named():
+    from conftest import get_tiny
+
+    from rollout_lab import RolloutConfig
+    from rollout_lab.engine.prefill import prefill_bucket
+
+    with pytest.raises(ValueError, match="prefill_classes must be a ShapeClasses"):
+        RolloutConfig(prefill_classes=(16, 32))
+    with pytest.raises(ValueError, match=r"class shape \(1, 16\) cannot hold 2 prompts"):
+        prefill_bucket(get_tiny("qwen2"), [[1, 2], [3]], pad_token_id=0, cache_kwarg="cache", rows=1, width=16)
+
+
+def test_calibration_grid_of_the_classes():
+    from rollout_lab.measure.calibrate import CalibrationGrid
+
+    classes = ShapeClasses((16, 64, 256), (1, 4, 16))
+    grid = CalibrationGrid.for_classes(classes, repeats=2)
+    assert grid.widths == classes.widths and grid.batches == classes.rows and grid.repeats == 2
+    assert CalibrationGrid.for_classes(ShapeClasses((16, 64))).batches == CalibrationGrid().batches
