@@ -147,3 +147,59 @@ def test_calibration_grid_of_the_classes():
     grid = CalibrationGrid.for_classes(classes, repeats=2)
     assert grid.widths == classes.widths and grid.batches == classes.rows and grid.repeats == 2
     assert CalibrationGrid.for_classes(ShapeClasses((16, 64))).batches == CalibrationGrid().batches
+
+
+def test_prefill_graphs_need_classes_and_cuda():
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+
+    with pytest.raises(ValueError, match="give prefill_classes too"):
+        RolloutConfig(prefill_graphs=True)
+    with pytest.raises(ValueError, match="max_prefill_graphs must be an int >= 1"):
+        RolloutConfig(max_prefill_graphs=0)
+    config = RolloutConfig(prefill_graphs=True, prefill_classes=ShapeClasses((16, 64)))
+    with pytest.raises(ValueError, match="prefill_graphs=True needs a CUDA device"):
+        Rollout(get_tiny("qwen2"), config)
+
+
+cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("family", ["qwen2", "opt"])
+def test_cuda_prefill_graphs_equal_eager(family, oracle):
+    """fp32: class-shape prefill by graph replay gives eager's tokens (and the oracle's), with refill,
+    chunked prompts and per-request budgets; a recapture follows a weight replacement; past the cap
+    a class runs eagerly."""
+    import torch
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+    from rollout_lab.measure.models import tiny_model
+
+    model = tiny_model(family, seed=0).to("cuda")
+    prompts = _prompts([40, 5, 3, 70, 16, 17, 1, 9, 12, 2], seed=3)
+    budgets = [4, 7, 2, 5, 9, 1, 3, 6, 8, 2]
+    expected = [oracle(get_tiny(family), [p], max_new_tokens=b)[0] for p, b in zip(prompts, budgets)]
+    classes = ShapeClasses((8, 16, 32), (1, 2, 4))
+    common = dict(mode="bucketed", prefill_classes=classes, continuous_batch_size=4, profile=True,
+                  costs=CostCoefficients(prefill_max_tokens=32, prefill_fixed_cost_ms=0.05))
+    eager = Rollout(model, RolloutConfig(**common)).generate(prompts, max_new_tokens=budgets)
+    with Rollout(model, RolloutConfig(prefill_graphs=True, **common)) as rollout:
+        graph = rollout.generate(prompts, max_new_tokens=budgets)
+        again = rollout.generate(prompts, max_new_tokens=budgets)
+        graphs = rollout._prefill_graphs
+        assert graphs.num_captures >= 2 and graphs.num_replays > graphs.num_captures
+        captures = graphs.num_captures
+        assert again.sequences == graph.sequences and graphs.num_captures == captures  # replayed, not recaptured
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
+        assert rollout._prefill_graphs is not graphs
+    assert graph.profile.prefill_backend == "graph"
+    assert graph.sequences == eager.sequences == expected
+    capped = Rollout(model, RolloutConfig(prefill_graphs=True, max_prefill_graphs=1, **common))
+    assert capped.generate(prompts, max_new_tokens=budgets).sequences == expected
+    assert capped._prefill_graphs.num_captures == 1 and capped._prefill_graphs.num_eager > 0
+    capped.close()

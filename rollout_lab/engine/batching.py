@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from rollout_lab.engine.decode import seen_from_ids, select_tokens
 from rollout_lab.engine.prefill import packed_backend, prefill_bucket, prefill_packed
+from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.engine.steppers import EagerStepper, StepperKey
@@ -96,9 +97,10 @@ class ContinuousBatcher:
         self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], settings: BatchSettings, *,
         geometry: ModelGeometry, costs: CostCoefficients, profile: Profile, timer: Timer,
         stepper: "EagerStepper | None" = None, groups: Sequence[int] | None = None,
-        sample_keys: Sequence[int] | None = None,
+        sample_keys: Sequence[int] | None = None, prefill_graphs: "PrefillGraphs | None" = None,
     ):
         self.model, self.prompts, self.settings = model, prompts, settings
+        self.prefill_graphs = prefill_graphs  # bucketed forwards at class shapes by graph replay
         self.geometry, self.costs = geometry, costs
         self.profile, self.timer = profile, timer
         self.lengths = [len(p) for p in prompts]
@@ -317,11 +319,16 @@ class ContinuousBatcher:
         waits in ``_spans`` for ``_admit_spans``."""
         heads = [self.prompts[r][: self._head_length(r)] for r in requests]
         rows, width = shape if shape is not None else (None, None)
-        logits, layer_kv = prefill_bucket(
-            self.model, heads, pad_token_id=self.settings.pad_token_id, cache_kwarg=self.settings.cache_kwarg,
-            rows=rows, width=width,
-        )
-        self.profile.prefill_backend = "padded"
+        if self.prefill_graphs is not None and shape is not None:
+            logits, layer_kv = self.prefill_graphs.run(heads, rows=rows, width=width,
+                                                       pad_token_id=self.settings.pad_token_id)
+            self.profile.prefill_backend = "graph"
+        else:
+            logits, layer_kv = prefill_bucket(
+                self.model, heads, pad_token_id=self.settings.pad_token_id, cache_kwarg=self.settings.cache_kwarg,
+                rows=rows, width=width,
+            )
+            self.profile.prefill_backend = "padded"
         return self._run_tails(requests, heads, logits,
                                lambda row: head_kv_of_row(layer_kv, row, len(heads[row]))), layer_kv
 

@@ -54,6 +54,8 @@ class RolloutConfig:
     # bucketed prefill at a bounded set of shapes (planner.shape_classes), planned and priced there;
     # None: every bucket at its own shape
     prefill_classes: ShapeClasses | None = None
+    prefill_graphs: bool = False  # CUDA: capture each class's prefill forward (engine.prefill_graphs)
+    max_prefill_graphs: int = 32  # classes captured at most; past it a class runs eagerly
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
@@ -73,6 +75,10 @@ class RolloutConfig:
             raise ValueError(f"compile must be 'auto', True or False, got {self.compile!r}")
         if self.prefill_classes is not None and not isinstance(self.prefill_classes, ShapeClasses):
             raise ValueError(f"prefill_classes must be a ShapeClasses or None, got {self.prefill_classes!r}")
+        if self.prefill_graphs and self.prefill_classes is None:
+            raise ValueError("prefill_graphs=True captures one graph per shape class: give prefill_classes too")
+        if not is_int(self.max_prefill_graphs) or self.max_prefill_graphs < 1:
+            raise ValueError(f"max_prefill_graphs must be an int >= 1, got {self.max_prefill_graphs!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         for name in ("max_decode_graphs", "decode_widths"):

@@ -49,7 +49,7 @@ class Profile:
     cache_bytes: int = 0
     num_prefill_rows: int = 0
     num_replicated_rows: int = 0
-    prefill_backend: str | None = None  # "padded" (bucketed routes), or packed's "segments" / "masked"
+    prefill_backend: str | None = None  # "padded" or "graph" (bucketed routes); packed: "segments" or "masked"
     forwards: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,7 +39,9 @@ from rollout_lab.engine.steppers import (
     resolve_compile,
     resolve_decode_mode,
     resolve_spans,
+    weights_signature,
 )
+from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import budgets_of, is_int
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
@@ -69,6 +71,10 @@ class Rollout:
         self.spans = resolve_spans(self.config.decode_attention, model, self.device)
         self.compiled = resolve_compile(self.config.compile, self.decode_mode)
         self._stepper: EagerStepper | None = None
+        if self.config.prefill_graphs and self.device.type != "cuda":
+            raise ValueError(f"prefill_graphs=True needs a CUDA device, the model is on {self.device}")
+        self._prefill_graphs: PrefillGraphs | None = None
+        self._prefill_signature: tuple | None = None
         # learned across calls; the frozen config is never changed
         self.costs: CostCoefficients = self.config.costs
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
@@ -82,12 +88,29 @@ class Rollout:
         return [] if self.online is None else list(self.online.errors)
 
     def close(self) -> None:
-        """Release the captured graph and the aligned cache; the rollout stays usable."""
+        """Release the captured graphs and the aligned cache; the rollout stays usable."""
+        if self.device.type == "cuda" and (self._stepper is not None or self._prefill_graphs is not None):
+            torch.cuda.synchronize(self.device)
         if self._stepper is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self._stepper.close()
             self._stepper = None
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.close()
+            self._prefill_graphs = None
+
+    def _captured_prefill(self) -> PrefillGraphs | None:
+        """The kept prefill graphs (``prefill_graphs=True``), recaptured when the weights' storage changed."""
+        if not self.config.prefill_graphs:
+            return None
+        signature = weights_signature(self.model)
+        if self._prefill_graphs is not None and signature != self._prefill_signature:
+            self._prefill_graphs.close()
+            self._prefill_graphs = None
+        if self._prefill_graphs is None:
+            self._prefill_graphs = PrefillGraphs(self.model, cache_kwarg=self.cache_kwarg,
+                                                 max_graphs=self.config.max_prefill_graphs)
+            self._prefill_signature = signature
+        return self._prefill_graphs
 
     def __enter__(self) -> "Rollout":
         return self
@@ -202,6 +225,7 @@ class Rollout:
                 sequences, plans = ContinuousBatcher(
                     self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
                     profile=stats, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
+                    prefill_graphs=self._captured_prefill(),
                 ).run()
         if num_samples > 1:  # plans name rows; report requests
             plans = [_plan_of_requests(plan, num_samples) for plan in plans]
