@@ -28,6 +28,7 @@ from rollout_lab.planner.bucket_dp import plan_buckets
 from rollout_lab.planner.cost import CostCoefficients, prefill_cost_ms, read_cost_file
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
+from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import Workspace
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -158,6 +159,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         paths = sweep.check_paths(args.paths)
         if args.costs:
             read_cost_file(args.costs)
+        engine: dict = {}
+        if args.prefill_graphs and not args.device.startswith("cuda"):
+            raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
+        if args.prefill_classes or args.prefill_graphs:  # the ladder over these workloads' shapes
+            longest = max(max(v) for v in lengths.values())
+            rows = max(len(v) for v in lengths.values())
+            engine["prefill_classes"] = ShapeClasses.ladder(max_width=longest, max_rows=rows)
+            engine["prefill_graphs"] = bool(args.prefill_graphs)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     workspace = _workspace(args)
@@ -174,7 +183,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         model, workloads=lengths, paths=paths, repetitions=args.repetitions,
         max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
         out=out, workload_scale=scale, oracle_max_tokens=oracle,
-        costs_source=args.costs or "engine defaults", decode=args.decode,
+        costs_source=args.costs or "engine defaults", decode=args.decode, engine=engine,
     )
     json_path, csv_path = sweep.write_results(record, out)
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}")
@@ -325,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check the one-request oracle on workloads up to this many tokens (0 = never; default 1024)")
     sweep.add_argument("--decode", choices=("auto", "graph", "eager"), default=None,
                        help="our CB decode stepper (default: the engine's, graph on CUDA)")
+    sweep.add_argument("--prefill-classes", action="store_true",
+                       help="our bucketed prefill at the shape-class ladder of these workloads (planner.shape_classes)")
+    sweep.add_argument("--prefill-graphs", action="store_true",
+                       help="CUDA: capture each class's prefill forward (implies --prefill-classes)")
     sweep.add_argument("--out", help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
     sweep.set_defaults(func=cmd_sweep)
 

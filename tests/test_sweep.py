@@ -122,6 +122,7 @@ def test_load_results_errors(tmp_path):
     (["--paths", "nocb", "vllm"], "unknown paths"),
     (["--costs", "/nonexistent/costs.json"], "does not exist"),
     (["--device", "tpu"], "--device"),
+    (["--prefill-graphs", "--device", "cpu"], "--prefill-graphs captures CUDA graphs"),
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch):
     monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
@@ -139,3 +140,16 @@ def test_cli_tiny_sweep(tmp_path, capsys):
     record = load_results(out)
     assert record["config"]["paths"] == ["nocb", "bucketed", "auto"]
     assert record["workloads"]["short_tail"]["lengths"] == get_workload("short_tail", scale=0.1)
+
+
+def test_cli_sweep_at_shape_classes(tmp_path):
+    out = tmp_path / "classes"
+    assert cli_main(["sweep", "--tiny", "qwen2", "--workloads", "long_tail", "--scale", "0.1",
+                     "--paths", "bucketed", "packed", "--repetitions", "1", "--max-new-tokens", "2",
+                     "--prefill-classes", "--no-progress", "--out", str(out)]) == 0
+    record = load_results(out)
+    engine = record["config"]["engine"]
+    longest = max(get_workload("long_tail", scale=0.1))
+    assert engine["prefill_graphs"] is False and engine["prefill_classes"]["widths"][-1] == longest
+    with pytest.raises(ValueError, match="engine settings"):
+        run_sweep(None, workloads=["long_tail"], engine={"prefill_clases": None})

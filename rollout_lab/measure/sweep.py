@@ -35,6 +35,7 @@ No torch; the record is plain JSON data.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -50,12 +51,16 @@ from rollout_lab.engine.config import MANUAL_ROUTES, MODES, RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.calibrate import load_calibration, run_metadata
-from rollout_lab.measure.models import TINY_VOCAB_SIZE, load_model, special_token_ids, tiny_model
-from rollout_lab.measure.peers import hf_generate, hf_generate_batch, oracle_sequences
-from rollout_lab.measure.workloads import WORKLOADS, get_workload, lengths_to_prompts, padding_share
+from rollout_lab.measure.models import (TINY_VOCAB_SIZE, load_model,
+                                        special_token_ids, tiny_model)
+from rollout_lab.measure.peers import (hf_generate, hf_generate_batch,
+                                       oracle_sequences)
+from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
+                                           lengths_to_prompts, padding_share)
 from rollout_lab.planner.checks import check_max_new_tokens
 from rollout_lab.planner.cost import CostCoefficients
-from rollout_lab.workspace import Workspace, csv_text, json_text, write_text_atomic
+from rollout_lab.workspace import (Workspace, csv_text, json_text,
+                                   write_text_atomic)
 
 PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
@@ -111,17 +116,25 @@ def run_sweep(
     oracle_max_tokens: int = DEFAULT_ORACLE_MAX_TOKENS,
     costs_source: str | None = None,
     decode: str | None = None,
+    engine: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Time every path on every workload; a JSON-ready record (also written to ``out`` after each
     workload, when given, so an interrupted sweep keeps what it finished).
 
     ``costs`` (CostCoefficients, default: the engine's) drive auto and bucketed; ``decode``
-    ("graph", "eager", "auto"; None = the engine's default) picks our CB decode stepper. The oracle
+    ("graph", "eager", "auto"; None = the engine's default) picks our CB decode stepper; ``engine``
+    holds any other ``RolloutConfig`` settings for our paths (``prefill_classes``,
+    ``prefill_graphs``, ...), checked before any work and recorded. The oracle
     (one-request unpadded HF generate) is checked on workloads whose prompt + generated tokens
     are at most ``oracle_max_tokens`` (0 = never); elsewhere ``matches_oracle`` is None.
     """
     lengths_by_name = resolve_workloads(workloads, scale=workload_scale)
     paths = check_paths(paths)
+    engine = dict(engine or {})
+    try:
+        RolloutConfig(**engine)  # a bad setting fails here, before any model call
+    except TypeError as err:
+        raise ValueError(f"engine settings: {err}") from None
     if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
         raise ValueError(f"repetitions must be an int >= 1, got {repetitions!r}")
     check_max_new_tokens(max_new_tokens)
@@ -136,6 +149,7 @@ def run_sweep(
             "paths": list(paths), "repetitions": repetitions, "max_new_tokens": max_new_tokens,
             "repetition_penalty": repetition_penalty, "workload_scale": workload_scale,
             "oracle_max_tokens": oracle_max_tokens, "decode": decode or "engine default",
+            "engine": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in engine.items()},
             "costs": None if costs is None else costs.to_dict(), "costs_source": costs_source or (
                 "engine defaults" if costs is None else "given"),
         },
@@ -152,7 +166,7 @@ def run_sweep(
                 model, prompts, paths, device=device, repetitions=repetitions,
                 max_new_tokens=max_new_tokens, costs=costs, pad=pad,
                 repetition_penalty=repetition_penalty, oracle_max_tokens=oracle_max_tokens,
-                decode=decode, bar=bar,
+                decode=decode, engine=engine, bar=bar,
             )
             record["summary"] = summarize(record)
             if out is not None:
@@ -163,9 +177,9 @@ def run_sweep(
 
 
 def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_tokens, costs, pad,
-                    repetition_penalty, oracle_max_tokens, decode, bar) -> dict[str, Any]:
+                    repetition_penalty, oracle_max_tokens, decode, engine, bar) -> dict[str, Any]:
     runners = {p: PathRunner(model, p, prompts, max_new_tokens=max_new_tokens, costs=costs, pad=pad,
-                             repetition_penalty=repetition_penalty, decode=decode) for p in paths}
+                             repetition_penalty=repetition_penalty, decode=decode, engine=engine) for p in paths}
     try:
         return _run_workload(model, prompts, paths, runners, device=device, repetitions=repetitions,
                              max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
@@ -270,10 +284,11 @@ class PathRunner:
     calls and the profiling call after them; it is closed when the workload ends.
     """
 
-    def __init__(self, model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty, decode):
+    def __init__(self, model, path, prompts, *, max_new_tokens, costs, pad, repetition_penalty, decode,
+                 engine=None):
         self.model, self.path, self.prompts, self.max_new_tokens = model, path, prompts, max_new_tokens
         self.pad, self.repetition_penalty = pad, repetition_penalty
-        self.settings = dict(mode=path, eos_token_id=None, pad_token_id=pad,
+        self.settings = dict(engine or {}, mode=path, eos_token_id=None, pad_token_id=pad,
                              repetition_penalty=repetition_penalty)
         if costs is not None:
             self.settings["costs"] = costs
