@@ -52,6 +52,7 @@ _REAL_WORKLOADS: dict[str, tuple[str, int]] = {
     "gsm8k_128": ("gsm8k", 128),
     "humaneval_32": ("humaneval", 32),
     "gpqa_diamond_32": ("gpqa_diamond", 32),
+    "gpqa_diamond_128": ("gpqa_diamond", 128),
     "aime2025_30": ("aime2025", 30),
 }
 WORKLOADS: tuple[str, ...] = tuple(_SEED_WORKLOADS) + tuple(_REAL_WORKLOADS)

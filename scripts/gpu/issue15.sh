@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The H200 runs behind issue 15 (prefill near the bound): calibration with packed forwards, then the
+# seed's five workloads, GSM8K 32 and GPQA-like 32 / 128 through nocb, bucketed, packed and Auto at
+# the shape-class ladder with captured prefill, then HF static + compile in its own process (its
+# CUDA-graph trees must not share a process with our captures).
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue15.sh tests calibrate sweep peer   # a tiny CPU check
+#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue15.sh tests calibrate   # one device call
+#   ... bash scripts/gpu/issue15.sh sweep ; ... bash scripts/gpu/issue15.sh peer    # the next ones
+# Every step has its own time limit; the sweeps write their record after every workload.
+set -u
+OUT=${OUT:?set OUT}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+WORKLOADS="short_similar long_tail short_tail moderate_tail spread gsm8k_32 gpqa_diamond_32 gpqa_diamond_128"
+if [ -n "${TINY:-}" ]; then
+  M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
+else
+  M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
+fi
+COSTS=$OUT/calibration.json
+$PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+for what in "$@"; do
+  case $what in
+    tests) step 300 $PY -m pytest -q -x tests/test_shape_classes.py tests/test_packing.py tests/test_span_attention.py ;;
+    calibrate) step 300 $PY -m rollout_lab.cli calibrate $M $CAL --no-progress --out $COSTS ;;
+    sweep) step 540 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
+               --workloads $WORKLOADS --paths nocb bucketed packed auto --out $OUT/sweep_ours ;;
+    peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
+               --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
+    *) echo "unknown step $what (tests, calibrate, sweep, peer)"; exit 2 ;;
+  esac
+done
