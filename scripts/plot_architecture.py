@@ -30,7 +30,7 @@ ROWS = {
     "workspace": "where outputs go; atomic writes; the CSV writer (standard library only)",
 }
 COLORS = {"cli": 7, "notebooks": 7, "plots": 4, "measure": 2, "engine": 0, "planner": 1, "workspace": 7}
-LEFT, WIDTH, ROW_HEIGHT, GAP = 0.27, 0.72, 0.105, 0.035
+LEFT, WIDTH, ROW_HEIGHT, GAP = 0.27, 0.72, 0.118, 0.022
 
 
 def part_of(module: str) -> str | None:
@@ -79,9 +79,14 @@ def draw() -> plt.Figure:
         ax.text(LEFT + WIDTH - 0.01, top[part] - 0.02, f"{lines} lines", fontsize=8, va="top", ha="right",
                 color="0.35")
         ax.text(LEFT + 0.01, top[part] - 0.05, what, fontsize=8.5, va="top", style="italic", color="0.25")
-        if is_folder and part != "notebooks":
-            ax.text(LEFT + 0.01, y + 0.012, "  ".join(p.stem for p in modules_of(part)), fontsize=7.8,
-                    va="bottom", family="monospace")
+        if is_folder and part != "notebooks":  # module names, wrapped to the box (about 100 characters)
+            rows: list[list[str]] = [[]]
+            for name in (p.stem for p in modules_of(part)):
+                if rows[-1] and len("  ".join(rows[-1] + [name])) > 100:
+                    rows.append([])
+                rows[-1].append(name)
+            ax.text(LEFT + 0.01, y + 0.008, "\n".join("  ".join(r) for r in rows), fontsize=7.8,
+                    va="bottom", family="monospace", linespacing=1.25)
     found = arrows()
     order = list(ROWS)
     edges = sorted(found, key=lambda e: (order.index(e[0]), -order.index(e[1])))
