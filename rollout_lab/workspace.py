@@ -115,6 +115,28 @@ def csv_text(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = 
     return buffer.getvalue()
 
 
+def record_paths(out: str | os.PathLike) -> tuple[Path, Path]:
+    """``(<out>.json, <out>.csv)`` for a benchmark script's ``--out`` stem (a .json or .csv suffix
+    is dropped); an existing one is an error, so a record is never silently overwritten."""
+    stem = Path(out)
+    if stem.suffix in (".json", ".csv"):
+        stem = stem.with_suffix("")
+    paths = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
+    existing = [str(p) for p in paths if p.exists()]
+    if existing:
+        raise ValueError(f"{' and '.join(existing)} already exist; choose another --out")
+    return paths
+
+
+def write_record(paths: tuple[Path, Path], record: Any, rows: Sequence[Mapping[str, Any]]) -> str:
+    """Write a record's JSON and its rows' CSV atomically, both texts made before either file is
+    written; returns the CSV text."""
+    json_body, csv_body = json_text(record), csv_text(rows)
+    write_text_atomic(paths[0], json_body)
+    write_text_atomic(paths[1], csv_body)
+    return csv_body
+
+
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike,
               columns: Sequence[str] | None = None) -> Path:
     """Write ``csv_text(rows, columns)`` to ``path`` atomically (the folder is created)."""

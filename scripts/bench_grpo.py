@@ -25,7 +25,6 @@ import argparse
 import gc
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,8 +33,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
-from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.workloads import (
     DATASETS,
@@ -45,7 +43,7 @@ from rollout_lab.measure.workloads import (
     scale_lengths,
 )
 from rollout_lab.planner.cost import CostCoefficients
-from rollout_lab.workspace import write_json_atomic, write_text_atomic
+from rollout_lab.workspace import record_paths, write_record
 
 PATHS = ("shared", "unshared", "hf_generate")
 
@@ -53,11 +51,7 @@ PATHS = ("shared", "unshared", "hf_generate")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
-    p.add_argument("--preset", default="qwen2.5-3b", choices=sorted(PRESETS),
-                   help="real architecture with random weights (default qwen2.5-3b)")
-    p.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
-    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default bf16; fp32 with --tiny)")
-    p.add_argument("--device", default=None, help="cuda | cpu (default cuda; cpu with --tiny)")
+    add_model_options(p, default_preset="qwen2.5-3b")
     p.add_argument("--dataset", default="gsm8k", choices=DATASETS, help="prompt-length distribution")
     p.add_argument("--num-prompts", type=int, default=64, help="unique prompts (default 64)")
     p.add_argument("--num-samples", type=int, default=8, help="samples per prompt (default 8)")
@@ -76,15 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.top_p <= 1 or not args.temperature > 0:
         p.error("--top-p must be in (0, 1] and --temperature > 0")
-    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
-    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.model = resolve_model_options(args)
     return args
 
 
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     if args.tiny:
         torch.set_num_threads(1)  # tiny shapes: more threads only contend (this script's process only)
-    return load_model(f"tiny-{args.tiny}" if args.tiny else args.preset, dtype=args.dtype, device=args.device)
+    return load_model(args.model, dtype=args.dtype, device=args.device)
 
 
 class Paths:
@@ -205,33 +198,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def csv_text(record: dict[str, Any]) -> str:
-    cols = ("path", "statistic", "rep", "ms", "tokens_per_s", "peak_memory_mib", "num_prefill_rows",
-            "num_replicated_rows", "route")
-    lines = [",".join(cols)]
+def rows_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per timed sample and one mean row per path."""
+    rows = []
     tokens = record["workload"]["num_generated_tokens"]
     for path, res in record["results"].items():
         peak = res["peak_memory_bytes"]
-        peak = "" if peak is None else f"{peak / 2**20:.1f}"
-        common = [peak, str(res["num_prefill_rows"]), str(res["num_replicated_rows"]), res["route"]]
+        common = {"peak_memory_mib": None if peak is None else round(peak / 2**20, 1),
+                  "num_prefill_rows": res["num_prefill_rows"], "num_replicated_rows": res["num_replicated_rows"],
+                  "route": res["route"]}
         for rep, ms in enumerate(res["ms"], 1):
-            lines.append(",".join([path, "sample", str(rep), f"{ms:.3f}", f"{tokens / (ms / 1e3):.1f}", *common]))
-        lines.append(",".join([path, "mean", "", f"{res['mean_ms']:.3f}", f"{res['tokens_per_s']:.1f}", *common]))
-    return "\n".join(lines) + "\n"
+            rows.append({"path": path, "statistic": "sample", "rep": rep, "ms": round(ms, 3),
+                         "tokens_per_s": round(tokens / (ms / 1e3), 1), **common})
+        rows.append({"path": path, "statistic": "mean", "rep": None, "ms": round(res["mean_ms"], 3),
+                     "tokens_per_s": round(res["tokens_per_s"], 1), **common})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stem = Path(args.out)
-    if stem.suffix in (".json", ".csv"):
-        stem = stem.with_suffix("")
+    try:
+        paths = record_paths(args.out)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     record = run(args)
-    text = csv_text(record)  # serialise both before writing either
-    json_path = write_json_atomic(stem.with_name(stem.name + ".json"), record)
-    csv_path = write_text_atomic(stem.with_name(stem.name + ".csv"), text)
-    print(text, end="")
+    print(write_record(paths, record, rows_of(record)), end="")
     print(f"ratios: {record['ratios']}  checks: {record['checks']}")
-    print(f"wrote {json_path} and {csv_path}")
+    print(f"wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,12 +36,11 @@ from rollout_lab.cli import positive_int
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
-from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.sweep import DECODE_VARIANTS, rl_throughput_rows
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
-from rollout_lab.workspace import csv_text, json_text, write_text_atomic
+from rollout_lab.workspace import record_paths, write_record
 
 PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
 
@@ -50,10 +48,7 @@ PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
-    p.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS), help="architecture (random weights)")
-    p.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
-    p.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
-    p.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
+    add_model_options(p, default_preset="qwen3-0.6b")
     p.add_argument("--num-seqs", type=positive_int, default=256, help="requests (default 256)")
     p.add_argument("--min-len", type=positive_int, default=100, help="smallest prompt length and budget (default 100)")
     p.add_argument("--max-len", type=positive_int, default=1024, help="largest prompt length and budget (default 1024)")
@@ -68,8 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_len < args.min_len:
         p.error(f"--max-len {args.max_len} is below --min-len {args.min_len}")
-    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
-    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.model = resolve_model_options(args)
     return args
 
 
@@ -161,7 +155,7 @@ def run_peer(model, prompts, budgets, args, pad_id: int, device: torch.device) -
 
 def run(args: argparse.Namespace, save=lambda record: None) -> dict[str, Any]:
     """Every path in order; ``save(record)`` after each, so a later failure loses nothing."""
-    model, model_name = load_model(f"tiny-{args.tiny}" if args.tiny else args.preset, dtype=args.dtype,
+    model, model_name = load_model(args.model, dtype=args.dtype,
                                    device=args.device)
     device = next(model.parameters()).device
     cfg = model.config.get_text_config(decoder=True)
@@ -194,22 +188,16 @@ def run(args: argparse.Namespace, save=lambda record: None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stem = Path(args.out)
-    if stem.suffix in (".json", ".csv"):
-        stem = stem.with_suffix("")
-    json_path, csv_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
-    if json_path.exists() or csv_path.exists():
-        raise SystemExit(f"error: {json_path} or {csv_path} exists; choose another --out")
+    try:
+        paths = record_paths(args.out)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
 
     def save(record: dict[str, Any]) -> str:
-        json_body, csv_body = json_text(record), csv_text(rl_throughput_rows(record))  # both before either
-        write_text_atomic(json_path, json_body)
-        write_text_atomic(csv_path, csv_body)
-        return csv_body
+        return write_record(paths, record, rl_throughput_rows(record))
 
-    csv_body = save(run(args, save))
-    print(csv_body, end="")
-    print(f"wrote {json_path} and {csv_path}")
+    print(save(run(args, save)), end="")
+    print(f"wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":

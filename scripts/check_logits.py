@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,21 +22,17 @@ from transformers import GenerationConfig
 from rollout_lab.cli import positive_int
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.measure.fidelity import teacher_forced_check
-from rollout_lab.measure.models import TINY_FAMILIES, load_model, special_token_ids
-from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.sweep import DECODE_VARIANTS
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
-from rollout_lab.workspace import csv_text, json_text, write_text_atomic
+from rollout_lab.workspace import record_paths, write_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
-    p.add_argument("--preset", default="qwen3-0.6b", choices=sorted(PRESETS), help="architecture (random weights)")
-    p.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
-    p.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
-    p.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
+    add_model_options(p, default_preset="qwen3-0.6b")
     p.add_argument("--num-seqs", type=positive_int, default=16)
     p.add_argument("--min-len", type=positive_int, default=100)
     p.add_argument("--max-len", type=positive_int, default=1024)
@@ -47,8 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_len < args.min_len:
         p.error(f"--max-len {args.max_len} is below --min-len {args.min_len}")
-    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
-    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.model = resolve_model_options(args)
     return args
 
 
@@ -63,11 +57,11 @@ def oracle_tokens(model, prompts, steps: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stem = Path(args.out).with_suffix("") if Path(args.out).suffix in (".json", ".csv") else Path(args.out)
-    json_path, csv_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
-    if json_path.exists() or csv_path.exists():
-        raise SystemExit(f"error: {json_path} or {csv_path} exists; choose another --out")
-    model, name = load_model(f"tiny-{args.tiny}" if args.tiny else args.preset, dtype=args.dtype, device=args.device)
+    try:
+        paths = record_paths(args.out)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    model, name = load_model(args.model, dtype=args.dtype, device=args.device)
     model.generation_config = GenerationConfig()  # nothing from the model's defaults (EOS) stops the oracle
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -90,10 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                      "compiled": report["stepper"]["compiled"], "kind": report["stepper"]["kind"]})
         print(f"{variant:16s} max |err| {report['max_abs_error']:.4g}  top-1 {report['top1_agreement']}",
               file=sys.stderr)
-        write_text_atomic(json_path, json_text(record))
-        write_text_atomic(csv_path, csv_text(rows))
-    print(csv_text(rows), end="")
-    print(f"wrote {json_path} and {csv_path}")
+        csv_body = write_record(paths, record, rows)
+    print(csv_body, end="")
+    print(f"wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,17 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path):
         write_json_atomic(tmp_path / "t" / "x.json", {"v": object()})
     assert (tmp_path / "t" / "x.json").read_text().startswith("{")  # the old file survives
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["x.csv", "x.json"]
+
+
+def test_record_paths_refuse_to_overwrite_and_write_both(tmp_path):
+    from rollout_lab.workspace import record_paths, write_record
+
+    paths = record_paths(tmp_path / "bench.json")
+    assert [p.name for p in paths] == ["bench.json", "bench.csv"]
+    text = write_record(paths, {"kind": "x", "n": 1}, [{"a": 1, "b": None}])
+    assert text == paths[1].read_text() and '"kind": "x"' in paths[0].read_text()
+    with pytest.raises(ValueError, match="bench.json and .*bench.csv already exist"):
+        record_paths(tmp_path / "bench")
+    paths[1].unlink()
+    with pytest.raises(ValueError, match="bench.json already exist"):
+        record_paths(tmp_path / "bench.csv")
