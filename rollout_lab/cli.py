@@ -19,17 +19,20 @@ import ast
 import dataclasses
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from rollout_lab.measure.presets import PRESETS, geometry_for
-from rollout_lab.measure.workloads import DATASETS, SEED_FIVE, WORKLOADS, read_lengths_file, sample_lengths
+from rollout_lab.measure.workloads import (DATASETS, SEED_FIVE, WORKLOADS,
+                                           read_lengths_file, sample_lengths)
 from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks
 from rollout_lab.planner.bucket_dp import plan_buckets
-from rollout_lab.planner.cost import CostCoefficients, prefill_cost_ms, read_cost_file
+from rollout_lab.planner.cost import (CostCoefficients, prefill_cost_ms,
+                                      read_cost_file)
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.workspace import Workspace
+from rollout_lab.workspace import Workspace, record_paths
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -124,7 +127,8 @@ def build_model(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from rollout_lab.measure.calibrate import CalibrationGrid, calibrate, calibration_path  # torch
+    from rollout_lab.measure.calibrate import (CalibrationGrid,  # torch
+                                               calibrate, calibration_path)
 
     resolve_model_arguments(args)
     grid_name = args.grid or ("default" if args.preset else "tiny")
@@ -149,8 +153,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from rollout_lab.measure import sweep  # torch: only the commands that run a model
-    from rollout_lab.measure.calibrate import load_calibration  # torch, as above
+    from rollout_lab.measure import \
+        sweep  # torch: only the commands that run a model
+    from rollout_lab.measure.calibrate import \
+        load_calibration  # torch, as above
 
     resolve_model_arguments(args)
     scale = args.scale if args.scale is not None else (0.25 if args.tiny else 1.0)
@@ -254,6 +260,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def record_out(text: str) -> tuple[Path, Path]:
+    """An argparse type for a benchmark script's ``--out`` stem: its (json, csv) paths, neither of
+    which may exist yet (``workspace.record_paths``)."""
+    try:
+        return record_paths(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _parse_param(text: str) -> tuple[str, str, Any]:

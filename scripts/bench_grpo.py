@@ -29,28 +29,28 @@ from typing import Any
 
 import torch
 
+from rollout_lab.cli import record_out
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options, special_token_ids
+from rollout_lab.measure.models import (add_model_options, load_model,
+                                        resolve_model_options,
+                                        special_token_ids)
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.workloads import (
-    DATASETS,
-    lengths_to_prompts,
-    padding_share,
-    sample_lengths,
-    scale_lengths,
-)
+from rollout_lab.measure.workloads import (DATASETS, lengths_to_prompts,
+                                           padding_share, sample_lengths,
+                                           scale_lengths)
 from rollout_lab.planner.cost import CostCoefficients
-from rollout_lab.workspace import record_paths, write_record
+from rollout_lab.workspace import write_record
 
 PATHS = ("shared", "unshared", "hf_generate")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
+    p.add_argument("--out", required=True, type=record_out,
+                   help="output stem: writes <out>.json and <out>.csv (neither may exist)")
     add_model_options(p, default_preset="qwen2.5-3b")
     p.add_argument("--dataset", default="gsm8k", choices=DATASETS, help="prompt-length distribution")
     p.add_argument("--num-prompts", type=int, default=64, help="unique prompts (default 64)")
@@ -217,10 +217,7 @@ def rows_of(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        paths = record_paths(args.out)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    paths = args.out
     record = run(args)
     print(write_record(paths, record, rows_of(record)), end="")
     print(f"ratios: {record['ratios']}  checks: {record['checks']}")

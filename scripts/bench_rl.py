@@ -32,22 +32,25 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.cli import positive_int
+from rollout_lab.cli import positive_int, record_out
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options, special_token_ids
+from rollout_lab.measure.models import (add_model_options, load_model,
+                                        resolve_model_options,
+                                        special_token_ids)
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.sweep import DECODE_VARIANTS, rl_throughput_rows
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
-from rollout_lab.workspace import record_paths, write_record
+from rollout_lab.workspace import write_record
 
 PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
+    p.add_argument("--out", required=True, type=record_out,
+                   help="output stem: writes <out>.json and <out>.csv (neither may exist)")
     add_model_options(p, default_preset="qwen3-0.6b")
     p.add_argument("--num-seqs", type=positive_int, default=256, help="requests (default 256)")
     p.add_argument("--min-len", type=positive_int, default=100, help="smallest prompt length and budget (default 100)")
@@ -188,10 +191,7 @@ def run(args: argparse.Namespace, save=lambda record: None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        paths = record_paths(args.out)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    paths = args.out
 
     def save(record: dict[str, Any]) -> str:
         return write_record(paths, record, rl_throughput_rows(record))

@@ -19,19 +19,22 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.cli import positive_int
+from rollout_lab.cli import positive_int, record_out
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.measure.fidelity import teacher_forced_check
-from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options, special_token_ids
+from rollout_lab.measure.models import (add_model_options, load_model,
+                                        resolve_model_options,
+                                        special_token_ids)
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.sweep import DECODE_VARIANTS
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
-from rollout_lab.workspace import record_paths, write_record
+from rollout_lab.workspace import write_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output stem: writes <out>.json and <out>.csv")
+    p.add_argument("--out", required=True, type=record_out,
+                   help="output stem: writes <out>.json and <out>.csv (neither may exist)")
     add_model_options(p, default_preset="qwen3-0.6b")
     p.add_argument("--num-seqs", type=positive_int, default=16)
     p.add_argument("--min-len", type=positive_int, default=100)
@@ -57,10 +60,7 @@ def oracle_tokens(model, prompts, steps: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        paths = record_paths(args.out)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    paths = args.out
     model, name = load_model(args.model, dtype=args.dtype, device=args.device)
     model.generation_config = GenerationConfig()  # nothing from the model's defaults (EOS) stops the oracle
     cfg = model.config.get_text_config(decoder=True)

@@ -22,7 +22,8 @@ from rollout_lab.engine.distributed import distributed_generate
 from rollout_lab.measure.models import from_preset, tiny_model
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.workloads import WORKLOADS, get_workload, lengths_to_prompts
+from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
+                                           lengths_to_prompts)
 from rollout_lab.planner.sharding import METHODS
 from rollout_lab.workspace import write_json_atomic
 

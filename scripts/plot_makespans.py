@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rollout_lab.measure.makespans import COLUMNS, WORKLOADS, WORLD_SIZES, makespan_rows
+from rollout_lab.measure.makespans import (COLUMNS, WORKLOADS, WORLD_SIZES,
+                                           makespan_rows)
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.plots.makespans import plot_makespans
