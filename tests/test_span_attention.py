@@ -128,6 +128,14 @@ def test_span_engine_with_chunked_prompts(oracle):
     assert result.sequences == oracle(model, prompts, max_new_tokens=5)
 
 
+def run_interpreted(script: str) -> str:
+    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1``; its stdout (it must exit 0)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 INTERPRETED = textwrap.dedent("""
     import torch
     from rollout_lab.engine.span_attention import kernel_available, span_attention, span_attention_reference
@@ -158,11 +166,7 @@ interpreted = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
 
 @interpreted
 def test_kernel_equals_reference_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernel ok" in done.stdout
+    assert "kernel ok" in run_interpreted(INTERPRETED)
 
 
 ENGINE_INTERPRETED = textwrap.dedent("""
@@ -194,11 +198,7 @@ ENGINE_INTERPRETED = textwrap.dedent("""
 
 @interpreted
 def test_engine_with_the_interpreted_kernel_matches_oracle():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", ENGINE_INTERPRETED], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "engine ok" in done.stdout
+    assert "engine ok" in run_interpreted(ENGINE_INTERPRETED)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
