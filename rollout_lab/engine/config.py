@@ -30,7 +30,6 @@ DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager
 # decode attention: "span" reads each row's live columns (engine.span_attention), "masked" the
 # window with a mask; "auto": span where its kernel runs (CUDA with Triton), masked elsewhere
 DECODE_ATTENTIONS = ("auto", "span", "masked")
-COMPILE_MODES = ("auto", True, False)  # "auto": compile the captured step where graphs run
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class RolloutConfig:
         if self.decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(
                 f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {self.decode_attention!r}")
-        if not any(self.compile is c for c in COMPILE_MODES) and self.compile != "auto":
+        if not any(self.compile is c for c in (True, False)) and self.compile != "auto":  # 1 is not True
             raise ValueError(f"compile must be 'auto', True or False, got {self.compile!r}")
         if self.prefill_classes is not None and not isinstance(self.prefill_classes, ShapeClasses):
             raise ValueError(f"prefill_classes must be a ShapeClasses or None, got {self.prefill_classes!r}")
