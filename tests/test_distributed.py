@@ -191,6 +191,14 @@ def _dp_worker(rank, world_size, prompts, configs, methods, few_prompts):
         out["mismatch"] = None
     except RuntimeError as err:
         out["mismatch"] = str(err)
+    # generate's prompt checks, before any collective: floats and strings are not token ids
+    out["bad"] = []
+    for bad in ([[1.5, 2]], [["5", "6"]]):
+        try:
+            distributed_generate(model, bad, max_new_tokens=MAX_NEW)
+            out["bad"].append(None)
+        except ValueError as err:
+            out["bad"].append(str(err))
     return out
 
 
@@ -234,6 +242,7 @@ def test_distributed_matches_single_process(world_size, eos_id):
         assert "different prompts" in r["mismatch"]
         assert r["few"].sequences == few_expected
         assert sorted(len(s) for s in r["few"].shards) == [0] + [1] * (world_size - 1)
+        assert all(m is not None and "token ids must be ints" in m for m in r["bad"]), r["bad"]
 
 
 def test_per_request_budgets_are_priced_per_rank():

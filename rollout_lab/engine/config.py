@@ -137,6 +137,8 @@ class RolloutResult:
     profile: Profile | None
     num_samples: int = 1
     seed: int | None = None
+    # per sequence: "stop" (it ended with an EOS id) or "length" (it ran its budget)
+    finish_reasons: list[str] = field(default_factory=list)
 
     def grouped(self) -> list[list[list[int]]]:
         """Per request, its ``num_samples`` sequences."""
@@ -148,8 +150,8 @@ def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParam
     """None for greedy; sampling parameters without ``do_sample=True`` are an error."""
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    if seed is not None and (not is_int(seed) or seed < 0):
-        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
     if not do_sample:
         given = {name: value for name, value, default in (
             ("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
@@ -166,6 +168,8 @@ def prompt_lists(prompts, attention_mask=None) -> list[list[int]]:
     """Token-id lists from a list of id lists (tensors and numpy ints accepted) or from a
     left-padded ``input_ids`` tensor with its ``attention_mask``; the error names the request."""
     if isinstance(prompts, torch.Tensor):
+        if prompts.dtype == torch.bool or prompts.is_floating_point() or prompts.is_complex():
+            raise ValueError(f"input_ids must be an integer tensor, got {prompts.dtype}")
         if prompts.dim() != 2:
             raise ValueError(f"input_ids must be 2-D [batch, width], got shape {tuple(prompts.shape)}")
         mask = torch.ones_like(prompts) if attention_mask is None else attention_mask

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.config import RolloutConfig, prompt_lists
 from rollout_lab.engine.profile import synchronize
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.planner.checks import budgets_of
@@ -74,7 +74,7 @@ def distributed_generate(
     config = config if config is not None else RolloutConfig()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     rollout = Rollout(model, config)
-    prompts = [list(map(int, p)) for p in prompts]
+    prompts = prompt_lists(prompts)  # the checks of generate: integer ids only, named by request
     lengths = [len(p) for p in prompts]
     budgets = budgets_of(max_new_tokens, len(prompts))
     cost_args = dict(

@@ -50,11 +50,28 @@ from rollout_lab.planner.fit import OnlineCalibrator
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
 
 
+def check_causal_lm(model: object) -> None:
+    """A ``ValueError`` naming what ``model`` lacks of a Hugging Face causal LM (the config with its
+    text geometry, input embeddings, parameters), before anything uses it."""
+    missing = []
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "get_text_config", None)):
+        missing.append("a transformers config (model.config)")
+    if not callable(getattr(model, "get_input_embeddings", None)):
+        missing.append("get_input_embeddings()")
+    if not isinstance(model, torch.nn.Module) or next(model.parameters(), None) is None:
+        missing.append("parameters (a torch.nn.Module with weights)")
+    if missing:
+        raise ValueError(f"Rollout needs a Hugging Face causal LM (AutoModelForCausalLM); "
+                         f"{type(model).__name__} lacks {', '.join(missing)}")
+
+
 class Rollout:
     """Generates responses (greedy, or seeded sampling) for a batch of prompts through the configured
     route; keeps the captured decode graph, the learned costs and the length prior across calls."""
 
     def __init__(self, model: torch.nn.Module, config: RolloutConfig | None = None):
+        check_causal_lm(model)
         self.model = model
         self.config = config if config is not None else RolloutConfig()
         if not isinstance(self.config, RolloutConfig):
@@ -233,8 +250,10 @@ class Rollout:
         timer.sync()
         stats.total_ms = (time.perf_counter() - start) * 1e3
         self._learn(route, sequences, stats)
+        stop = set(eos_ids)
+        reasons = ["stop" if s and s[-1] in stop else "length" for s in sequences]
         return RolloutResult(sequences, route, tuple(plans), stats if profiling else None,
-                             num_samples, seed)
+                             num_samples, seed, reasons)
 
     # -- checks -----------------------------------------------------------------------------
     def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,

@@ -78,6 +78,9 @@ def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> to
     return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
+MIN_TEMPERATURE = 1e-5  # logits of |x| <= ~1e30 stay finite in fp32 after dividing by it
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperature, top-k (0 = off) and top-p (1.0 = off) of seeded sampling."""
@@ -90,6 +93,9 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={t!r} is below {MIN_TEMPERATURE}: the logits divided by it overflow "
+                             "fp32; for its limit use greedy decoding (do_sample=False)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         p = self.top_p

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 from rollout_lab.workspace import write_json_atomic
 
 MIB = float(2**20)
+MAX_COEFFICIENT = 1e12  # ms per unit; far past any device, and the sums of the model stay finite
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class CostCoefficients:
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f.name} must be finite and >= 0, got {value!r}")
+            if value > MAX_COEFFICIENT:
+                raise ValueError(f"{f.name}={value!r} is over {MAX_COEFFICIENT:g} ms per unit: costs built "
+                                 "from it overflow; measure the coefficients (rollout-lab calibrate)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

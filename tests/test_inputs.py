@@ -1,0 +1,76 @@
+"""What a call may be given (issue 16's checks so far): bad inputs are a ValueError naming the
+value, before any forward; and every sequence says why it finished."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import get_tiny
+
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.planner.cost import CostCoefficients
+
+
+@pytest.fixture
+def no_forward(monkeypatch):
+    model = get_tiny("qwen2")
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("a forward ran despite bad input"))
+    return model
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(do_sample=True, temperature=1e-44), "below 1e-05: the logits divided by it overflow fp32"),
+    (dict(do_sample=True, temperature=1e-6, top_p=0.5), "use greedy decoding"),
+    (dict(do_sample=True, seed=2**64), r"seed must be an int in \[0, 2\*\*64\)"),
+    (dict(do_sample=True, seed=-1), r"seed must be an int in \[0, 2\*\*64\)"),
+])
+def test_sampling_settings_fail_before_any_forward(no_forward, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Rollout(no_forward).generate([[1, 2]], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([[1.5, 2.0]]), torch.tensor([[True, False]]),
+                                 torch.tensor([[1.0, 2.0]])])
+def test_float_and_bool_tensors_are_not_token_ids(no_forward, ids):
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        Rollout(no_forward).generate(ids, max_new_tokens=2)
+
+
+def test_the_smallest_temperature_and_largest_seed_run():
+    model = get_tiny("qwen2")
+    result = Rollout(model).generate([[1, 2, 3]], max_new_tokens=3, do_sample=True, temperature=1e-5,
+                                     seed=2**64 - 1)
+    assert len(result.sequences[0]) == 3
+
+
+@pytest.mark.parametrize("model, lacks", [
+    (torch.nn.Linear(2, 2), "lacks a transformers config (model.config), get_input_embeddings()"),
+    (object(), "parameters"),
+])
+def test_a_model_that_is_not_a_causal_lm_is_named(model, lacks):
+    with pytest.raises(ValueError, match="Rollout needs a Hugging Face causal LM") as err:
+        Rollout(model)
+    assert lacks in str(err.value) and type(model).__name__ in str(err.value)
+
+
+def test_coefficients_that_overflow_are_refused():
+    with pytest.raises(ValueError, match="prefill_fixed_cost_ms=1e\\+300 is over 1e\\+12 ms per unit"):
+        CostCoefficients(prefill_fixed_cost_ms=1e300)
+    CostCoefficients(prefill_token_cost_ms=1e12)  # the bound itself is accepted
+
+
+@pytest.mark.parametrize("mode", ["nocb", "bucketed", "packed"])
+def test_finish_reasons(mode, oracle):
+    model = get_tiny("qwen3")
+    prompts = [[5, 9, 2], [7], [3, 3, 8, 1], [11, 4]]
+    free = oracle(model, prompts, max_new_tokens=8)
+    eos = free[0][2]  # the third token of the first request: it stops there
+    budgets = [8, 1, 6, 8]
+    config = RolloutConfig(mode=mode, eos_token_id=eos, continuous_batch_size=None if mode == "nocb" else 2)
+    result = Rollout(model, config).generate(prompts, max_new_tokens=budgets)
+    assert len(result.finish_reasons) == len(result.sequences) == 4
+    for seq, budget, reason in zip(result.sequences, budgets, result.finish_reasons):
+        assert reason == ("stop" if seq[-1] == eos else "length")
+        assert reason == "stop" or len(seq) == budget
+    assert result.finish_reasons[0] == "stop" and result.finish_reasons[1] == "length"
+    none = Rollout(model, RolloutConfig(mode=mode)).generate(prompts, max_new_tokens=3)
+    assert none.finish_reasons == ["length"] * 4  # no EOS: every row runs its budget
