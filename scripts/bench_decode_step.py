@@ -89,7 +89,7 @@ def run_case(model, slots: int, span: int, args, pad_id: int, special: list[int]
     for i, variant in enumerate(args.variants):
         prompts = lengths_to_prompts([span - NEW_TOKENS] * slots, vocab_size=vocab, seed=1000 * i + slots,
                                      special_ids=special)  # distinct prompts per variant
-        config = RolloutConfig(mode="bucketed", eos_token_id=None, pad_token_id=pad_id,
+        config = RolloutConfig(mode="bucketed", ignore_eos=True, pad_token_id=pad_id,
                                cache_capacity=span + 1, **DECODE_VARIANTS[variant])
         with Rollout(model, config) as rollout:
             built = time.perf_counter()

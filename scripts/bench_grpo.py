@@ -90,7 +90,7 @@ class Paths:
     def rollout(self, path: str, *, profile: bool = False) -> Rollout:
         key = path + ("+profile" if profile else "")
         if key not in self.rollouts:
-            config = RolloutConfig(mode=self.args.mode, eos_token_id=None, pad_token_id=self.pad_id,
+            config = RolloutConfig(mode=self.args.mode, ignore_eos=True, pad_token_id=self.pad_id,
                                    costs=self.costs, share_prefill=path == "shared", profile=profile)
             self.rollouts[key] = Rollout(self.model, config)
         return self.rollouts[key]

@@ -78,7 +78,7 @@ def run_ours(model, prompts, budgets, args, pad_id: int, device: torch.device, *
     settings = dict(DECODE_VARIANTS[variant])
     if args.decode_widths is not None:
         settings.setdefault("decode_widths", args.decode_widths)
-    config = RolloutConfig(mode=args.mode, eos_token_id=None, pad_token_id=pad_id,
+    config = RolloutConfig(mode=args.mode, ignore_eos=True, pad_token_id=pad_id,
                            continuous_batch_size=args.slots, decode=args.decode, **settings)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # the weights
     if baseline is not None:

@@ -73,7 +73,7 @@ def main() -> None:
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=sorted(special))
     # no EOS: every request runs the full budget, so timings depend on shapes only
     config = RolloutConfig(mode="auto", continuous_batch_size=args.continuous_batch_size,
-                           eos_token_id=None, costs=args.costs or RolloutConfig().costs)
+                           ignore_eos=True, costs=args.costs or RolloutConfig().costs)
     methods = [args.method] + [m for m in args.also if m != args.method]
 
     def run(method: str):

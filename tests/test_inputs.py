@@ -74,3 +74,50 @@ def test_finish_reasons(mode, oracle):
     assert result.finish_reasons[0] == "stop" and result.finish_reasons[1] == "length"
     none = Rollout(model, RolloutConfig(mode=mode)).generate(prompts, max_new_tokens=3)
     assert none.finish_reasons == ["length"] * 4  # no EOS: every row runs its budget
+
+
+# ---------------------------------------------------------------- EOS follows the model
+
+def _with_model_eos(family, oracle):
+    """A tiny model (a fresh copy) whose generation_config names, as EOS, a token it emits mid-sequence."""
+    from transformers import GenerationConfig
+
+    from rollout_lab.measure.models import tiny_model
+
+    model = tiny_model(family, seed=0)
+    prompts = [[5, 9, 2], [7], [3, 3, 8, 1]]
+    free = oracle(model, prompts, max_new_tokens=12)
+    eos = free[0][3]
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=0)
+    return model, prompts, eos
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_the_models_eos_stops_rows_where_hf_generate_does(family, oracle):
+    model, prompts, eos = _with_model_eos(family, oracle)
+    expected = []
+    for prompt in prompts:  # HF generate with the model's own generation_config
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        expected.append(out[0, len(prompt):].tolist())
+    expected = [s[: s.index(eos) + 1] if eos in s else s for s in expected]
+    assert any(len(s) < 12 for s in expected)  # the model's EOS really cuts a row
+    for mode in ("nocb", "bucketed", "packed"):
+        result = Rollout(model, RolloutConfig(mode=mode)).generate(prompts, max_new_tokens=12)
+        assert result.sequences == expected, mode
+        assert result.finish_reasons == ["stop" if s[-1] == eos else "length" for s in expected]
+    ignored = Rollout(model, RolloutConfig(ignore_eos=True)).generate(prompts, max_new_tokens=12)
+    assert [len(s) for s in ignored.sequences] == [12, 12, 12]
+    other = Rollout(model, RolloutConfig(eos_token_id=[])).generate(prompts, max_new_tokens=12)
+    assert other.sequences == ignored.sequences  # an explicit (empty) list overrides the model's
+
+
+def test_eos_settings_are_checked_and_the_pad_falls_back_to_the_models_eos(oracle):
+    with pytest.raises(ValueError, match="ignore_eos=True conflicts with eos_token_id=3"):
+        RolloutConfig(ignore_eos=True, eos_token_id=3)
+    with pytest.raises(ValueError, match="ignore_eos must be a bool"):
+        RolloutConfig(ignore_eos=1)
+    model, _, eos = _with_model_eos("qwen3", oracle)
+    model.config.pad_token_id = None
+    rollout = Rollout(model)
+    assert rollout.eos_token_ids == (eos,) and rollout._pad_token_id() == eos
+    assert Rollout(model, RolloutConfig(ignore_eos=True)).eos_token_ids == ()

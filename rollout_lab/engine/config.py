@@ -34,12 +34,18 @@ DECODE_ATTENTIONS = ("auto", "span", "masked")
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """How to run a rollout. ``eos_token_id`` may be an int, a list of ints or None (no early stop)."""
+    """How to run a rollout.
+
+    EOS, as HF ``generate``: ``eos_token_id`` None (the default) stops rows at the model's EOS ids
+    (``model.generation_config``, then ``model.config``); an int or a list of ints overrides them;
+    ``ignore_eos=True`` (vLLM's name) stops rows only at their budgets, as benchmarks need.
+    """
 
     mode: str = "auto"
     continuous_batch_size: int | None = None  # slots; None = all requests at once
     costs: CostCoefficients = field(default_factory=CostCoefficients)
-    eos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None  # None: the model's
+    ignore_eos: bool = False  # True: no EOS stops a row (benchmarks)
     pad_token_id: int | None = None  # None: the model's, else the first EOS, else 0
     repetition_penalty: float = 1.0
     cache_capacity: int | None = None  # columns; None = longest prompt + max_new_tokens
@@ -91,6 +97,11 @@ class RolloutConfig:
             object.__setattr__(self, "costs", CostCoefficients.from_json(self.costs))
         if not isinstance(self.costs, CostCoefficients):
             raise ValueError(f"costs must be a CostCoefficients or a cost file path, got {self.costs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.ignore_eos and self.eos_token_id is not None:
+            raise ValueError(f"ignore_eos=True conflicts with eos_token_id={self.eos_token_id!r}: "
+                             "give one or the other")
         eos = self.eos_token_id
         if isinstance(eos, (list, tuple)):
             if not all(is_int(e) and e >= 0 for e in eos):
@@ -115,10 +126,13 @@ class RolloutConfig:
             )
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
+    def eos_token_ids(self) -> tuple[int, ...] | None:
+        """The explicit EOS ids: () with ``ignore_eos``, None when the model's apply."""
+        if self.ignore_eos:
+            return ()
         eos = self.eos_token_id
         if eos is None:
-            return ()
+            return None
         return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 

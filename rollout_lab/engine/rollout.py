@@ -50,6 +50,16 @@ from rollout_lab.planner.fit import OnlineCalibrator
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
 
 
+def model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    """The EOS ids HF ``generate`` would stop at: ``model.generation_config``'s, else the config's."""
+    for source in (getattr(model, "generation_config", None), model.config.get_text_config(decoder=True)):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+            return tuple(int(i) for i in ids if is_int(i))
+    return ()
+
+
 def check_causal_lm(model: object) -> None:
     """A ``ValueError`` naming what ``model`` lacks of a Hugging Face causal LM (the config with its
     text geometry, input embeddings, parameters), before anything uses it."""
@@ -271,7 +281,7 @@ class Rollout:
         prompts = prompt_lists(prompts, attention_mask)
         budgets = budgets_of(max_new_tokens, len(prompts))
         self._check_prompts(prompts, budgets)
-        eos_ids = self.config.eos_token_ids
+        eos_ids = self.eos_token_ids
         pad_id = self._pad_token_id()
         for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
             for token in ids:
@@ -296,13 +306,19 @@ class Rollout:
                     f"exceeds the model's context of {self.max_positions} positions"
                 )
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that stop a row: the config's (``()`` with ``ignore_eos``), else the model's."""
+        explicit = self.config.eos_token_ids
+        return model_eos_ids(self.model) if explicit is None else explicit
+
     def _pad_token_id(self) -> int:
         if self.config.pad_token_id is not None:
             return self.config.pad_token_id
         model_pad = getattr(self.model_config, "pad_token_id", None)
         if is_int(model_pad) and 0 <= model_pad < self.vocab_size:
             return model_pad
-        eos = self.config.eos_token_ids
+        eos = self.eos_token_ids
         return eos[0] if eos else 0
 
     def _route(

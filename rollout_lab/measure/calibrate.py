@@ -334,7 +334,7 @@ def measure_decode_overhead(
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     modes = ("nocb", "bucketed")
     budgets = (1, grid.decode_steps + 1)
-    engines = {m: Rollout(model, RolloutConfig(mode=m, eos_token_id=None, pad_token_id=pad)) for m in modes}
+    engines = {m: Rollout(model, RolloutConfig(mode=m, ignore_eos=True, pad_token_id=pad)) for m in modes}
     records = []
     bar = tqdm(total=len(grid.decode_batches) * (grid.decode_repeats + 1) * 4,
                desc="calibrate decode", disable=not progress)

@@ -8,7 +8,7 @@
 
 Per workload: one warm-up call of every path, then ``repetitions`` interleaved rounds (each call
 timed whole, device synchronised before and after), then one profiling call per path. EOS is
-disabled (``eos_token_id=None`` for ours, ``min_new_tokens = max_new_tokens`` for HF), so every
+disabled (``ignore_eos=True`` for ours, ``min_new_tokens = max_new_tokens`` for HF), so every
 path generates the same number of tokens. Peers that fail are skipped with the reason recorded.
 
 The sweep, the paths it times and how one call is timed, and the record it writes (summaries,
@@ -288,7 +288,7 @@ class PathRunner:
                  engine=None):
         self.model, self.path, self.prompts, self.max_new_tokens = model, path, prompts, max_new_tokens
         self.pad, self.repetition_penalty = pad, repetition_penalty
-        self.settings = dict(engine or {}, mode=path, eos_token_id=None, pad_token_id=pad,
+        self.settings = dict(engine or {}, mode=path, ignore_eos=True, pad_token_id=pad,
                              repetition_penalty=repetition_penalty)
         if costs is not None:
             self.settings["costs"] = costs
