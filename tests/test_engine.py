@@ -275,7 +275,7 @@ BAD_CALLS = {
     "sampling": (dict(), [[1]], dict(max_new_tokens=3, temperature=0.7), "do_sample=True"),
     "nocb_over_slots": (dict(mode="nocb", continuous_batch_size=1), [[1], [2]], dict(max_new_tokens=3), "continuous_batch_size"),
     "eos_over_vocab": (dict(eos_token_id=10**6), [[1]], dict(max_new_tokens=3), "eos_token_id"),
-    "not_left_padded": (dict(), torch.tensor([[1, 0]]), dict(max_new_tokens=3, attention_mask=torch.tensor([[1, 0]])), "left-padded"),
+    "mask_with_a_hole": (dict(), torch.tensor([[1, 5, 2]]), dict(max_new_tokens=3, attention_mask=torch.tensor([[1, 0, 1]])), "has a hole"),
 }
 
 

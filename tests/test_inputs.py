@@ -121,3 +121,59 @@ def test_eos_settings_are_checked_and_the_pad_falls_back_to_the_models_eos(oracl
     rollout = Rollout(model)
     assert rollout.eos_token_ids == (eos,) and rollout._pad_token_id() == eos
     assert Rollout(model, RolloutConfig(ignore_eos=True)).eos_token_ids == ()
+
+
+# ---------------------------------------------------------------- tensors, masks, BatchEncoding
+
+PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8]]
+
+
+def _padded(prompts, side, pad=0):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        cols = slice(width - len(p), width) if side == "left" else slice(0, len(p))
+        ids[row, cols], mask[row, cols] = torch.tensor(p), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("mode", ["nocb", "bucketed", "packed"])
+def test_every_input_form_gives_the_same_tokens(mode):
+    from transformers import BatchEncoding
+
+    rollout = Rollout(get_tiny("llama"), RolloutConfig(mode=mode))
+    expected = rollout.generate(PROMPTS, max_new_tokens=4).sequences
+    for side in ("left", "right"):
+        ids, mask = _padded(PROMPTS, side)
+        assert rollout.generate(ids, attention_mask=mask, max_new_tokens=4).sequences == expected, side
+        assert rollout.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4).sequences == expected
+        encoding = BatchEncoding({"input_ids": ids, "attention_mask": mask})
+        assert rollout.generate(encoding, max_new_tokens=4).sequences == expected
+        plain = {"input_ids": ids.tolist(), "attention_mask": mask.tolist()}  # a tokenizer without tensors
+        assert rollout.generate(plain, max_new_tokens=4).sequences == expected
+        assert rollout.generate(ids, max_new_tokens=4).sequences == expected  # mask inferred from pad 0
+
+
+def test_input_form_errors_before_any_forward(no_forward):
+    rollout = Rollout(no_forward)
+    ids, mask = _padded(PROMPTS, "right")
+    cases = [
+        (dict(prompts=ids, input_ids=ids), "not both"),
+        (dict(), "not neither"),
+        (dict(prompts={"attention_mask": mask}), "needs 'input_ids'"),
+        (dict(prompts={"input_ids": ids, "attention_mask": mask}, attention_mask=mask), "given twice"),
+        (dict(prompts=ids, attention_mask=mask[:, :2]), "shape of input_ids"),
+        (dict(prompts=ids, attention_mask=mask * 2), "other than 0 and 1"),
+        (dict(prompts=ids, attention_mask=mask.float()), "0 and 1 as ints or bools"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rollout.generate(max_new_tokens=2, **kwargs)
+
+
+def test_a_pad_id_that_is_also_eos_is_ambiguous(no_forward):
+    ids, mask = _padded(PROMPTS, "left", pad=2)
+    rollout = Rollout(no_forward, RolloutConfig(pad_token_id=2, eos_token_id=2))
+    with pytest.raises(ValueError, match="pad id 2, which is also an EOS id"):
+        rollout.generate(ids, max_new_tokens=2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -178,26 +178,39 @@ def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParam
     return SamplingParams(temperature, top_k, top_p)
 
 
-def prompt_lists(prompts, attention_mask=None) -> list[list[int]]:
-    """Token-id lists from a list of id lists (tensors and numpy ints accepted) or from a
-    left-padded ``input_ids`` tensor with its ``attention_mask``; the error names the request."""
+def prompt_lists(prompts, attention_mask=None, *, pad_token_id: int | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Token-id lists from what a caller may give; every error names the request.
+
+    - a list of id lists (tensors and numpy ints accepted);
+    - a 2-D integer ``input_ids`` tensor, or a list of equal-length id lists, with its
+      ``attention_mask`` padded on either side (each row's ones must be contiguous);
+    - a tokenizer's ``BatchEncoding`` or a dict with ``input_ids`` (and ``attention_mask``);
+    - a 2-D tensor without a mask: as HF ``generate``, the mask is inferred from ``pad_token_id``
+      when the tensor holds it; where the pad id is also an EOS id that is ambiguous, an error.
+    """
+    if isinstance(prompts, Mapping):  # BatchEncoding is a Mapping
+        if "input_ids" not in prompts:
+            raise ValueError(f"a dict of inputs needs 'input_ids', got keys {sorted(prompts)}")
+        if attention_mask is not None and prompts.get("attention_mask") is not None:
+            raise ValueError("attention_mask is given twice: in the dict and as an argument")
+        attention_mask = prompts.get("attention_mask") if attention_mask is None else attention_mask
+        prompts = prompts["input_ids"]
     if isinstance(prompts, torch.Tensor):
         if prompts.dtype == torch.bool or prompts.is_floating_point() or prompts.is_complex():
             raise ValueError(f"input_ids must be an integer tensor, got {prompts.dtype}")
         if prompts.dim() != 2:
             raise ValueError(f"input_ids must be 2-D [batch, width], got shape {tuple(prompts.shape)}")
-        mask = torch.ones_like(prompts) if attention_mask is None else attention_mask
-        if mask.shape != prompts.shape:
-            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(prompts.shape)}")
-        out = []
-        for index, (ids, row) in enumerate(zip(prompts.tolist(), mask.tolist())):
-            num_pad = row.count(0)
-            if any(row[:num_pad]) or not all(row[num_pad:]):
-                raise ValueError(f"request {index}: attention_mask must be left-padded 0...0 1...1")
-            out.append(ids[num_pad:])
-        return out
+        if attention_mask is None and pad_token_id is not None and bool((prompts == pad_token_id).any()):
+            if pad_token_id in eos_token_ids:
+                raise ValueError(
+                    f"input_ids holds the pad id {pad_token_id}, which is also an EOS id: padding cannot "
+                    "be told from tokens; pass attention_mask")
+            attention_mask = prompts != pad_token_id  # HF's inference
     if attention_mask is not None:
-        raise ValueError("attention_mask is only accepted with an input_ids tensor")
+        return _unpadded(prompts, attention_mask)
+    if isinstance(prompts, torch.Tensor):
+        return [list(map(int, row)) for row in prompts.tolist()]
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a list of token-id lists or a tensor, got {type(prompts).__name__}")
     out = []
@@ -210,4 +223,29 @@ def prompt_lists(prompts, attention_mask=None) -> list[list[int]]:
         if None in ids:
             raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
         out.append(ids)
+    return out
+
+
+def _unpadded(input_ids, attention_mask) -> list[list[int]]:
+    """Each row's ids under its mask's ones, which must be one contiguous run (left or right padding)."""
+    ids_rows = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [list(r) for r in input_ids]
+    if isinstance(attention_mask, torch.Tensor):
+        if attention_mask.is_floating_point():
+            raise ValueError(f"attention_mask must hold 0 and 1 as ints or bools, got {attention_mask.dtype}")
+        mask_rows = attention_mask.tolist()
+    else:
+        mask_rows = [list(r) for r in attention_mask]
+    if len(mask_rows) != len(ids_rows) or any(len(m) != len(i) for m, i in zip(mask_rows, ids_rows)):
+        raise ValueError("attention_mask must have the shape of input_ids")
+    out = []
+    for index, (ids, row) in enumerate(zip(ids_rows, mask_rows)):
+        if any(v not in (0, 1) for v in row):
+            raise ValueError(f"request {index}: attention_mask holds values other than 0 and 1")
+        ones = [j for j, v in enumerate(row) if v]
+        if ones and ones[-1] - ones[0] + 1 != len(ones):
+            raise ValueError(f"request {index}: attention_mask has a hole; padding must be on the left or right")
+        prompt = [as_int(t) for t in ids[ones[0]: ones[-1] + 1]] if ones else []
+        if None in prompt:
+            raise ValueError(f"request {index}: token ids must be ints, got {ids[:8]!r}")
+        out.append(prompt)
     return out

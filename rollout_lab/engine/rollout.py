@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -176,9 +176,10 @@ class Rollout:
     # -- public -----------------------------------------------------------------------------
     def generate(
         self,
-        prompts: Sequence[Sequence[int]] | torch.Tensor,
+        prompts: Sequence[Sequence[int]] | torch.Tensor | Mapping[str, Any] | None = None,
         *,
         max_new_tokens: int | Sequence[int],
+        input_ids: Sequence[Sequence[int]] | torch.Tensor | None = None,
         num_samples: int = 1,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -193,6 +194,10 @@ class Rollout:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
         before the first forward.
 
+        ``prompts`` (or ``input_ids=``, HF's name; one of the two) are id lists, a 2-D integer
+        tensor with its ``attention_mask`` padded on either side (without one, the mask is inferred
+        from the pad id as HF does), or a tokenizer's ``BatchEncoding`` (``config.prompt_lists``).
+
         ``max_new_tokens`` is one budget for every request, or one per request (its samples share
         it); a row stops at EOS or at its own budget.
 
@@ -204,6 +209,10 @@ class Rollout:
         """
         start = time.perf_counter()
         cfg = self.config
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give the prompts either positionally or as input_ids=, not "
+                             + ("both" if prompts is not None else "neither"))
+        prompts = input_ids if prompts is None else prompts
         if profile is not None and not isinstance(profile, bool):
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
         profiling = cfg.profile if profile is None else profile
@@ -278,7 +287,8 @@ class Rollout:
                 f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
         if not is_int(num_samples) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-        prompts = prompt_lists(prompts, attention_mask)
+        prompts = prompt_lists(prompts, attention_mask, pad_token_id=self._pad_token_id(),
+                               eos_token_ids=self.eos_token_ids)
         budgets = budgets_of(max_new_tokens, len(prompts))
         self._check_prompts(prompts, budgets)
         eos_ids = self.eos_token_ids
