@@ -177,3 +177,42 @@ def test_a_pad_id_that_is_also_eos_is_ambiguous(no_forward):
     rollout = Rollout(no_forward, RolloutConfig(pad_token_id=2, eos_token_id=2))
     with pytest.raises(ValueError, match="pad id 2, which is also an EOS id"):
         rollout.generate(ids, max_new_tokens=2)
+
+
+# ---------------------------------------------------------------- generation_config=
+
+def test_a_generation_config_is_honoured():
+    from transformers import GenerationConfig
+
+    model = get_tiny("qwen2")
+    rollout = Rollout(model)
+    free = rollout.generate(PROMPTS, max_new_tokens=8).sequences
+    eos = free[0][2]
+    gc = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
+                          repetition_penalty=1.3, eos_token_id=eos, pad_token_id=0, num_return_sequences=2)
+    got = rollout.generate(PROMPTS, generation_config=gc, seed=5)
+    config = RolloutConfig(repetition_penalty=1.3, eos_token_id=eos, pad_token_id=0)
+    expected = Rollout(model, config).generate(PROMPTS, max_new_tokens=8, do_sample=True, temperature=0.7,
+                                               top_k=20, top_p=0.9, num_samples=2, seed=5)
+    assert got.sequences == expected.sequences and got.num_samples == 2
+    assert rollout.config.repetition_penalty == 1.0 and rollout.config.eos_token_id is None  # this call only
+    greedy = rollout.generate(PROMPTS, generation_config=GenerationConfig(max_new_tokens=8))
+    assert greedy.sequences == free
+
+
+@pytest.mark.parametrize("gc_kwargs, call, message", [
+    (dict(num_beams=2, max_new_tokens=4), {}, "num_beams=2, which rollout_lab does not support"),
+    (dict(no_repeat_ngram_size=3, max_new_tokens=4), {}, "no_repeat_ngram_size=3"),
+    (dict(stop_strings=["x"], max_new_tokens=4), {}, "stop_strings"),
+    (dict(max_length=30), {}, "give max_new_tokens instead"),
+    (dict(max_new_tokens=4, do_sample=True, temperature=0.5), dict(temperature=0.9, do_sample=True),
+     "temperature is set twice"),
+    (dict(), {}, "max_new_tokens is required"),
+])
+def test_generation_config_errors_before_any_forward(no_forward, gc_kwargs, call, message):
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match=message):
+        Rollout(no_forward).generate(PROMPTS, generation_config=GenerationConfig(**gc_kwargs), **call)
+    with pytest.raises(ValueError, match="must be a transformers.GenerationConfig"):
+        Rollout(no_forward).generate(PROMPTS, generation_config={"max_new_tokens": 3})

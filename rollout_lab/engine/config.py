@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -158,6 +158,46 @@ class RolloutResult:
         """Per request, its ``num_samples`` sequences."""
         k = self.num_samples
         return [self.sequences[i : i + k] for i in range(0, len(self.sequences), k)]
+
+
+# generate's own keywords a GenerationConfig may set, with their neutral values, and its fields that
+# go to the RolloutConfig for the call; what else a GenerationConfig may carry without effect here
+CALL_DEFAULTS = {"max_new_tokens": None, "num_samples": 1, "do_sample": False, "temperature": 1.0,
+                 "top_k": 0, "top_p": 1.0}
+CONFIG_FIELDS = ("repetition_penalty", "eos_token_id", "pad_token_id")
+HARMLESS_FIELDS = {"transformers_version", "bos_token_id", "decoder_start_token_id", "use_cache",
+                   "_from_model_config", "max_length"}
+
+
+def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> tuple[dict, dict]:
+    """(generate's keywords, RolloutConfig overrides) from a ``transformers.GenerationConfig``.
+
+    Read: max_new_tokens, do_sample, temperature, top_k, top_p, num_return_sequences (as
+    ``num_samples``), repetition_penalty and the EOS/PAD ids. A keyword that the call also set
+    away from its default is an error, and so is any other setting (beams, ``no_repeat_ngram_size``,
+    stop strings, ...): never silently ignored. ``max_length`` counts only beside ``max_new_tokens``.
+    """
+    if not callable(getattr(generation_config, "to_diff_dict", None)):
+        raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {generation_config!r}")
+    given = {k: v for k, v in generation_config.to_diff_dict().items() if v is not None}
+    given = {("num_samples" if k == "num_return_sequences" else k): v for k, v in given.items()}
+    if given.get("num_beams", 1) == 1:
+        given.pop("num_beams", None)
+    unsupported = sorted(k for k in given if k not in CALL_DEFAULTS and k not in CONFIG_FIELDS
+                         and k not in HARMLESS_FIELDS)
+    if unsupported:
+        raise ValueError(f"generation_config sets {', '.join(f'{k}={given[k]!r}' for k in unsupported)}, "
+                         f"which rollout_lab does not support; supported: {', '.join([*CALL_DEFAULTS, *CONFIG_FIELDS])}")
+    if "max_length" in given and "max_new_tokens" not in given and call.get("max_new_tokens") is None:
+        raise ValueError(f"generation_config sets max_length={given['max_length']!r}: give max_new_tokens instead")
+    keywords = dict(call)
+    for name, default in CALL_DEFAULTS.items():
+        if name not in given:
+            continue
+        if call.get(name, default) != default and call[name] != given[name]:
+            raise ValueError(f"{name} is set twice: {call[name]!r} in the call and {given[name]!r} in generation_config")
+        keywords[name] = given[name]
+    return keywords, {k: given[k] for k in CONFIG_FIELDS if k in given}
 
 
 def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParams | None:

@@ -25,7 +25,13 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rollout_lab.engine.batching import BatchSettings, ContinuousBatcher
-from rollout_lab.engine.config import RolloutConfig, RolloutResult, prompt_lists, sampling_params
+from rollout_lab.engine.config import (
+    RolloutConfig,
+    RolloutResult,
+    from_generation_config,
+    prompt_lists,
+    sampling_params,
+)
 from rollout_lab.engine.nocb import run_nocb
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
@@ -178,8 +184,9 @@ class Rollout:
         self,
         prompts: Sequence[Sequence[int]] | torch.Tensor | Mapping[str, Any] | None = None,
         *,
-        max_new_tokens: int | Sequence[int],
+        max_new_tokens: int | Sequence[int] | None = None,
         input_ids: Sequence[Sequence[int]] | torch.Tensor | None = None,
+        generation_config: Any = None,
         num_samples: int = 1,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -206,7 +213,33 @@ class Rollout:
         generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
         any of them without ``do_sample=True`` is an error, not a silent greedy run. ``profile``
         overrides ``config.profile`` for this call (None keeps it).
+
+        ``generation_config`` (a ``transformers.GenerationConfig``) sets those keywords, and the
+        repetition penalty and EOS/PAD ids for this call (``config.from_generation_config``); a
+        setting it carries that rollout_lab does not support is an error.
         """
+        call = dict(max_new_tokens=max_new_tokens, num_samples=num_samples, do_sample=do_sample,
+                    temperature=temperature, top_k=top_k, top_p=top_p)
+        overrides: dict[str, Any] = {}
+        if generation_config is not None:
+            call, overrides = from_generation_config(generation_config, call)
+        if call["max_new_tokens"] is None:
+            raise ValueError("max_new_tokens is required (as a keyword or in generation_config)")
+        rest = dict(input_ids=input_ids, seed=seed, attention_mask=attention_mask, num_beams=num_beams,
+                    num_return_sequences=num_return_sequences, profile=profile)
+        if not overrides:
+            return self._generate(prompts, **call, **rest)
+        saved = self.config
+        self.config = dataclasses.replace(saved, **overrides)  # checked as any RolloutConfig; this call only
+        try:
+            return self._generate(prompts, **call, **rest)
+        finally:
+            self.config = saved
+
+    def _generate(
+        self, prompts, *, max_new_tokens, input_ids, num_samples, do_sample, temperature, top_k, top_p,
+        seed, attention_mask, num_beams, num_return_sequences, profile,
+    ) -> RolloutResult:
         start = time.perf_counter()
         cfg = self.config
         if (prompts is None) == (input_ids is None):
