@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.decode import seen_from_ids, select_tokens
+from rollout_lab.engine.decode import seen_from_ids, select_tokens, token_logprobs
 from rollout_lab.engine.prefill import packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import Profile, Timer
@@ -67,6 +67,7 @@ class BatchSettings:
     cache_kwarg: str
     sampling: SamplingParams | None = None  # None: greedy
     prefill_classes: ShapeClasses | None = None  # bucketed prefill at class shapes
+    logprobs_mode: str | None = None  # engine.decode.LOGPROB_MODES: each token's log-probability too
 
 
 def plan_admission(
@@ -117,7 +118,7 @@ class ContinuousBatcher:
                     settings.num_slots, settings.capacity, settings.repetition_penalty,
                     settings.repetition_penalty != 1.0, settings.cache_kwarg,
                     settings.sampling is not None, sampling.temperature, sampling.top_k,
-                    sampling.top_p))
+                    sampling.top_p, logprobs_mode=settings.logprobs_mode))
             else:
                 stepper.reset()
         self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
@@ -125,6 +126,7 @@ class ContinuousBatcher:
         self.rows: list[_Row] = []  # index = slot
         self.queue = list(range(len(prompts)))  # not yet admitted, input order
         self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.logprobs: list[list[float]] = [[] for _ in prompts]  # with settings.logprobs_mode
         self.plans: list[BucketPlan] = []
         self.tails: dict[int, tuple[int, ...]] = {}  # request -> tail chunk widths (this admission)
         self._spans: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket row -> whole KV
@@ -146,19 +148,26 @@ class ContinuousBatcher:
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
                 front = self.cache.front_int
-                steps = [self.stepper.step(num_rows, front + k) for k in range(burst)]
-                tokens = (steps[0][:, None] if burst == 1 else torch.stack(steps, 1)).tolist()
+                steps, step_logprobs = [], []
+                for k in range(burst):
+                    steps.append(self.stepper.step(num_rows, front + k))
+                    if self.settings.logprobs_mode:  # read before the next step overwrites them
+                        step_logprobs.append(self.stepper.logprobs(num_rows))
+                tokens = torch.stack(steps, 1).tolist()
+                logprobs = torch.stack(step_logprobs, 1).tolist() if step_logprobs else None
                 self.cache.front_int += burst
             self.profile.num_decode_forwards += burst
             self._note_peak()
-            for row, row_tokens in zip(self.rows, tokens):
-                for token in row_tokens:
-                    self._append(row, token)
+            for i, (row, row_tokens) in enumerate(zip(self.rows, tokens)):
+                for k, token in enumerate(row_tokens):
+                    self._append(row, token, None if logprobs is None else logprobs[i][k])
             self._retire()
         return self.outputs, self.plans
 
-    def _append(self, row: _Row, token: int) -> None:
+    def _append(self, row: _Row, token: int, logprob: float | None = None) -> None:
         self.outputs[row.request].append(token)
+        if logprob is not None:
+            self.logprobs[row.request].append(logprob)
         row.num_generated += 1
 
     def _is_done(self, row: _Row) -> bool:
@@ -270,6 +279,12 @@ class ContinuousBatcher:
                 logits, seen, self.settings.repetition_penalty, sampling=self.settings.sampling,
                 sample_keys=keys, steps=torch.zeros_like(keys),
             )  # [rows], the token of step 0
+            first_logprobs = None
+            if self.settings.logprobs_mode:
+                first_logprobs = token_logprobs(
+                    logits, first, mode=self.settings.logprobs_mode, seen=seen,
+                    repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.sampling,
+                ).tolist()
             if seen is not None:
                 seen.scatter_(1, first[:, None], True)
         self.profile.num_prefill_forwards += 1
@@ -283,8 +298,8 @@ class ContinuousBatcher:
                 self.cache.admit(slots, layer_kv, lengths, source_rows=source)
             self._admit_spans(slots, source)
             self.state.admit(slots, first, lengths, seen, sample_keys=keys)
-        for slot, token in zip(slots, first.tolist()):
-            self._append(self.rows[slot], token)
+        for j, (slot, token) in enumerate(zip(slots, first.tolist())):
+            self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
 
     def _seen_of(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         width = max(len(p) for p in prompts)

@@ -153,6 +153,8 @@ class RolloutResult:
     seed: int | None = None
     # per sequence: "stop" (it ended with an EOS id) or "length" (it ran its budget)
     finish_reasons: list[str] = field(default_factory=list)
+    # with generate(return_logprobs=True): per sequence, each token's log-probability
+    logprobs: list[list[float]] | None = None
 
     def grouped(self) -> list[list[list[int]]]:
         """Per request, its ``num_samples`` sequences."""

@@ -13,7 +13,9 @@ import torch
 
 from rollout_lab.engine.attention import rollout_attention
 from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.sampling import SamplingParams, sample_tokens
+from rollout_lab.engine.sampling import SamplingParams, filter_logits, sample_tokens
+
+LOGPROB_MODES = ("raw", "processed")
 
 
 def apply_repetition_penalty(
@@ -37,7 +39,8 @@ class DecodeState:
     With ``keep_logits`` the step also leaves each row's fp32 logits in ``logits`` [slots, vocab]
     (before the penalty), for teacher-forced checks (``measure.fidelity``)."""
 
-    def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device, keep_logits: bool = False):
+    def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device, keep_logits: bool = False,
+                 logprobs_mode: str | None = None):
         self.input_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.position_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.seen = (
@@ -49,6 +52,10 @@ class DecodeState:
         self.logits = (
             torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=device) if keep_logits else None
         )  # [slots, vocab]
+        self.logprobs_mode = logprobs_mode  # LOGPROB_MODES or None: the step leaves each token's in logprobs
+        self.logprobs = (
+            torch.zeros(num_slots, dtype=torch.float32, device=device) if logprobs_mode else None
+        )  # [slots]
 
     def _buffers(self) -> list[torch.Tensor]:
         seen = [self.seen] if self.seen is not None else []
@@ -80,6 +87,22 @@ class DecodeState:
         dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
         for buf in self._buffers():
             buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, *, mode: str, seen: torch.Tensor | None,
+    repetition_penalty: float, sampling: SamplingParams | None,
+) -> torch.Tensor:
+    """[rows] fp32 log-probability of each chosen token: "raw", the model's log-softmax; or
+    "processed", the distribution it was drawn from (after the penalty, then temperature and
+    top-k/top-p when sampling). ``seen``: the ids before this token. A logsumexp and a gather."""
+    scores = logits.float()
+    if mode == "processed":
+        if seen is not None and repetition_penalty != 1.0:
+            scores = apply_repetition_penalty(scores, seen, repetition_penalty)
+        if sampling is not None:
+            scores = filter_logits(scores, sampling)
+    return scores.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
 
 
 def select_tokens(
@@ -138,6 +161,10 @@ def decode_step(
         out.logits[:, -1], seen, repetition_penalty, sampling=sampling,
         sample_keys=state.sample_keys[:num_rows], steps=steps,
     )  # [rows]
+    if state.logprobs is not None:  # before the token joins ``seen``
+        state.logprobs[:num_rows].copy_(token_logprobs(
+            out.logits[:, -1], tokens, mode=state.logprobs_mode, seen=seen,
+            repetition_penalty=repetition_penalty, sampling=sampling))
     state.input_ids[:num_rows, 0].copy_(tokens)
     state.position_ids[:num_rows].add_(1)
     steps.add_(1)

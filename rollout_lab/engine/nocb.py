@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids
+from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids, token_logprobs
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams, filter_logits, gumbel_noise
@@ -26,19 +26,22 @@ def run_nocb(
     model: torch.nn.Module, prompts: list[list[int]], *, budgets: Sequence[int], eos_ids: Sequence[int],
     pad_id: int, repetition_penalty: float, vocab_size: int, geometry: ModelGeometry,
     costs: CostCoefficients, profile: Profile, timer: Timer, sampling: SamplingParams | None = None,
-    keys: Sequence[int] = (),
-) -> tuple[list[list[int]], list[BucketPlan]]:
+    keys: Sequence[int] = (), logprobs_mode: str | None = None,
+) -> tuple[list[list[int]], list[BucketPlan], list[list[float]] | None]:
     """(sequences cut after the first EOS, the one-bucket plan) of one HF ``generate`` call.
 
     HF gives every row the same budget, so it generates to the largest of ``budgets`` (one per row)
     and each row is cut at its own: the tokens are the same as a call with that row's budget (a
-    row's token at step t depends only on its own earlier tokens), the extra steps are wasted."""
+    row's token at step t depends only on its own earlier tokens), the extra steps are wasted.
+    With ``logprobs_mode``, the third item holds each kept token's log-probability, from HF's raw
+    logits of every step (``decode.token_logprobs``); else None."""
     device = next(model.parameters()).device
     ids, mask = left_padded(prompts, pad_id, device)
     width = ids.shape[1]
     gen_config = GenerationConfig(
         max_new_tokens=max(budgets), do_sample=False, num_beams=1,
         eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, repetition_penalty=1.0,
+        output_logits=logprobs_mode is not None, return_dict_in_generate=logprobs_mode is not None,
     )
     processors = LogitsProcessorList()
     penalty = float(repetition_penalty)
@@ -52,8 +55,14 @@ def run_nocb(
             input_ids=ids, attention_mask=mask, generation_config=gen_config,
             logits_processor=processors,
         )
+    logprobs = None
+    if logprobs_mode is not None:
+        out, logprobs = out.sequences, _logprobs_of(out.sequences, out.logits, mask.bool(), width, vocab_size,
+                                                    mode=logprobs_mode, penalty=penalty, sampling=sampling)
     eos = set(eos_ids)
     sequences = [_cut_at_eos(row[:budget], eos) for row, budget in zip(out[:, width:].tolist(), budgets)]
+    if logprobs is not None:
+        logprobs = [row[: len(seq)] for row, seq in zip(logprobs, sequences)]
     profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
     if profile.forwards is not None and profile.num_decode_forwards:  # HF's loop overhead included
         profile.forwards.append({"kind": "nocb_decode", "rows": len(prompts),
@@ -63,7 +72,23 @@ def run_nocb(
         * geometry.num_kv_heads * geometry.head_dim * geometry.element_bytes
     profile.num_prefill_rows = len(prompts)  # HF generate prefills every row
     cost = prefill_cost_ms(len(prompts), width, geometry, costs, include_kv=False)
-    return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)]
+    return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)], logprobs
+
+
+def _logprobs_of(sequences: torch.Tensor, logits: Sequence[torch.Tensor], prompt_mask: torch.Tensor,
+                 width: int, vocab_size: int, *, mode: str, penalty: float,
+                 sampling: SamplingParams | None) -> list[list[float]]:
+    """Per row, the log-probability of each generated token, step by step from HF's raw logits; the
+    ids seen before a step (for the penalty) exclude the left padding."""
+    steps = []
+    for t, step_logits in enumerate(logits):
+        prefix = sequences[:, : width + t]
+        valid = torch.ones_like(prefix, dtype=torch.bool)
+        valid[:, :width] = prompt_mask
+        seen = seen_from_ids(prefix, valid, vocab_size) if penalty != 1.0 else None
+        steps.append(token_logprobs(step_logits, sequences[:, width + t], mode=mode, seen=seen,
+                                   repetition_penalty=penalty, sampling=sampling))
+    return torch.stack(steps, 1).tolist()
 
 
 def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:

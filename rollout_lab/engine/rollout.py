@@ -32,6 +32,7 @@ from rollout_lab.engine.config import (
     prompt_lists,
     sampling_params,
 )
+from rollout_lab.engine.decode import LOGPROB_MODES
 from rollout_lab.engine.nocb import run_nocb
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
@@ -158,7 +159,7 @@ class Rollout:
 
     def _stepper_for(
         self, num_slots: int, capacity: int, explicit_capacity: bool,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | None = None, logprobs_mode: str | None = None,
     ) -> EagerStepper:
         """Reuse the kept stepper when it fits this call, else build (and capture) a new one."""
         penalty = float(self.config.repetition_penalty)
@@ -172,7 +173,8 @@ class Rollout:
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
                          sampling is not None, params.temperature, params.top_k, params.top_p,
                          self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
-                         self.config.decode_widths, self.spans, self.compiled)
+                         self.config.decode_widths, self.spans, self.compiled,
+                         logprobs_mode=logprobs_mode)
         if old is not None and old.fits(self.model, key):
             return old
         self.close()  # drop the old cache and graph before allocating their replacement
@@ -197,6 +199,8 @@ class Rollout:
         num_beams: int = 1,
         num_return_sequences: int = 1,
         profile: bool | None = None,
+        return_logprobs: bool = False,
+        logprobs_mode: str = "raw",
     ) -> RolloutResult:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
         before the first forward.
@@ -214,6 +218,11 @@ class Rollout:
         any of them without ``do_sample=True`` is an error, not a silent greedy run. ``profile``
         overrides ``config.profile`` for this call (None keeps it).
 
+        ``return_logprobs=True`` adds ``result.logprobs``: per sequence, each token's log-probability,
+        computed inside the decode step (a logsumexp and a gather). ``logprobs_mode`` "raw" (the
+        default) is the fp32 log-softmax of the model's logits; "processed" is the distribution the
+        token was drawn from (after the penalty, then temperature and top-k/top-p when sampling).
+
         ``generation_config`` (a ``transformers.GenerationConfig``) sets those keywords, and the
         repetition penalty and EOS/PAD ids for this call (``config.from_generation_config``); a
         setting it carries that rollout_lab does not support is an error.
@@ -225,8 +234,13 @@ class Rollout:
             call, overrides = from_generation_config(generation_config, call)
         if call["max_new_tokens"] is None:
             raise ValueError("max_new_tokens is required (as a keyword or in generation_config)")
+        if not isinstance(return_logprobs, bool):
+            raise ValueError(f"return_logprobs must be a bool, got {return_logprobs!r}")
+        if logprobs_mode not in LOGPROB_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
         rest = dict(input_ids=input_ids, seed=seed, attention_mask=attention_mask, num_beams=num_beams,
-                    num_return_sequences=num_return_sequences, profile=profile)
+                    num_return_sequences=num_return_sequences, profile=profile,
+                    logprobs_mode=logprobs_mode if return_logprobs else None)
         if not overrides:
             return self._generate(prompts, **call, **rest)
         saved = self.config
@@ -238,7 +252,7 @@ class Rollout:
 
     def _generate(
         self, prompts, *, max_new_tokens, input_ids, num_samples, do_sample, temperature, top_k, top_p,
-        seed, attention_mask, num_beams, num_return_sequences, profile,
+        seed, attention_mask, num_beams, num_return_sequences, profile, logprobs_mode,
     ) -> RolloutResult:
         start = time.perf_counter()
         cfg = self.config
@@ -268,34 +282,39 @@ class Rollout:
         with timer.phase("planning_ms"):
             route = self._route(lengths, budgets, num_samples=num_samples, groups=groups)
         if not prompts:
-            return RolloutResult([], route, (), stats if profiling else None, num_samples, seed)
+            return RolloutResult([], route, (), stats if profiling else None, num_samples, seed,
+                                 logprobs=[] if logprobs_mode else None)
         capacity = self._capacity(lengths, budgets, route)
         num_rows = len(row_prompts)
         num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
         if route != "nocb":
             with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
-                stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling)
+                stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling,
+                                            logprobs_mode)
             capacity = stepper.key.capacity
         with torch.no_grad():
             if route == "nocb":
-                sequences, plans = run_nocb(
+                sequences, plans, logprobs = run_nocb(
                     self.model, row_prompts, budgets=row_budgets, eos_ids=eos_ids,
                     pad_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     vocab_size=self.vocab_size, geometry=self.geometry, costs=self.costs,
-                    profile=stats, timer=timer, sampling=sampling, keys=keys)
+                    profile=stats, timer=timer, sampling=sampling, keys=keys, logprobs_mode=logprobs_mode)
             else:
                 settings = BatchSettings(
                     route=route, budgets=tuple(row_budgets), num_slots=num_slots,
                     capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     cache_kwarg=self.cache_kwarg, sampling=sampling, prefill_classes=cfg.prefill_classes,
+                    logprobs_mode=logprobs_mode,
                 )
-                sequences, plans = ContinuousBatcher(
+                batcher = ContinuousBatcher(
                     self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
                     profile=stats, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
                     prefill_graphs=self._captured_prefill(),
-                ).run()
+                )
+                sequences, plans = batcher.run()
+                logprobs = batcher.logprobs if logprobs_mode else None
         if num_samples > 1:  # plans name rows; report requests
             plans = [_plan_of_requests(plan, num_samples) for plan in plans]
         stats.num_generated_tokens = sum(len(s) for s in sequences)
@@ -305,7 +324,7 @@ class Rollout:
         stop = set(eos_ids)
         reasons = ["stop" if s and s[-1] in stop else "length" for s in sequences]
         return RolloutResult(sequences, route, tuple(plans), stats if profiling else None,
-                             num_samples, seed, reasons)
+                             num_samples, seed, reasons, logprobs)
 
     # -- checks -----------------------------------------------------------------------------
     def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,

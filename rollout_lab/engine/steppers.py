@@ -104,6 +104,7 @@ class StepperKey:
     spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
     compiled: bool = False  # torch.compile the forward inside the captured step (graph decode only)
     keep_logits: bool = False  # the step leaves its logits in state.logits (teacher-forced checks)
+    logprobs_mode: str | None = None  # the step leaves each token's log-probability in state.logprobs
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -123,7 +124,7 @@ class EagerStepper:
         vocab = model.get_input_embeddings().weight.shape[0]
         self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device,
-                                 keep_logits=key.keep_logits)
+                                 keep_logits=key.keep_logits, logprobs_mode=key.logprobs_mode)
         self.sampling = key.sampling
         # attention windows, ascending; span attention reads live columns whatever the window
         self.widths = (key.capacity,) if key.spans else width_ladder(key.capacity, key.num_widths)
@@ -152,6 +153,10 @@ class EagerStepper:
             repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
             sampling=self.sampling, width=width, spans=self.key.spans, forward=self.forward,
         )
+
+    def logprobs(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] log-probabilities of the last step's tokens (a copy: the next step overwrites)."""
+        return self.state.logprobs[:num_rows].clone()
 
     def retire_tail(self, num_live: int) -> None:
         """Slots past ``num_live`` are dead; nothing to do when they are not computed."""
