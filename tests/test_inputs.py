@@ -216,3 +216,51 @@ def test_generation_config_errors_before_any_forward(no_forward, gc_kwargs, call
         Rollout(no_forward).generate(PROMPTS, generation_config=GenerationConfig(**gc_kwargs), **call)
     with pytest.raises(ValueError, match="must be a transformers.GenerationConfig"):
         Rollout(no_forward).generate(PROMPTS, generation_config={"max_new_tokens": 3})
+
+
+# ---------------------------------------------------------------- text in, text out
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A real HF fast tokenizer over the tiny models' 512 ids ("w0".."w511"), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rollout_lab.measure.models import TINY_VOCAB_SIZE
+
+    vocab = {f"w{i}": i for i in range(TINY_VOCAB_SIZE)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w1", pad_token="w0", eos_token="w2")
+    tok.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w4{% endif %}")
+    return tok
+
+
+def test_text_and_chat_prompts_with_a_tokenizer(tokenizer):
+    model = get_tiny("qwen3")
+    ids = Rollout(model).generate(PROMPTS, max_new_tokens=4).sequences
+    rollout = Rollout(model, tokenizer=tokenizer)
+    texts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
+    result = rollout.generate(texts, max_new_tokens=4)
+    assert result.sequences == ids
+    assert result.texts == tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert result.texts[0] == " ".join(f"w{t}" for t in ids[0] if t != 2)  # w2 is the special EOS
+    batch = rollout.generate(tokenizer(texts, padding=True, return_tensors="pt"), max_new_tokens=4)
+    assert batch.sequences == ids  # a BatchEncoding straight from the tokenizer
+    chats = [[{"role": "user", "content": t}] for t in texts]
+    chat = rollout.generate(chats, apply_chat_template=True, max_new_tokens=4)
+    expected = Rollout(model).generate([[3, *p, 4] for p in PROMPTS], max_new_tokens=4).sequences
+    assert chat.sequences == expected
+    assert Rollout(model).generate(PROMPTS, max_new_tokens=2).texts is None  # no tokenizer: no texts
+
+
+def test_text_errors(no_forward, tokenizer):
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        Rollout(no_forward).generate(["w5 w6"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompts is one string"):
+        Rollout(no_forward, tokenizer=tokenizer).generate("w5 w6", max_new_tokens=2)
+    with pytest.raises(ValueError, match="takes a list of conversations"):
+        Rollout(no_forward, tokenizer=tokenizer).generate(["w5"], apply_chat_template=True, max_new_tokens=2)
+    with pytest.raises(ValueError, match="tokenizer must be a transformers tokenizer"):
+        Rollout(no_forward, tokenizer=object())

@@ -155,6 +155,8 @@ class RolloutResult:
     finish_reasons: list[str] = field(default_factory=list)
     # with generate(return_logprobs=True): per sequence, each token's log-probability
     logprobs: list[list[float]] | None = None
+    # with a tokenizer: per sequence, its decoded text (special tokens skipped)
+    texts: list[str] | None = None
 
     def grouped(self) -> list[list[list[int]]]:
         """Per request, its ``num_samples`` sequences."""
@@ -218,6 +220,31 @@ def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParam
                 "pass do_sample=True (greedy is the default)")
         return None
     return SamplingParams(temperature, top_k, top_p)
+
+
+def encode_texts(tokenizer: Any, prompts: Any, *, apply_chat_template: bool) -> Any:
+    """Token ids for text prompts: strings (``tokenizer(texts)``), or with ``apply_chat_template``
+    conversations (lists of ``{"role", "content"}`` messages, with the generation prompt added).
+    Anything that is not text is returned as it came, for ``prompt_lists``."""
+    is_texts = isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) and len(prompts) > 0 \
+        and all(isinstance(p, str) for p in prompts)
+    if not apply_chat_template and not is_texts:
+        if isinstance(prompts, str):
+            raise ValueError("prompts is one string: pass a list of strings (one per request)")
+        return prompts
+    if tokenizer is None:
+        raise ValueError("text prompts need a tokenizer: Rollout(model, config, tokenizer=tokenizer)")
+    if not apply_chat_template:
+        return [list(ids) for ids in tokenizer(list(prompts))["input_ids"]]
+    if not isinstance(prompts, Sequence) or not all(
+            isinstance(c, Sequence) and all(isinstance(m, Mapping) and "content" in m for m in c) for c in prompts):
+        raise ValueError("apply_chat_template=True takes a list of conversations, each a list of "
+                         "{'role': ..., 'content': ...} messages")
+    out = []
+    for conversation in prompts:
+        ids = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
+    return out
 
 
 def prompt_lists(prompts, attention_mask=None, *, pad_token_id: int | None = None,

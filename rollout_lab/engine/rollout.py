@@ -28,6 +28,7 @@ from rollout_lab.engine.batching import BatchSettings, ContinuousBatcher
 from rollout_lab.engine.config import (
     RolloutConfig,
     RolloutResult,
+    encode_texts,
     from_generation_config,
     prompt_lists,
     sampling_params,
@@ -87,9 +88,12 @@ class Rollout:
     """Generates responses (greedy, or seeded sampling) for a batch of prompts through the configured
     route; keeps the captured decode graph, the learned costs and the length prior across calls."""
 
-    def __init__(self, model: torch.nn.Module, config: RolloutConfig | None = None):
+    def __init__(self, model: torch.nn.Module, config: RolloutConfig | None = None, *, tokenizer: Any = None):
         check_causal_lm(model)
+        if tokenizer is not None and not callable(getattr(tokenizer, "batch_decode", None)):
+            raise ValueError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
         self.model = model
+        self.tokenizer = tokenizer  # text in (strings, chat messages) and result.texts out
         self.config = config if config is not None else RolloutConfig()
         if not isinstance(self.config, RolloutConfig):
             raise ValueError(f"config must be a RolloutConfig, got {type(self.config).__name__}")
@@ -201,6 +205,7 @@ class Rollout:
         profile: bool | None = None,
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
+        apply_chat_template: bool = False,
     ) -> RolloutResult:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
         before the first forward.
@@ -208,6 +213,8 @@ class Rollout:
         ``prompts`` (or ``input_ids=``, HF's name; one of the two) are id lists, a 2-D integer
         tensor with its ``attention_mask`` padded on either side (without one, the mask is inferred
         from the pad id as HF does), or a tokenizer's ``BatchEncoding`` (``config.prompt_lists``).
+        With ``Rollout(..., tokenizer=tok)`` they may be strings, or conversations with
+        ``apply_chat_template=True``; the result then carries ``texts``.
 
         ``max_new_tokens`` is one budget for every request, or one per request (its samples share
         it); a row stops at EOS or at its own budget.
@@ -234,6 +241,12 @@ class Rollout:
             call, overrides = from_generation_config(generation_config, call)
         if call["max_new_tokens"] is None:
             raise ValueError("max_new_tokens is required (as a keyword or in generation_config)")
+        if not isinstance(apply_chat_template, bool):
+            raise ValueError(f"apply_chat_template must be a bool, got {apply_chat_template!r}")
+        if prompts is not None:
+            prompts = encode_texts(self.tokenizer, prompts, apply_chat_template=apply_chat_template)
+        elif apply_chat_template:
+            raise ValueError("apply_chat_template=True takes the conversations as the prompts argument")
         if not isinstance(return_logprobs, bool):
             raise ValueError(f"return_logprobs must be a bool, got {return_logprobs!r}")
         if logprobs_mode not in LOGPROB_MODES:
@@ -323,8 +336,9 @@ class Rollout:
         self._learn(route, sequences, stats)
         stop = set(eos_ids)
         reasons = ["stop" if s and s[-1] in stop else "length" for s in sequences]
+        texts = None if self.tokenizer is None else self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
         return RolloutResult(sequences, route, tuple(plans), stats if profiling else None,
-                             num_samples, seed, reasons, logprobs)
+                             num_samples, seed, reasons, logprobs, texts)
 
     # -- checks -----------------------------------------------------------------------------
     def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,
