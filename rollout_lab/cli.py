@@ -15,6 +15,7 @@ they start.
 from __future__ import annotations
 
 import argparse
+import os
 import ast
 import dataclasses
 import sys
@@ -52,7 +53,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
         if not lengths:
             raise ValueError("give prompt lengths as arguments, with --file, or with --dataset")
-        geometry = geometry_for(args.preset, args.dtype)
+        geometry = geometry_for(args.model or args.preset, args.dtype)
         coeffs = read_cost_file(args.costs)[0] if args.costs else CostCoefficients()
         plan = plan_buckets(lengths, geometry, coeffs)
         packing = plan_packed(lengths, geometry, coeffs)
@@ -61,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              geometry=geometry, coeffs=coeffs)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    print(f"{len(lengths)} prompts, {args.preset} {args.dtype} geometry")
+    print(f"{len(lengths)} prompts, {args.model or args.preset} {args.dtype} geometry")
     print(f"{'bucket':>6} {'rows':>6} {'width':>6} {'padded':>7} {'est ms':>9}")
     for k, (bucket, width) in enumerate(zip(plan.buckets, plan.widths)):
         pad = len(bucket) * width - sum(lengths[i] for i in bucket)
@@ -95,7 +96,10 @@ def resolve_model_arguments(args: argparse.Namespace) -> None:
 
     from rollout_lab.measure.models import TINY_FAMILIES  # torch, as above
 
-    if args.tiny is None and args.preset is None:
+    if getattr(args, "model", None) is not None:
+        if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise SystemExit(f"error: --model {args.model!r} is not a checkpoint folder (a folder with config.json)")
+    elif args.tiny is None and args.preset is None:
         args.tiny = "qwen2"
     if args.tiny is not None and args.tiny not in TINY_FAMILIES:
         raise SystemExit(f"error: unknown --tiny family {args.tiny!r}; expected one of {list(TINY_FAMILIES)}")
@@ -119,7 +123,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, str]:
     """The model of the resolved --tiny/--preset in --dtype on --device, and its name."""
     from rollout_lab.measure.models import load_model  # torch
 
-    name = f"tiny-{args.tiny}" if args.tiny else args.preset
+    name = args.model or (f"tiny-{args.tiny}" if args.tiny else args.preset)
     try:
         return load_model(name, dtype=args.dtype, device=args.device)
     except ValueError as err:
@@ -131,7 +135,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                                calibrate, calibration_path)
 
     resolve_model_arguments(args)
-    grid_name = args.grid or ("default" if args.preset else "tiny")
+    grid_name = args.grid or ("default" if args.preset or args.model else "tiny")
     grid = CalibrationGrid.tiny() if grid_name == "tiny" else CalibrationGrid()
     if args.repeats is not None:
         grid = dataclasses.replace(grid, repeats=args.repeats)
@@ -208,7 +212,11 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
         extra.setdefault(key, {})[name] = value
     names = None if not args.only else [next((n for n in NOTEBOOKS if n.startswith(o)), o) for o in args.only]
     try:
-        run_notebooks(names=names, device=args.device, preset=args.preset, dtype=args.dtype,
+        if args.model is not None and args.preset is not None:
+            raise ValueError("give --preset or --model, not both")
+        if args.model is not None and not os.path.isdir(args.model):
+            raise ValueError(f"--model {args.model!r} is not a checkpoint folder")
+        run_notebooks(names=names, device=args.device, preset=args.model or args.preset, dtype=args.dtype,
                       out_dir=_workspace(args).root, extra=extra, kernel_name=args.kernel)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
@@ -294,6 +302,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--preset", help=f"a real architecture with random weights: {', '.join(sorted(PRESETS))}")
     group.add_argument("--tiny", metavar="FAMILY", help="a tiny random model: qwen2, qwen3, llama, opt (default qwen2)")
+    group.add_argument("--model", metavar="PATH", help="a local checkpoint folder (save_pretrained)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="model dtype (default: float32 for --tiny, bfloat16 for --preset)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
@@ -314,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--num-prompts", type=positive_int, default=32, help="prompts drawn with --dataset")
     plan.add_argument("--seed", type=int, default=0, help="seed of the --dataset draw")
     plan.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-3b", help="model geometry")
+    plan.add_argument("--model", metavar="PATH", help="a local checkpoint folder: its config.json gives the geometry")
     plan.add_argument("--dtype", choices=DTYPES, default="float32", help="KV element type")
     plan.add_argument("--costs", help="a cost file from `rollout-lab calibrate` (default: reference coefficients)")
     plan.add_argument("--max-new-tokens", type=positive_int, default=16, help="generation budget for the route choice")
@@ -362,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     nbs.add_argument("--device", default="cpu", help="cpu or cuda[:N] for 01, 03 and 04")
     nbs.add_argument("--preset", default=None,
                      help="a preset model (e.g. qwen2.5-3b): full grid, unscaled workloads, HF peers included")
+    nbs.add_argument("--model", metavar="PATH", default=None,
+                     help="a local checkpoint folder, run as --preset is")
     nbs.add_argument("--dtype", default=None, help="model dtype (default float32 tiny, bfloat16 presets)")
     nbs.add_argument("--only", nargs="+", help="notebook names or prefixes, e.g. 02")
     nbs.add_argument("--param", action="append", type=_parse_param, metavar="[NB:]NAME=VALUE",

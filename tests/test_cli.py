@@ -71,3 +71,42 @@ def test_a_missing_extra_is_named_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 1
     assert done.stderr.strip() == "error: papermill is not installed: pip install 'rollout_lab[notebooks]'"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from rollout_lab.measure.models import tiny_model
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-ckpt"
+    tiny_model("qwen3").save_pretrained(path)
+    return path
+
+
+def test_commands_take_a_local_checkpoint(checkpoint, tmp_path, capsys):
+    import json
+
+    from rollout_lab.measure.presets import geometry_for
+
+    assert main(["plan", "512", "16", "--model", str(checkpoint)]) == 0
+    assert capsys.readouterr().out.startswith(f"2 prompts, {checkpoint} float32 geometry")
+    config = json.loads((checkpoint / "config.json").read_text())
+    geometry = geometry_for(str(checkpoint))
+    assert (geometry.num_layers, geometry.num_kv_heads) == (config["num_hidden_layers"], config["num_key_value_heads"])
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", "--model", str(checkpoint), "--dtype", "float32", "--device", "cpu", "--grid", "tiny",
+                 "--no-progress", "--out", str(cal)]) == 0
+    assert json.loads(cal.read_text())["metadata"]["model_name"] == checkpoint.name
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--model", str(checkpoint), "--dtype", "float32", "--device", "cpu", "--workloads",
+                 "long_tail", "--scale", "0.1", "--paths", "bucketed", "--repetitions", "1", "--max-new-tokens", "2",
+                 "--no-progress", "--out", str(out)]) == 0
+
+
+def test_a_bad_checkpoint_is_one_line(tmp_path):
+    for argv in (["sweep", "--model", str(tmp_path / "missing")], ["calibrate", "--model", str(tmp_path)]):
+        with pytest.raises(SystemExit, match="is not a checkpoint folder"):
+            main(argv)
+    with pytest.raises(SystemExit, match="no config.json"):
+        main(["plan", "16", "--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match="give --preset or --model, not both"):
+        main(["notebooks", "--preset", "qwen2.5-3b", "--model", str(tmp_path), "--out-dir", str(tmp_path / "o")])

@@ -6,6 +6,8 @@ and the cost model's geometry. Pure data, no torch, so ``rollout-lab plan --pres
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,7 +37,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
-    """The cost model's geometry of a named preset with ``dtype`` KV elements."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    return ModelGeometry.from_config(SimpleNamespace(**PRESETS[preset]), dtype)
+    """The cost model's geometry, with ``dtype`` KV elements, of a named preset or of a local
+    checkpoint folder (only its ``config.json`` is read: no weights, no torch)."""
+    if preset in PRESETS:
+        return ModelGeometry.from_config(SimpleNamespace(**PRESETS[preset]), dtype)
+    path = Path(preset)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ValueError(f"checkpoint folder {preset!r} has no config.json")
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{config} is not a readable JSON config: {err}") from None
+        if isinstance(data.get("text_config"), dict):  # multimodal: the decoder's geometry
+            data = data["text_config"]
+        return ModelGeometry.from_config(SimpleNamespace(**data), dtype)
+    raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)} or a checkpoint folder")
