@@ -391,9 +391,10 @@ class Rollout:
     def _pad_token_id(self) -> int:
         if self.config.pad_token_id is not None:
             return self.config.pad_token_id
-        model_pad = getattr(self.model_config, "pad_token_id", None)
-        if is_int(model_pad) and 0 <= model_pad < self.vocab_size:
-            return model_pad
+        for source in (getattr(self.model, "generation_config", None), self.model_config):  # as HF generate
+            model_pad = getattr(source, "pad_token_id", None)
+            if is_int(model_pad) and 0 <= model_pad < self.vocab_size:
+                return model_pad
         eos = self.eos_token_ids
         return eos[0] if eos else 0
 
