@@ -181,7 +181,11 @@ class Rollout:
                          logprobs_mode=logprobs_mode)
         if old is not None and old.fits(self.model, key):
             return old
-        self.close()  # drop the old cache and graph before allocating their replacement
+        if old is not None:  # drop the old cache and graphs before allocating their replacement
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            old.close()
+            self._stepper = None
         self._stepper = make_stepper(self.model, key, decode=self.decode_mode)
         return self._stepper
 
