@@ -175,6 +175,11 @@ def test_03_latency_outputs(executed):
         assert int(r["num_prefill_forwards"]) >= 1
     for stem in ("03_e2e", "03_throughput_memory", "03_breakdown"):
         assert_figure(out / "figures", f"{stem}_tiny_qwen2_float32_cpu")
+    prefill = read_csv(out / "data" / "tables" / "03_prefill_routes_tiny_qwen2_float32_cpu.csv")
+    assert {(r["route"], r["backend"]) for r in prefill} == {("nocb", "hf_padded"), ("bucketed", "padded"),
+                                                            ("packed", "segments")}
+    assert {int(r["batch_size"]) for r in prefill} == {8, 16, 32} and all(float(r["mean_ms"]) > 0 for r in prefill)
+    assert_figure(out / "figures", "03_prefill_routes_tiny_qwen2_float32_cpu")
 
 
 def test_03_renders_a_saved_results_file(executed, tmp_path):

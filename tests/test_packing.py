@@ -121,3 +121,15 @@ def test_packed_shared_prefill_and_sampling_equal_bucketed():
         runs[mode] = Rollout(model, config).generate(prompts, max_new_tokens=7, **gen)
     assert runs["packed"].sequences == runs["bucketed"].sequences
     assert runs["packed"].profile.num_replicated_rows > 0  # samples copied from one packed prompt
+
+
+def test_prefill_routes_are_measured_side_by_side():
+    from rollout_lab.measure.prefill_routes import PREFILL_ROUTES, prefill_route_rows
+
+    rows = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4, 8), repetitions=1)
+    assert len(rows) == 2 * 2 * len(PREFILL_ROUTES)  # sizes x distributions x routes
+    for r in rows:
+        assert r["mean_ms"] > 0 and r["num_tokens"] >= r["batch_size"]
+        assert r["num_forwards"] == 1 or r["route"] == "bucketed"
+    with pytest.raises(ValueError, match="repetitions >= 1"):
+        prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=0)

@@ -71,6 +71,7 @@ def run_nocb(
     profile.cache_bytes = len(prompts) * profile.peak_cache_columns * 2 * geometry.num_layers \
         * geometry.num_kv_heads * geometry.head_dim * geometry.element_bytes
     profile.num_prefill_rows = len(prompts)  # HF generate prefills every row
+    profile.prefill_backend = "hf_padded"  # one left-padded forward inside HF generate
     cost = prefill_cost_ms(len(prompts), width, geometry, costs, include_kv=False)
     return sequences, [BucketPlan((tuple(range(len(prompts))),), (width,), cost)], logprobs
 

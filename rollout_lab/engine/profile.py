@@ -49,7 +49,7 @@ class Profile:
     cache_bytes: int = 0
     num_prefill_rows: int = 0
     num_replicated_rows: int = 0
-    prefill_backend: str | None = None  # "padded" or "graph" (bucketed routes); packed: "segments" or "masked"
+    prefill_backend: str | None = None  # "padded"/"graph" (bucketed), "segments"/"masked" (packed), "hf_padded" (nocb)
     forwards: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -148,3 +148,26 @@ def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> 
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_prefill_routes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Measured prefill ms against the batch's prompt tokens, one line per route and distribution
+    (``measure.prefill_routes.prefill_route_rows``); error bars: one standard deviation."""
+    fig, ax = plt.subplots(figsize=(6.8, 3.8))
+    styles = {"lognormal": "-", "bimodal": "--"}
+    for k, route in enumerate(dict.fromkeys(r["route"] for r in rows)):
+        for kind, style in styles.items():
+            mine = sorted((r for r in rows if r["route"] == route and r["distribution"] == kind),
+                          key=lambda r: r["num_tokens"])
+            if mine:
+                ax.errorbar([r["num_tokens"] for r in mine], [r["mean_ms"] for r in mine],
+                            yerr=[r["stdev_ms"] for r in mine], color=PALETTE(k), linestyle=style, marker="o",
+                            markersize=3, capsize=2, label=f"{route}, {kind}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens in the batch")
+    ax.set_ylabel("prefill call (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
