@@ -10,6 +10,8 @@ import ast
 import csv
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +21,8 @@ pm = pytest.importorskip("papermill")
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("matplotlib")
 
-from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, notebook_path, run_notebooks  # noqa: E402
+from rollout_lab.notebooks import (NOTEBOOKS, SMOKE_PARAMETERS,  # noqa: E402
+                                   notebook_path, run_notebooks)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -189,10 +192,18 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
     rl_records = [str(committed / "rl_qwen3-0.6b_bfloat16_cuda_levers.json"),
                   str(committed / "rl_qwen3-0.6b_bfloat16_cuda.json")]  # the same workload, two runs
     steps = committed / "decode_step_qwen2.5-3b_bfloat16_cuda.json"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_prefill_routes.py"), "--tiny", "llama",
+                           "--batch-sizes", "4", "--repetitions", "1", "--out", str(tmp_path / "prefill")],
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     run_notebooks(names=["03_latency_tables"], out_dir=tmp_path,
                   extra={"03_latency_tables": {"results_file": str(saved), "rl_results_file": rl_records,
-                                               "decode_step_file": str(steps)}},
+                                               "decode_step_file": str(steps),
+                                               "prefill_routes_file": str(tmp_path / "prefill.json")}},
                   progress=False)
+    rendered = read_csv(tmp_path / "data" / "tables" / "03_prefill_routes_tiny_llama_float32_cpu.csv")
+    assert {r["route"] for r in rendered} == {"nocb", "bucketed", "packed"}  # the record's, not a new run
     assert not (tmp_path / "data" / "results").exists() or not any((tmp_path / "data" / "results").iterdir())
     assert_figure(tmp_path / "figures", "03_e2e_tiny_qwen2_float32_cpu")
     assert read_csv(tmp_path / "data" / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")

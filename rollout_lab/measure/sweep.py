@@ -431,6 +431,11 @@ def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
     return _load_record(Path(path), "rl_throughput")
 
 
+def load_prefill_routes_results(path: str | os.PathLike) -> dict[str, Any]:
+    """A record written by ``scripts/bench_prefill_routes.py`` (kind "prefill_routes")."""
+    return _load_record(Path(path), "prefill_routes")
+
+
 def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``scripts/bench_decode_step.py`` (kind "decode_step")."""
     return _load_record(Path(path), "decode_step")

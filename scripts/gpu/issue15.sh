@@ -3,9 +3,9 @@
 # seed's five workloads, GSM8K 32 and GPQA-like 32 / 128 through nocb, bucketed, packed and Auto at
 # the shape-class ladder with captured prefill, then HF static + compile in its own process (its
 # CUDA-graph trees must not share a process with our captures).
-#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue15.sh tests calibrate sweep peer   # a tiny CPU check
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue15.sh calibrate sweep prefill peer   # a tiny CPU check
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue15.sh tests calibrate   # one device call
-#   ... bash scripts/gpu/issue15.sh sweep ; ... bash scripts/gpu/issue15.sh peer    # the next ones
+#   ... bash scripts/gpu/issue15.sh sweep ; ... prefill ; ... peer                   # the next ones
 # Every step has its own time limit; the sweeps write their record after every workload.
 set -u
 OUT=${OUT:?set OUT}
@@ -15,8 +15,10 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
 WORKLOADS="short_similar long_tail short_tail moderate_tail spread gsm8k_32 gpqa_diamond_32 gpqa_diamond_128"
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
+  PREFILL="--tiny qwen2 --batch-sizes 4 8 --repetitions 1"
 else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
+  PREFILL="--preset qwen2.5-3b"
 fi
 COSTS=$OUT/calibration.json
 $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
@@ -26,8 +28,9 @@ for what in "$@"; do
     calibrate) step 300 $PY -m rollout_lab.cli calibrate $M $CAL --no-progress --out $COSTS ;;
     sweep) step 540 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
                --workloads $WORKLOADS --paths nocb bucketed packed auto --out $OUT/sweep_ours ;;
+    prefill) step 400 $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
-    *) echo "unknown step $what (tests, calibrate, sweep, peer)"; exit 2 ;;
+    *) echo "unknown step $what (tests, calibrate, sweep, prefill, peer)"; exit 2 ;;
   esac
 done
