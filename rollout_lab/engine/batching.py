@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.decode import seen_from_ids, select_tokens, token_logprobs
+from rollout_lab.engine.decode import seen_from_ids, select_tokens
 from rollout_lab.engine.prefill import packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import Profile, Timer
@@ -275,16 +275,11 @@ class ContinuousBatcher:
                 seen = self._seen_of(prompts)
                 seen = seen if index is None else seen.index_select(0, index)
             keys = self.sample_keys[torch.tensor(rows, dtype=torch.long, device=self.device)]
-            first = select_tokens(
+            first, first_logprobs = select_tokens(
                 logits, seen, self.settings.repetition_penalty, sampling=self.settings.sampling,
-                sample_keys=keys, steps=torch.zeros_like(keys),
+                sample_keys=keys, steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
             )  # [rows], the token of step 0
-            first_logprobs = None
-            if self.settings.logprobs_mode:
-                first_logprobs = token_logprobs(
-                    logits, first, mode=self.settings.logprobs_mode, seen=seen,
-                    repetition_penalty=self.settings.repetition_penalty, sampling=self.settings.sampling,
-                ).tolist()
+            first_logprobs = None if first_logprobs is None else first_logprobs.tolist()
             if seen is not None:
                 seen.scatter_(1, first[:, None], True)
         self.profile.num_prefill_forwards += 1

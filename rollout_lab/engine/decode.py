@@ -13,7 +13,7 @@ import torch
 
 from rollout_lab.engine.attention import rollout_attention
 from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.sampling import SamplingParams, filter_logits, sample_tokens
+from rollout_lab.engine.sampling import SamplingParams, draw, filter_logits
 
 LOGPROB_MODES = ("raw", "processed")
 
@@ -89,35 +89,49 @@ class DecodeState:
             buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
 
 
+def processed_scores(
+    logits: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float,
+    sampling: SamplingParams | None,
+) -> torch.Tensor:
+    """The fp32 scores a token is chosen from: the penalty over ``seen`` (the ids so far), then,
+    when sampling, temperature and top-k/top-p (HF's order)."""
+    scores = logits.float()
+    if seen is not None and repetition_penalty != 1.0:
+        scores = apply_repetition_penalty(scores, seen, repetition_penalty)
+    return scores if sampling is None else filter_logits(scores, sampling)
+
+
+def logprobs_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[rows] log-softmax of ``scores`` at ``tokens``: a logsumexp and a gather."""
+    scores = scores.float()
+    return scores.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
+
+
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, *, mode: str, seen: torch.Tensor | None,
     repetition_penalty: float, sampling: SamplingParams | None,
 ) -> torch.Tensor:
     """[rows] fp32 log-probability of each chosen token: "raw", the model's log-softmax; or
-    "processed", the distribution it was drawn from (after the penalty, then temperature and
-    top-k/top-p when sampling). ``seen``: the ids before this token. A logsumexp and a gather."""
-    scores = logits.float()
+    "processed", the distribution it was drawn from (``processed_scores``). ``seen``: the ids
+    before this token."""
     if mode == "processed":
-        if seen is not None and repetition_penalty != 1.0:
-            scores = apply_repetition_penalty(scores, seen, repetition_penalty)
-        if sampling is not None:
-            scores = filter_logits(scores, sampling)
-    return scores.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
+        return logprobs_of(processed_scores(logits, seen, repetition_penalty, sampling), tokens)
+    return logprobs_of(logits, tokens)
 
 
 def select_tokens(
     logits: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float, *,
     sampling: SamplingParams | None = None, sample_keys: torch.Tensor | None = None,
-    steps: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Greedy (``sampling`` None) or seeded sampling, in fp32 after the repetition penalty;
-    ``logits`` [rows, vocab], ``sample_keys`` and ``steps`` [rows] int64."""
-    logits = logits.float()
-    if seen is not None and repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-    if sampling is not None:
-        return sample_tokens(logits, sample_keys, steps, sampling)
-    return logits.argmax(dim=-1)
+    steps: torch.Tensor | None = None, logprobs_mode: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy (``sampling`` None) or seeded sampling from ``processed_scores``; ``logits``
+    [rows, vocab], ``sample_keys`` and ``steps`` [rows] int64. Returns ([rows] ids, their
+    log-probabilities in ``logprobs_mode`` or None), the processed scores computed once for both."""
+    scores = processed_scores(logits, seen, repetition_penalty, sampling)
+    tokens = scores.argmax(dim=-1) if sampling is None else draw(scores, sample_keys, steps)
+    if logprobs_mode is None:
+        return tokens, None
+    return tokens, logprobs_of(scores if logprobs_mode == "processed" else logits, tokens)
 
 
 @torch.no_grad()
@@ -157,14 +171,12 @@ def decode_step(
     steps = state.steps[:num_rows]
     if state.logits is not None:
         state.logits[:num_rows].copy_(out.logits[:, -1])
-    tokens = select_tokens(
+    tokens, logprobs = select_tokens(
         out.logits[:, -1], seen, repetition_penalty, sampling=sampling,
-        sample_keys=state.sample_keys[:num_rows], steps=steps,
+        sample_keys=state.sample_keys[:num_rows], steps=steps, logprobs_mode=state.logprobs_mode,
     )  # [rows]
-    if state.logprobs is not None:  # before the token joins ``seen``
-        state.logprobs[:num_rows].copy_(token_logprobs(
-            out.logits[:, -1], tokens, mode=state.logprobs_mode, seen=seen,
-            repetition_penalty=repetition_penalty, sampling=sampling))
+    if logprobs is not None:
+        state.logprobs[:num_rows].copy_(logprobs)
     state.input_ids[:num_rows, 0].copy_(tokens)
     state.position_ids[:num_rows].add_(1)
     steps.add_(1)

@@ -126,5 +126,9 @@ def sample_tokens(
     logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams
 ) -> torch.Tensor:
     """[rows] ids drawn from softmax(filtered logits); ``logits`` fp32 after the penalty."""
-    scores = filter_logits(logits.float(), params)
+    return draw(filter_logits(logits.float(), params), keys, steps)
+
+
+def draw(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[rows] ids drawn from softmax(``scores``), already filtered (Gumbel-max with the rows' keys)."""
     return (scores + gumbel_noise(keys, steps, scores.shape[-1])).argmax(dim=-1)
