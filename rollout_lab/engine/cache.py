@@ -184,14 +184,8 @@ class AlignedKVCache:
                 window = dst[:, :, front - width : front]  # [slots, kv_heads, width, head_dim]
                 old = window.index_select(0, index)
                 window.index_copy_(0, index, torch.where(keep, src.to(dst.dtype), old))
-        row_mask = torch.full(
-            (len(slots), self.capacity), self.masked_value, dtype=self.mask.dtype, device=device
-        )
-        row_mask[:, front - width : front].masked_fill_(valid, 0.0)
-        self.mask.index_copy_(0, index, row_mask[:, None, None, :])
-        for slot, n in zip(slots, lengths):
-            self.row_starts[slot] = front - n
-        self._push_starts(slots)
+        # a chunked prompt's head: only its width is here yet (``lengths`` holds the whole prompt)
+        self._open_rows(slots, lengths, visible=[min(n, width) for n in lengths])
 
     def admit_packed(
         self,
@@ -219,11 +213,19 @@ class AlignedKVCache:
             for dst, src in ((dst_k, src_k), (dst_v, src_v)):
                 values = src[0].index_select(1, token_idx).transpose(0, 1)  # [sum, kv_heads, head_dim]
                 dst.permute(0, 2, 1, 3)[slot_idx, col_idx] = values.to(dst.dtype)
-        index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        self._open_rows(slots, lengths)
+
+    def _open_rows(self, slots: Sequence[int], lengths: Sequence[int],
+                   visible: Sequence[int] | None = None) -> None:
+        """Admitted ``slots``: each row's mask opens its last ``visible`` (default ``lengths``)
+        columns left of the front and masks the rest; its start is ``front - length``."""
+        front, device = self.front_int, self.mask.device
+        visible = torch.tensor(list(lengths if visible is None else visible), device=device)
         cols = torch.arange(self.capacity, device=device)
-        live = (cols[None, :] >= front - sizes[:, None]) & (cols[None, :] < front)  # [slots, capacity]
+        live = (cols[None, :] >= front - visible[:, None]) & (cols[None, :] < front)  # [slots, capacity]
         row_mask = torch.full((len(slots), self.capacity), self.masked_value, dtype=self.mask.dtype,
                               device=device).masked_fill_(live, 0.0)
+        index = torch.tensor(list(slots), dtype=torch.long, device=device)
         self.mask.index_copy_(0, index, row_mask[:, None, None, :])
         for slot, n in zip(slots, lengths):
             self.row_starts[slot] = front - n
