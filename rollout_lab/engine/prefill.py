@@ -33,6 +33,25 @@ def left_padded(
     return ids.to(device), mask.to(device)
 
 
+def check_class_shape(prompts: Sequence[Sequence[int]], rows: int | None, width: int | None) -> None:
+    """A ``ValueError`` unless the (``rows``, ``width``) class holds ``prompts`` (None: any)."""
+    longest = max(len(p) for p in prompts)
+    if (rows is not None and rows < len(prompts)) or (width is not None and width < longest):
+        raise ValueError(f"class shape ({rows}, {width}) cannot hold {len(prompts)} prompts of up to {longest} tokens")
+
+
+def class_batch(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str,
+    rows: int | None = None, width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` of a bucket at its (``rows``, ``width``) class:
+    left-padded to ``width``, the first prompt repeated up to ``rows`` (None: as they are)."""
+    check_class_shape(prompts, rows, width)
+    padded = list(prompts) + [prompts[0]] * ((rows or len(prompts)) - len(prompts))
+    ids, attention = left_padded(padded, pad_token_id, device, width)
+    return ids, attention, (attention.cumsum(-1) - 1).clamp_(min=0)  # each [rows, width]
+
+
 def prefill_bucket(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -47,14 +66,9 @@ def prefill_bucket(
     ``rows``/``width`` (a shape class, ``planner.shape_classes``): the forward runs at that shape,
     left-padded to ``width`` and with the first prompt repeated up to ``rows``; what it returns
     covers the real prompts only, and the KV only the columns of the longest one."""
-    longest = max(len(p) for p in prompts)
-    if (rows is not None and rows < len(prompts)) or (width is not None and width < longest):
-        raise ValueError(f"class shape ({rows}, {width}) cannot hold {len(prompts)} prompts of up to {longest} tokens")
-    real = len(prompts)
-    padded = list(prompts) + [prompts[0]] * ((rows or real) - real)
-    ids, attention = left_padded(padded, pad_token_id, next(model.parameters()).device, width)
-    has_padding = any(len(p) != ids.shape[1] for p in padded)
-    positions = (attention.cumsum(-1) - 1).clamp_(min=0)  # [rows, width]
+    longest, real = max(len(p) for p in prompts), len(prompts)
+    ids, attention, positions = class_batch(prompts, pad_token_id, next(model.parameters()).device, rows, width)
+    has_padding = bool((attention == 0).any())
     temp = DynamicCache(config=model.config)
     out = model(
         input_ids=ids,

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.prefill import left_padded, prefill_bucket
+from rollout_lab.engine.prefill import check_class_shape, class_batch, prefill_bucket
 
 
 class _Captured:
@@ -57,10 +57,9 @@ class PrefillGraphs:
 
     def _fill(self, entry: _Captured, prompts: Sequence[Sequence[int]], pad_token_id: int) -> None:
         rows, width = entry.ids.shape
-        padded = list(prompts) + [prompts[0]] * (rows - len(prompts))
-        ids, attention = left_padded(padded, pad_token_id, self.device, width)
+        ids, attention, positions = class_batch(prompts, pad_token_id, self.device, rows, width)
         entry.ids.copy_(ids)
-        entry.positions.copy_((attention.cumsum(-1) - 1).clamp_(min=0))
+        entry.positions.copy_(positions)
         keep = attention[:, None, None, :].bool() & torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         keep |= torch.eye(width, dtype=torch.bool, device=self.device)  # a pad query sees itself: no empty row
         entry.mask.copy_(torch.where(keep, 0.0, torch.finfo(self.dtype).min).to(self.dtype))
@@ -92,9 +91,8 @@ class PrefillGraphs:
             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """``prefill_bucket(prompts, rows=rows, width=width)`` by graph replay (eager past the cap).
         The returned tensors are the graph's: use them before the next ``run``."""
+        check_class_shape(prompts, rows, width)  # before a buffer is made for the shape
         longest = max(len(p) for p in prompts)
-        if rows < len(prompts) or width < longest:
-            raise ValueError(f"class shape ({rows}, {width}) cannot hold {len(prompts)} prompts of up to {longest} tokens")
         key = (rows, width)
         if key not in self.shapes and len(self.shapes) >= self.max_graphs:
             self.num_eager += 1
