@@ -69,9 +69,7 @@ def time_steps(rollout: Rollout, slots: int, span: int, steps: int) -> list[floa
     cache, device = stepper.cache, rollout.device
     stepper.reset()
     cache.set_front(span - steps)
-    cache.row_starts[:slots] = [0] * slots
-    cache._push_starts(range(slots))
-    cache.mask[:slots, ..., : span - steps] = 0.0
+    cache.open_rows(range(slots), [span - steps] * slots)  # every row live from column 0
     times = []
     for _ in range(steps):
         synchronize(device)

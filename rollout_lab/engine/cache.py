@@ -185,7 +185,7 @@ class AlignedKVCache:
                 old = window.index_select(0, index)
                 window.index_copy_(0, index, torch.where(keep, src.to(dst.dtype), old))
         # a chunked prompt's head: only its width is here yet (``lengths`` holds the whole prompt)
-        self._open_rows(slots, lengths, visible=[min(n, width) for n in lengths])
+        self.open_rows(slots, lengths, visible=[min(n, width) for n in lengths])
 
     def admit_packed(
         self,
@@ -213,12 +213,13 @@ class AlignedKVCache:
             for dst, src in ((dst_k, src_k), (dst_v, src_v)):
                 values = src[0].index_select(1, token_idx).transpose(0, 1)  # [sum, kv_heads, head_dim]
                 dst.permute(0, 2, 1, 3)[slot_idx, col_idx] = values.to(dst.dtype)
-        self._open_rows(slots, lengths)
+        self.open_rows(slots, lengths)
 
-    def _open_rows(self, slots: Sequence[int], lengths: Sequence[int],
+    def open_rows(self, slots: Sequence[int], lengths: Sequence[int],
                    visible: Sequence[int] | None = None) -> None:
-        """Admitted ``slots``: each row's mask opens its last ``visible`` (default ``lengths``)
-        columns left of the front and masks the rest; its start is ``front - length``."""
+        """Rows whose tokens sit at ``[front - length, front)``: each slot's mask opens its last
+        ``visible`` (default ``lengths``) columns left of the front and masks the rest, and its start
+        (host and device) is ``front - length``. ``admit`` calls it after copying the KV."""
         front, device = self.front_int, self.mask.device
         visible = torch.tensor(list(lengths if visible is None else visible), device=device)
         cols = torch.arange(self.capacity, device=device)
