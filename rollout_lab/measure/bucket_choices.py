@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from rollout_lab.measure.workloads import Distribution, bimodal_lengths, lognormal_lengths, scale_lengths
+from rollout_lab.measure.workloads import Distribution, crossing_batches, scale_lengths
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, plans_by_num_buckets
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 from rollout_lab.planner.packing import plan_packed
@@ -167,11 +167,10 @@ PACKED_BATCH_SIZES = (32, 64, 128, 256, 512)
 
 def packed_crossing_rows(
     geometry: ModelGeometry, coeffs: CostCoefficients, *, batch_sizes: Sequence[int] = PACKED_BATCH_SIZES,
-    seeds: Sequence[int] = (0, 1, 2), median: float = 120.0, sigma: float = 0.8,
-    short_median: float = 40.0, long_median: float = 600.0, long_share: float = 0.1, max_len: int = 2048,
+    seeds: Sequence[int] = (0, 1, 2),
 ) -> list[dict[str, Any]]:
-    """Where packed and bucketed prefill cross, from the cost model, on lognormal and bimodal
-    batches of each size (one row per distribution, size and seed).
+    """Where packed and bucketed prefill cross, from the cost model, on the lognormal and bimodal
+    batches of each size (``measure.workloads.crossing_batches``; a row per distribution, size, seed).
 
     Packed costs ``packed_zero_ms + n * c`` with ``c`` = ``packed_prompt_cost_ms``, so it wins while
     ``c`` < ``crossing_ms_per_prompt`` = (bucketed - packed_zero) / n; ``packed_wins`` applies the
@@ -180,12 +179,7 @@ def packed_crossing_rows(
     rows = []
     for n in batch_sizes:
         for seed in seeds:
-            samples = {
-                "lognormal": lognormal_lengths(n, median, sigma, seed, max_len),
-                "bimodal": bimodal_lengths(n, short_median, long_median, long_share=long_share,
-                                           sigma=sigma / 4, seed=seed, max_len=max_len),
-            }
-            for kind, lengths in samples.items():
+            for kind, lengths in crossing_batches(n, seed).items():
                 bucketed = plan_buckets(lengths, geometry, coeffs)
                 packed = plan_packed(lengths, geometry, zero)
                 crossing = (bucketed.cost_ms - packed.cost_ms) / n

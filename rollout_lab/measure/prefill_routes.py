@@ -1,8 +1,8 @@
 """The three prefill routes measured: one padded forward (nocb), the DP's buckets, one packed forward.
 
 Notebook 02 shows from the cost model where packed and bucketed prefill cross; this measures it. For
-lognormal and bimodal batches of each size (``measure.workloads``, the same parameters as
-``measure.bucket_choices.packed_crossing_rows``), every route runs whole calls with one new token,
+the lognormal and bimodal batches of each size (``measure.workloads.crossing_batches``, as notebook
+02's), every route runs whole calls with one new token,
 so a call is its prefill (plus the first token's choice), interleaved, after one warm-up:
 
     rows = prefill_route_rows(model, batch_sizes=(32, 64, 128), repetitions=3)
@@ -19,7 +19,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
-from rollout_lab.measure.workloads import bimodal_lengths, lengths_to_prompts, lognormal_lengths
+from rollout_lab.measure.workloads import crossing_batches, lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients
 
 PREFILL_ROUTES = ("nocb", "bucketed", "packed")
@@ -27,28 +27,20 @@ PREFILL_ROUTES = ("nocb", "bucketed", "packed")
 
 def prefill_route_rows(
     model: torch.nn.Module, *, batch_sizes: Sequence[int], repetitions: int = 3, costs: CostCoefficients | None = None,
-    median: float = 120.0, sigma: float = 0.8, short_median: float = 40.0, long_median: float = 600.0,
-    long_share: float = 0.1, max_len: int | None = None, seed: int = 0,
+    seed: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per (distribution, batch size, route): the measured prefill call (module doc)."""
     if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
     config = model.config.get_text_config(decoder=True)
-    limit = max_len or getattr(config, "max_position_embeddings", None) or 2048
-    limit = min(limit - 1, 2048)
+    limit = min((getattr(config, "max_position_embeddings", None) or 2049) - 1, 2048)  # room for a token
     vocab = model.get_input_embeddings().weight.shape[0]
     special = special_token_ids(config)
-    scale = min(1.0, limit / 2048)  # a short-context model gets proportionally shorter prompts
     settings = dict(ignore_eos=True, **({} if costs is None else {"costs": costs}))
     rollouts = {route: Rollout(model, RolloutConfig(mode=route, profile=True, **settings)) for route in PREFILL_ROUTES}
     rows = []
     for n in batch_sizes:
-        batches = {
-            "lognormal": lognormal_lengths(n, median * scale, sigma, seed, limit),
-            "bimodal": bimodal_lengths(n, short_median * scale, long_median * scale, long_share=long_share,
-                                       sigma=sigma / 4, seed=seed, max_len=limit),
-        }
-        for kind, lengths in batches.items():
+        for kind, lengths in crossing_batches(n, seed, max_len=limit).items():
             prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed + n, special_ids=special)
             samples: dict[str, list[float]] = {route: [] for route in PREFILL_ROUTES}
             last = {}

@@ -163,6 +163,19 @@ def bimodal_lengths(
     return np.clip(np.rint(rng.permutation(raw)), 1, max_len).astype(int).tolist()
 
 
+def crossing_batches(n: int, seed: int, *, max_len: int = 2048) -> dict[str, list[int]]:
+    """The lognormal and bimodal batches of ``n`` prompts on which packed and bucketed prefill are
+    compared (``measure.bucket_choices.packed_crossing_rows`` from the cost model,
+    ``measure.prefill_routes`` measured): median 120 tokens, sigma 0.8; or 10% long prompts of
+    ~600 among short ones of ~40. A ``max_len`` under 2048 shrinks every length in proportion."""
+    scale = min(1.0, max_len / 2048)
+    return {
+        "lognormal": lognormal_lengths(n, 120.0 * scale, 0.8, seed, max_len),
+        "bimodal": bimodal_lengths(n, 40.0 * scale, 600.0 * scale, long_share=0.1, sigma=0.2, seed=seed,
+                                   max_len=max_len),
+    }
+
+
 def uniform_workload(num_requests: int, *, low: int, high: int, seed: int = 0) -> tuple[list[int], list[int]]:
     """(prompt lengths, output budgets), each drawn uniformly from ``[low, high]`` with one seeded
     generator: nano-vllm's ``bench.py`` shape (256 requests, 100..1024) when called with its numbers."""
