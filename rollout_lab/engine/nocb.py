@@ -80,15 +80,15 @@ def _logprobs_of(sequences: torch.Tensor, logits: Sequence[torch.Tensor], prompt
                  width: int, vocab_size: int, *, mode: str, penalty: float,
                  sampling: SamplingParams | None) -> list[list[float]]:
     """Per row, the log-probability of each generated token, step by step from HF's raw logits; the
-    ids seen before a step (for the penalty) exclude the left padding."""
+    ids seen before a step (for the penalty) exclude the left padding and grow by one per step."""
+    seen = seen_from_ids(sequences[:, :width], prompt_mask, vocab_size) if penalty != 1.0 else None
     steps = []
     for t, step_logits in enumerate(logits):
-        prefix = sequences[:, : width + t]
-        valid = torch.ones_like(prefix, dtype=torch.bool)
-        valid[:, :width] = prompt_mask
-        seen = seen_from_ids(prefix, valid, vocab_size) if penalty != 1.0 else None
-        steps.append(token_logprobs(step_logits, sequences[:, width + t], mode=mode, seen=seen,
+        tokens = sequences[:, width + t]
+        steps.append(token_logprobs(step_logits, tokens, mode=mode, seen=seen,
                                    repetition_penalty=penalty, sampling=sampling))
+        if seen is not None:
+            seen.scatter_(1, tokens[:, None], True)
     return torch.stack(steps, 1).tolist()
 
 
