@@ -141,6 +141,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, repeats=args.repeats)
     if args.max_batch_tokens is not None:
         grid = dataclasses.replace(grid, max_batch_tokens=args.max_batch_tokens)
+    if args.prefill_graphs:
+        if not args.device.startswith("cuda"):
+            raise SystemExit(f"error: --prefill-graphs captures CUDA graphs; --device is {args.device}")
+        grid = dataclasses.replace(grid, prefill_graphs=True)
     workspace = _workspace(args)
     model, name = build_model(args)
     out = args.out or calibration_path(name, args.dtype, args.device, workspace)
@@ -336,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--grid", choices=("default", "tiny"), default=None,
                      help="shape grid (default: tiny for --tiny models, default for presets)")
     cal.add_argument("--repeats", type=positive_int, default=None, help="timed passes over the grid")
+    cal.add_argument("--prefill-graphs", action="store_true",
+                     help="CUDA: time each prefill shape as a captured graph's replay, as sweep --prefill-graphs runs it")
     cal.add_argument("--max-batch-tokens", type=positive_int, default=None,
                      help="skip shapes with batch*width above this (default: the grid's)")
     cal.add_argument("--out", help="cost file to write (default <out-dir>/data/calibration/<name>_<dtype>_<device>.json)")

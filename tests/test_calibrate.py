@@ -165,6 +165,7 @@ def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
     (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nope"], "--device"),
     (["--tiny", "gpt5"], "unknown --tiny family"),
     (["--preset", "qwen9"], "unknown --preset"),
+    (["--tiny", "qwen2", "--device", "cpu", "--prefill-graphs"], "--prefill-graphs captures CUDA graphs"),
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("rollout_lab.measure.calibrate.calibrate", lambda *a, **k: pytest.fail("calibrated despite bad arguments"))
@@ -200,3 +201,15 @@ def test_fit_packed_prompt_cost_recovers_a_known_cost():
     assert all(abs(r["rel_error"]) < 1e-9 for r in records)
     cheaper = [dict(r, measured_ms=r["measured_ms"] - 100.0) for r in packed]  # faster than shared terms
     assert fit_packed_prompt_cost(cheaper, geometry, coeffs)[0] == 0.0  # clipped at zero
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefill graphs are CUDA graphs")
+def test_measure_prefill_by_graph_replay_times_every_shape_and_keeps_the_kv():
+    from rollout_lab.measure.calibrate import CalibrationGrid, measure_prefill
+    from rollout_lab.measure.models import tiny_model
+
+    model = tiny_model("qwen2", dtype=torch.float32, device="cuda")
+    grid = CalibrationGrid(batches=(1, 4), widths=(8, 32), repeats=2, prefill_graphs=True)
+    records = measure_prefill(model, grid, progress=False)
+    assert [(r["batch"], r["width"]) for r in records] == [(1, 8), (4, 8), (1, 32), (4, 32)]
+    assert all(len(r["forward_samples_ms"]) == 2 and r["forward_ms"] > 0 for r in records)

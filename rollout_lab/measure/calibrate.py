@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import cache_kwarg_name, packed_backend, prefill_bucket, prefill_packed
+from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import load_model, special_token_ids
@@ -185,6 +186,7 @@ class CalibrationGrid:
     decode_repeats: int = 3
     statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
     packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
+    prefill_graphs: bool = False  # CUDA: time each shape as a captured graph's replay (engine.prefill_graphs)
 
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
@@ -244,19 +246,27 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     prompts = {(b, w): lengths_to_prompts([w] * b, vocab_size=config.vocab_size, seed=i, special_ids=special)
                for i, (b, w) in enumerate(shapes)}
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in shapes}
+    graphs = PrefillGraphs(model, cache_kwarg=kwarg, max_graphs=len(shapes)) if grid.prefill_graphs else None
+
+    def forward(batch: int, width: int):
+        if graphs is None:
+            return prefill_bucket(model, prompts[(batch, width)], pad_token_id=pad, cache_kwarg=kwarg)
+        return graphs.run(prompts[(batch, width)], rows=batch, width=width, pad_token_id=pad)
+
     bar = tqdm(total=(grid.repeats + 1) * len(shapes), desc="calibrate prefill", disable=not progress)
     with torch.no_grad():
-        for repeat in range(grid.repeats + 1):  # pass 0 is the warm-up
+        for repeat in range(grid.repeats + 1):  # pass 0 is the warm-up (and, with graphs, the capture)
             for shape in shapes:
                 batch, width = shape
-                fwd_ms, (_, layer_kv) = timed_ms(
-                    lambda: prefill_bucket(model, prompts[shape], pad_token_id=pad, cache_kwarg=kwarg), device)
+                fwd_ms, (_, layer_kv) = timed_ms(lambda: forward(batch, width), device)
                 copy_ms, _ = timed_ms(lambda: cache.admit(range(batch), layer_kv, [width] * batch), device)
                 del layer_kv
                 if repeat > 0:
                     samples[shape].append((fwd_ms, copy_ms))
                 bar.update()
     bar.close()
+    if graphs is not None:
+        graphs.close()
     stat = STATISTICS[grid.statistic]
     return [
         {"batch": b, "width": w,
