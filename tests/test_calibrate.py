@@ -208,7 +208,7 @@ def test_measure_prefill_by_graph_replay_times_every_shape_and_keeps_the_kv():
     from rollout_lab.measure.calibrate import CalibrationGrid, measure_prefill
     from rollout_lab.measure.models import tiny_model
 
-    model = tiny_model("qwen2", dtype=torch.float32, device="cuda")
+    model = tiny_model("qwen2").to("cuda")
     grid = CalibrationGrid(batches=(1, 4), widths=(8, 32), repeats=2, prefill_graphs=True)
     records = measure_prefill(model, grid, progress=False)
     assert [(r["batch"], r["width"]) for r in records] == [(1, 8), (4, 8), (1, 32), (4, 32)]
