@@ -1,0 +1,142 @@
+"""Every committed measurement record agrees with itself: its means, medians and spreads are those of
+its own samples, its ratios are those of its own means, and it names where it was measured.
+
+A record edited by hand, or written by a script whose summary drifted from its samples, fails here.
+Runs on the CPU: the GPU records are only read.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from rollout_lab.measure.sweep import MANUAL_ROUTES, PEER_PATHS
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = sorted((ROOT / "data" / "results").glob("*.json"))
+CALIBRATIONS = sorted((ROOT / "data" / "calibration").glob("*.json"))
+PROVENANCE = ("git_sha", "date", "device_type", "device_name", "torch", "transformers", "dtype")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def close(a: float, b: float) -> bool:
+    return a == pytest.approx(b, rel=1e-9, abs=1e-9)
+
+
+def test_there_are_records_to_check():
+    assert len(RESULTS) >= 10 and len(CALIBRATIONS) >= 2
+
+
+@pytest.mark.parametrize("path", RESULTS + CALIBRATIONS, ids=lambda p: p.name)
+def test_every_record_names_where_it_was_measured(path):
+    record = load(path)
+    provenance = record.get("provenance", record.get("metadata"))
+    missing = [k for k in PROVENANCE if not provenance.get(k)]
+    assert not missing, f"{path.name} lacks provenance fields {missing}"
+    kind = provenance["device_type"]
+    assert f"_{kind}" in path.stem, f"{path.name} was measured on {kind}"
+    assert provenance["dtype"] in path.stem
+
+
+def _check_samples(name: str, entry: dict, samples_key: str, mean_key: str, std_key: str | None) -> None:
+    samples = entry[samples_key]
+    assert samples, f"{name}: no samples"
+    assert close(entry[mean_key], statistics.fmean(samples)), f"{name}: {mean_key} is not the samples' mean"
+    if std_key is not None and len(samples) > 1:
+        spreads = (statistics.pstdev(samples), statistics.stdev(samples))
+        assert any(close(entry[std_key], s) for s in spreads), f"{name}: {std_key} is not the samples' spread"
+
+
+SWEEPS = [p for p in RESULTS if load(p).get("kind") == "sweep"]
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_sweep_means_and_ratios_follow_from_the_samples(path):
+    record = load(path)
+    assert record["workloads"], f"{path.name} has no workloads"
+    for workload, entry in record["workloads"].items():
+        paths = entry["paths"]
+        for name, result in paths.items():
+            if result.get("skipped"):
+                continue
+            _check_samples(f"{workload}/{name}", result, "samples_ms", "mean_ms", "std_ms")
+            tokens = result["tokens_per_s"] * result["mean_ms"] / 1e3
+            assert tokens == pytest.approx(round(tokens), abs=1e-6), f"{workload}/{name}: tokens/s is not tokens / mean"
+        summary = entry["summary"]
+        means = {p: r["mean_ms"] for p, r in paths.items() if r.get("mean_ms") is not None}
+        manual = [means[p] for p in MANUAL_ROUTES if p in means]
+        peers = [means[p] for p in PEER_PATHS if p in means]
+        if "auto" in means and manual:
+            assert close(summary["auto_over_best_manual"], means["auto"] / min(manual)), workload
+            assert summary["auto_route"] == paths["auto"]["route"]
+        if "auto" in means and peers:
+            assert close(summary["auto_over_best_peer"], means["auto"] / min(peers)), workload
+
+
+RL = [p for p in RESULTS if load(p).get("kind") == "rl_throughput"]
+
+
+@pytest.mark.parametrize("path", RL, ids=lambda p: p.name)
+def test_rl_throughput_is_the_workloads_tokens_over_the_mean(path):
+    record = load(path)
+    tokens = record["workload"]["num_output_tokens"]
+    assert tokens == sum(record["workload"]["budgets"]) or tokens <= sum(record["workload"]["budgets"])
+    for name, result in record["results"].items():
+        _check_samples(name, result, "samples_ms", "mean_ms", None)
+        assert close(result["output_tokens_per_s"], tokens / (result["mean_ms"] / 1e3)), name
+
+
+STEPS = [p for p in RESULTS if load(p).get("kind") == "decode_step"]
+
+
+@pytest.mark.parametrize("path", STEPS, ids=lambda p: p.name)
+def test_decode_step_statistics_are_the_samples(path):
+    for case, variants in load(path)["cases"].items():
+        for name, result in variants.items():
+            samples = result["step_ms_samples"]
+            _check_samples(f"{case}/{name}", result, "step_ms_samples", "step_ms_mean", "step_ms_stdev")
+            assert close(result["step_ms_median"], statistics.median(samples)), f"{case}/{name}"
+
+
+LOGITS = [p for p in RESULTS if load(p).get("kind") == "teacher_forced_logits"]
+
+
+@pytest.mark.parametrize("path", LOGITS, ids=lambda p: p.name)
+def test_logit_errors_are_the_worst_step(path):
+    for name, result in load(path)["variants"].items():
+        assert close(result["max_abs_error"], max(result["per_step_max_abs_error"])), name
+        assert 0.0 <= result["top1_agreement"] <= 1.0 and result["num_decided"] <= result["num_positions"]
+
+
+GRPO = [p for p in RESULTS if p.name.startswith("grpo_")]
+
+
+@pytest.mark.parametrize("path", GRPO, ids=lambda p: p.name)
+def test_grpo_ratios_follow_from_the_means(path):
+    record = load(path)
+    results = record["results"]
+    for name, result in results.items():
+        _check_samples(name, result, "ms", "mean_ms", None)
+    for key, ratio in record["ratios"].items():
+        num, den = key.split("_over_")
+        assert close(ratio, results[num]["mean_ms"] / results[den]["mean_ms"]), key
+
+
+@pytest.mark.parametrize("path", CALIBRATIONS, ids=lambda p: p.name)
+def test_calibration_fit_errors_follow_from_its_shapes(path):
+    metadata = load(path)["metadata"]
+    fit = metadata["fit"]
+    statistic = {"median": statistics.median, "min": min}[metadata["grid"]["statistic"]]
+    errors = []
+    for shape in fit["shapes"]:
+        assert close(shape["forward_ms"], statistic(shape["forward_samples_ms"])), shape
+        assert close(shape["measured_ms"], shape["forward_ms"] + shape["kv_copy_ms"]), shape
+        assert close(shape["rel_error"], (shape["predicted_ms"] - shape["measured_ms"]) / shape["measured_ms"]), shape
+        errors.append(abs(shape["rel_error"]))
+    assert close(fit["worst_rel_error"], max(errors))
+    assert 0.0 <= fit["r2"] <= 1.0
