@@ -167,8 +167,9 @@ cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="n
 
 
 @cuda
+@pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("family", ["qwen2", "opt"])
-def test_cuda_prefill_graphs_equal_eager(family, oracle):
+def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
     """fp32: class-shape prefill by graph replay gives eager's tokens (and the oracle's), with refill,
     chunked prompts and per-request budgets; a recapture follows a weight replacement; past the cap
     a class runs eagerly."""
@@ -186,7 +187,7 @@ def test_cuda_prefill_graphs_equal_eager(family, oracle):
     common = dict(mode="bucketed", prefill_classes=classes, continuous_batch_size=4, profile=True,
                   costs=CostCoefficients(prefill_max_tokens=32, prefill_fixed_cost_ms=0.05))
     eager = Rollout(model, RolloutConfig(**common)).generate(prompts, max_new_tokens=budgets)
-    with Rollout(model, RolloutConfig(prefill_graphs=True, **common)) as rollout:
+    with Rollout(model, RolloutConfig(prefill_graphs=True, compile=compile, **common)) as rollout:
         graph = rollout.generate(prompts, max_new_tokens=budgets)
         again = rollout.generate(prompts, max_new_tokens=budgets)
         graphs = rollout._prefill_graphs
@@ -197,7 +198,7 @@ def test_cuda_prefill_graphs_equal_eager(family, oracle):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
         assert rollout._prefill_graphs is not graphs
-    assert graph.profile.prefill_backend == "graph"
+    assert graph.profile.prefill_backend == "graph" and graphs.compiled is compile
     assert graph.sequences == eager.sequences == expected
     capped = Rollout(model, RolloutConfig(prefill_graphs=True, max_prefill_graphs=1, **common))
     assert capped.generate(prompts, max_new_tokens=budgets).sequences == expected

@@ -55,7 +55,7 @@ class RolloutConfig:
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
     decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
     decode_attention: str = "auto"  # "span", "masked" or "auto" (DECODE_ATTENTIONS)
-    compile: bool | str = "auto"  # torch.compile the graph-captured step; False to debug
+    compile: bool | str = "auto"  # torch.compile the graph-captured decode step and prefill graphs; False to debug
     # bucketed prefill at a bounded set of shapes (planner.shape_classes), planned and priced there;
     # None: every bucket at its own shape
     prefill_classes: ShapeClasses | None = None

@@ -146,7 +146,7 @@ class Rollout:
             self._prefill_graphs = None
         if self._prefill_graphs is None:
             self._prefill_graphs = PrefillGraphs(self.model, cache_kwarg=self.cache_kwarg,
-                                                 max_graphs=self.config.max_prefill_graphs)
+                                                 max_graphs=self.config.max_prefill_graphs, compiled=self.compiled)
             self._prefill_signature = signature
         return self._prefill_graphs
 

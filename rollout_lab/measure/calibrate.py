@@ -186,7 +186,7 @@ class CalibrationGrid:
     decode_repeats: int = 3
     statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
     packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
-    prefill_graphs: bool = False  # CUDA: time each shape as a captured graph's replay (engine.prefill_graphs)
+    prefill_graphs: bool = False  # CUDA: time each shape as a compiled graph's replay (engine.prefill_graphs)
 
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
@@ -246,7 +246,9 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     prompts = {(b, w): lengths_to_prompts([w] * b, vocab_size=config.vocab_size, seed=i, special_ids=special)
                for i, (b, w) in enumerate(shapes)}
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in shapes}
-    graphs = PrefillGraphs(model, cache_kwarg=kwarg, max_graphs=len(shapes)) if grid.prefill_graphs else None
+    # compiled, as a Rollout's prefill graphs are under its default compile="auto"
+    graphs = PrefillGraphs(model, cache_kwarg=kwarg, max_graphs=len(shapes), compiled=True) \
+        if grid.prefill_graphs else None
 
     def forward(batch: int, width: int):
         if graphs is None:
