@@ -193,13 +193,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {err}") from None
     out = args.out or workspace.results / f"sweep_{name}_{args.dtype}_{args.device.split(':')[0]}"
     oracle = sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None else args.oracle_max_tokens
-    record = sweep.run_sweep(
-        model, workloads=lengths, paths=paths, repetitions=args.repetitions,
-        max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
-        out=out, workload_scale=scale, oracle_max_tokens=oracle,
-        costs_source=args.costs or "engine defaults", decode=args.decode, engine=engine,
-    )
-    json_path, csv_path = sweep.write_results(record, out)
+    try:
+        record = sweep.run_sweep(
+            model, workloads=lengths, paths=paths, repetitions=args.repetitions,
+            max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
+            out=out, workload_scale=scale, oracle_max_tokens=oracle,
+            costs_source=args.costs or "engine defaults", decode=args.decode, engine=engine, resume=args.resume,
+        )
+    except ValueError as err:  # another sweep holds the output's lock, or --resume's record differs
+        raise SystemExit(f"error: {err}") from None
+    json_path, csv_path = sweep.results_paths(out)  # run_sweep wrote them, under the output's lock
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}")
     for row in sweep.summary_table(record):
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
@@ -339,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(cal)
     cal.add_argument("--grid", choices=("default", "tiny"), default=None,
                      help="shape grid (default: tiny for --tiny models, default for presets)")
-    cal.add_argument("--repeats", type=positive_int, default=None, help="timed passes over the grid")
+    cal.add_argument("--repeats", "--repetitions", dest="repeats", type=positive_int, default=None,
+                     help="timed passes over the grid, after one warm-up pass (default: the grid's, 5)")
     cal.add_argument("--prefill-graphs", action="store_true",
                      help="CUDA: time each prefill shape as a captured graph's replay, as sweep --prefill-graphs runs it")
     cal.add_argument("--max-batch-tokens", type=positive_int, default=None,
@@ -356,7 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--scale", type=float, default=None,
                        help="multiply every prompt length (default 0.25 for --tiny, 1 for presets)")
     sweep.add_argument("--paths", nargs="+", default=None, help="paths to run (default: every route and HF peer)")
-    sweep.add_argument("--repetitions", type=positive_int, default=3, help="timed rounds after the warm-up")
+    sweep.add_argument("--repetitions", type=positive_int, default=5,
+                       help="timed interleaved rounds after the warm-up (default 5: a median and an IQR)")
+    sweep.add_argument("--resume", action="store_true",
+                       help="keep the workloads the record at --out already holds (its settings must match)")
     sweep.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
     sweep.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: reference coefficients)")
     sweep.add_argument("--override-costs", action="store_true",

@@ -14,18 +14,31 @@ A workspace is laid out like this repository, so ``--out-dir .`` in a checkout w
     <root>/build/notebooks/    executed notebooks
 
 Nothing is ever written into the installed package. Writes are atomic: a file is either the old one
-or the complete new one. Standard library only, so every layer may use it.
+or the complete new one, mode 0644 under the usual umask; a temporary file is removed on error, and
+ones a killed writer left (``.<name>.*.tmp``) are removed by the next write of that file.
+
+A record is a JSON and the CSV derived from it, written as a pair (``write_record``): the CSV first,
+then the JSON, whose rename is the commit point. Both carry one ``run_id`` (a JSON field and a CSV
+column), so ``check_record_pair`` tells a reader whether they come from the same write. One writer
+at a time per output: ``output_lock`` holds ``<out>.lock`` (O_CREAT|O_EXCL, naming the holder's pid
+and start time); a second writer is refused, and a lock whose process is dead is taken over.
+Standard library only, so every layer may use it.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import glob
 import io
 import json
 import os
+import sys
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 OUT_DIR_ENV = "ROLLOUT_LAB_OUT"
 DEFAULT_OUT_DIR = "rollout_lab_out"
@@ -71,18 +84,56 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path)
+    tmp = _write_temporary(path, text)
     try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return path
+
+
+def _write_temporary(path: Path, text: str) -> str:
+    """``text`` in a fsynced ``.<name>.*.tmp`` beside ``path``, mode 0666 less the umask (mkstemp's
+    0600 would make results unreadable to the rest of a team); removed again on any error."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _unlink_quietly(tmp)
         raise
-    return path
+    return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the ``.<name>.<pid>.*.tmp`` files that killed writers of ``path`` left behind (their
+    pid is no longer running); returns them. A live writer's temporary file is left alone."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    stale = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if not (pid.isdigit() and _is_alive(int(pid))):
+            _unlink_quietly(tmp)
+            stale.append(tmp)
+    return stale
+
+
+def _unlink_quietly(path: str | os.PathLike) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
@@ -128,13 +179,125 @@ def record_paths(out: str | os.PathLike) -> tuple[Path, Path]:
     return paths
 
 
-def write_record(paths: tuple[Path, Path], record: Any, rows: Sequence[Mapping[str, Any]]) -> str:
-    """Write a record's JSON and its rows' CSV atomically, both texts made before either file is
-    written; returns the CSV text."""
-    json_body, csv_body = json_text(record), csv_text(rows)
-    write_text_atomic(paths[0], json_body)
-    write_text_atomic(paths[1], csv_body)
+RUN_ID = "run_id"  # the JSON field and the CSV column that tie a record's two files together
+
+
+def new_run_id() -> str:
+    """A fresh id for one write of a record (random: two writers never share one)."""
+    return uuid.uuid4().hex[:16]
+
+
+def write_record(paths: tuple[Path, Path], record: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """Write a record's JSON and its rows' CSV as a pair; returns the CSV text.
+
+    Both texts are made first, with one fresh ``run_id`` (set in the record, which is updated in
+    place, and as the CSV's first column); then the CSV is written, and the JSON last: its rename
+    commits the pair. A kill between the two renames leaves a CSV that ``check_record_pair``
+    reports as not the JSON's; the next write replaces both."""
+    run_id = new_run_id()
+    stamped = {RUN_ID: run_id, **{k: v for k, v in record.items() if k != RUN_ID}}
+    json_body = json_text(stamped)
+    csv_body = csv_text([{RUN_ID: run_id, **row} for row in rows])
+    json_path, csv_path = (Path(p) for p in paths)
+    write_text_atomic(csv_path, csv_body)
+    write_text_atomic(json_path, json_body)
+    if isinstance(record, dict):
+        record.clear()
+        record.update(stamped)
     return csv_body
+
+
+def check_record_pair(json_path: str | os.PathLike, csv_path: str | os.PathLike | None = None,
+                      *, record: Mapping[str, Any] | None = None) -> str | None:
+    """The ``run_id`` a record's JSON and CSV share; ValueError naming both files when they differ.
+
+    ``csv_path`` defaults to the JSON's with a .csv suffix; ``record`` is the parsed JSON when the
+    caller has it. A record written before run ids existed (no ``run_id`` field) returns None, and so
+    does a JSON without its CSV (the JSON is the record; the CSV is only derived from it)."""
+    json_path = Path(json_path)
+    csv_path = json_path.with_suffix(".csv") if csv_path is None else Path(csv_path)
+    if record is None:
+        record = json.loads(json_path.read_text(encoding="utf-8"))
+    run_id = record.get(RUN_ID) if isinstance(record, Mapping) else None
+    if run_id is None or not csv_path.is_file():
+        return None
+    with csv_path.open(newline="", encoding="utf-8") as handle:
+        ids = {row.get(RUN_ID) for row in csv.DictReader(handle)}
+    if ids != {run_id}:
+        found = ", ".join(sorted(str(i) for i in ids)) or "no rows"
+        raise ValueError(
+            f"{str(csv_path)!r} (run_id {found}) is not the CSV of {str(json_path)!r} (run_id {run_id}): "
+            "a write was interrupted between the two files; rerun, or rewrite the record to regenerate the CSV")
+    return run_id
+
+
+# -- one writer per output -------------------------------------------------------------------------
+
+def lock_path(out: str | os.PathLike) -> Path:
+    """``<out>.lock`` for an output stem (a .json or .csv suffix is dropped)."""
+    stem = Path(out)
+    if stem.suffix in (".json", ".csv"):
+        stem = stem.with_suffix("")
+    return stem.with_name(stem.name + ".lock")
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike) -> Iterator[Path]:
+    """Hold ``<out>.lock`` while writing ``out``: created with O_CREAT|O_EXCL, holding this
+    process's pid and start time, removed on exit. Another live holder is a ValueError naming it;
+    a lock whose pid is dead (a killed writer's) is taken over, with a message on stderr."""
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "argv": sys.argv[:8]})
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder.get("filling") or _is_alive(holder.get("pid")):
+                raise ValueError(
+                    f"{str(out)!r} is being written by pid {holder['pid']} (started {holder.get('started')}, "
+                    f"lock {str(path)!r}); wait for it, or choose another --out") from None
+            print(f"taking over {path}: its holder (pid {holder.get('pid')}, started {holder.get('started')}) "
+                  "is no longer running", file=sys.stderr)
+            _unlink_quietly(path)
+            continue
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(mine + "\n")
+        break
+    else:
+        raise ValueError(f"could not take the lock {str(path)!r}: other writers keep taking it")
+    try:
+        yield path
+    finally:
+        if _read_lock(path).get("pid") == os.getpid():
+            _unlink_quietly(path)
+
+
+def _read_lock(path: Path) -> dict[str, Any]:
+    try:
+        holder = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (ValueError, UnicodeDecodeError):
+        # created but not yet filled: its writer is filling it, or was killed in between (then,
+        # after a few seconds, it is taken over)
+        age_s = time.time() - path.stat().st_mtime if path.exists() else 0.0
+        return {"filling": age_s < 5, "pid": None, "started": "(unreadable lock)"}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _is_alive(pid: Any) -> bool:
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike,

@@ -7,7 +7,9 @@
     record = run_sweep(model, workloads={"lt": get_workload("long_tail", scale=0.05)}, repetitions=2)
 
 Per workload: one warm-up call of every path, then ``repetitions`` interleaved rounds (each call
-timed whole, device synchronised before and after), then one profiling call per path. EOS is
+timed whole, device synchronised before and after), then one profiling call per path. Every sample
+is recorded with its median and IQR (``measure.spread``); Auto / best is a ratio of medians, and
+each workload's summary says which paths differ from Auto by more than their spread. EOS is
 disabled (``ignore_eos=True`` for ours, ``min_new_tokens = max_new_tokens`` for HF), so every
 path generates the same number of tokens. Peers that fail are skipped with the reason recorded.
 
@@ -29,12 +31,15 @@ A sweep record once measured: its summaries, its flat tables, and its JSON + CSV
     record = load_results("data/results/tiny")  # the stem, or the .json file
     rows = results_table(record)  # one row per (workload, path), profile fields inlined
 
-``write_results`` serialises both files before writing either, and writes each atomically.
-No torch; the record is plain JSON data.
+``write_results`` writes the pair through ``workspace.write_record`` (CSV first, JSON last, one
+``run_id``); the loaders check the pair agrees. A sweep with ``out`` holds ``<out>.lock`` from
+before its first workload to its last write, so a second sweep to the same output is refused;
+``resume=True`` keeps the workloads an earlier record of the same settings holds.
 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -55,12 +60,13 @@ from rollout_lab.measure.models import (TINY_VOCAB_SIZE, load_model,
                                         special_token_ids, tiny_model)
 from rollout_lab.measure.peers import (hf_generate, hf_generate_batch,
                                        oracle_sequences)
+from rollout_lab.measure.spread import beyond_spread, sample_spread
 from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
                                            lengths_to_prompts, padding_share)
 from rollout_lab.planner.checks import check_max_new_tokens
 from rollout_lab.planner.cost import CostCoefficients
-from rollout_lab.workspace import (Workspace, csv_text, json_text,
-                                   write_text_atomic)
+from rollout_lab.workspace import (RUN_ID, Workspace, check_record_pair,
+                                   json_text, output_lock, write_record)
 
 PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
@@ -78,6 +84,7 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
                        "max_decode_graphs": 1},
 }
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
+DEFAULT_REPETITIONS = 5  # timed rounds after the warm-up: enough for a median and an IQR on a CPU
 
 
 def resolve_workloads(
@@ -105,7 +112,7 @@ def run_sweep(
     *,
     workloads: Sequence[str] | Mapping[str, Sequence[int]],
     paths: Sequence[str] | None = None,
-    repetitions: int = 3,
+    repetitions: int = DEFAULT_REPETITIONS,
     max_new_tokens: int = 16,
     costs: Any = None,
     model_name: str | None = None,
@@ -117,9 +124,14 @@ def run_sweep(
     costs_source: str | None = None,
     decode: str | None = None,
     engine: Mapping[str, Any] | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Time every path on every workload; a JSON-ready record (also written to ``out`` after each
     workload, when given, so an interrupted sweep keeps what it finished).
+
+    With ``out``, ``<out>.lock`` is held for the whole sweep (a second writer is refused before any
+    work). ``resume=True`` starts from the record at ``out`` and skips its workloads; its settings
+    must be this sweep's (a ValueError names those that differ).
 
     ``costs`` (CostCoefficients, default: the engine's) drive auto and bucketed; ``decode``
     ("graph", "eager", "auto"; None = the engine's default) picks our CB decode stepper; ``engine``
@@ -138,6 +150,21 @@ def run_sweep(
     if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
         raise ValueError(f"repetitions must be an int >= 1, got {repetitions!r}")
     check_max_new_tokens(max_new_tokens)
+    if resume and out is None:
+        raise ValueError("resume=True needs out (the record to resume)")
+    with contextlib.ExitStack() as stack:
+        if out is not None:
+            stack.enter_context(output_lock(out))
+        return _sweep(model, lengths_by_name, paths, repetitions=repetitions, max_new_tokens=max_new_tokens,
+                      costs=costs, model_name=model_name, progress=progress, out=out,
+                      workload_scale=workload_scale, repetition_penalty=repetition_penalty,
+                      oracle_max_tokens=oracle_max_tokens, costs_source=costs_source, decode=decode,
+                      engine=engine, resume=resume)
+
+
+def _sweep(model, lengths_by_name, paths, *, repetitions, max_new_tokens, costs, model_name, progress, out,
+           workload_scale, repetition_penalty, oracle_max_tokens, costs_source, decode, engine,
+           resume) -> dict[str, Any]:
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -155,6 +182,13 @@ def run_sweep(
         },
         "workloads": {},
     }
+    if resume and results_paths(out)[0].is_file():
+        saved = load_results(out)
+        done = resumable_workloads(saved, record, lengths_by_name)
+        record["workloads"].update(done)
+        record["resumed"] = {"run_id": saved.get(RUN_ID), "date": saved["provenance"].get("date"),
+                             "git_sha": saved["provenance"].get("git_sha"), "workloads": list(done)}
+        lengths_by_name = {k: v for k, v in lengths_by_name.items() if k not in done}
     calls_per_workload = len(paths) * (repetitions + 2)
     bar = tqdm(total=calls_per_workload * len(lengths_by_name), desc="sweep", disable=not progress)
     # no_grad, not inference_mode: generate_batch's worker thread must update tensors made here
@@ -173,7 +207,34 @@ def run_sweep(
                 write_results(record, out)
     bar.close()
     record["summary"] = summarize(record)
+    if out is not None and not lengths_by_name:  # resumed with nothing left to run: still one write
+        write_results(record, out)
     return record
+
+
+RESUME_PROVENANCE = ("model_name", "dtype", "device_type", "device_name", "geometry", "attn_implementation")
+
+
+def resumable_workloads(saved: Mapping[str, Any], record: Mapping[str, Any],
+                        lengths_by_name: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """The workloads of a saved sweep that a sweep with ``record``'s settings may keep; ValueError
+    naming every setting that differs (config, provenance, or a kept workload's lengths)."""
+    diffs = [f"config.{k}: saved {saved['config'].get(k)!r}, now {v!r}"
+             for k, v in json_roundtrip(record["config"]).items() if saved["config"].get(k) != v]
+    diffs += [f"provenance.{k}: saved {saved['provenance'].get(k)!r}, now {record['provenance'].get(k)!r}"
+              for k in RESUME_PROVENANCE if saved["provenance"].get(k) != record["provenance"].get(k)]
+    done = {k: w for k, w in saved["workloads"].items() if k in lengths_by_name}
+    diffs += [f"workload {k!r}: saved lengths differ from this sweep's"
+              for k, w in done.items() if list(w["lengths"]) != list(lengths_by_name[k])]
+    if diffs:
+        raise ValueError("cannot resume the saved sweep: its settings differ from this one's ("
+                         + "; ".join(diffs) + "); choose another --out, or run without --resume to replace it")
+    return {**{k: w for k, w in saved["workloads"].items() if k not in lengths_by_name}, **done}
+
+
+def json_roundtrip(value: Any) -> Any:
+    """``value`` as it reads back from a record (tuples as lists), for comparing with a saved one."""
+    return json.loads(json_text(value))
 
 
 def _sweep_workload(model, prompts, paths, *, device, repetitions, max_new_tokens, costs, pad,
@@ -230,7 +291,8 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
     for path in paths:
         entry = results[path]
         if entry.get("skipped") is not None:
-            entry.update({"mean_ms": None, "samples_ms": [], "tokens_per_s": None, "peak_mem_bytes": None,
+            entry.update({"mean_ms": None, "median_ms": None, "q1_ms": None, "q3_ms": None, "iqr_ms": None,
+                          "samples_ms": [], "tokens_per_s": None, "peak_mem_bytes": None,
                           "route": None, "buckets": None, "profile": None,
                           "matches_nocb": None, "matches_oracle": None})
             bar.update()
@@ -238,11 +300,12 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
         info = runners[path].profile()
         bar.update()
         seqs = outputs[path]
-        mean_ms = statistics.fmean(entry["samples_ms"])
+        spread = sample_spread(entry["samples_ms"])
         entry.update({
-            "mean_ms": mean_ms,
+            "mean_ms": statistics.fmean(entry["samples_ms"]),
             "std_ms": statistics.pstdev(entry["samples_ms"]),
-            "tokens_per_s": sum(len(s) for s in seqs) / (mean_ms / 1e3),
+            **spread,
+            "tokens_per_s": sum(len(s) for s in seqs) / (spread["median_ms"] / 1e3),
             **info,
             "matches_nocb": (seqs == outputs["nocb"]) if "nocb" in outputs else None,
             "matches_oracle": (seqs == oracle) if oracle is not None else None,
@@ -344,21 +407,29 @@ def output_sequences(out: Any) -> list[list[int]]:
 # -- the record: summaries, tables, files ----------------------------------------------------------
 
 def workload_summary(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """One workload's Auto route, and Auto against the best manual path and the best peer."""
+    """One workload's Auto route, and Auto against the best manual path and the best peer, as
+    ratios of medians; ``beyond_spread`` says, per path, whether its IQR and Auto's are disjoint
+    (a ratio whose paths overlap is noise, not a ranking)."""
     def best(names):
-        timed = [(results[p]["mean_ms"], p) for p in names if results.get(p, {}).get("mean_ms") is not None]
+        timed = [(results[p]["median_ms"], p) for p in names if results.get(p, {}).get("median_ms") is not None]
         return min(timed) if timed else (None, None)
 
-    auto = results.get("auto", {}).get("mean_ms")
+    auto_entry = results.get("auto", {})
+    auto = auto_entry.get("median_ms")
     manual_ms, manual = best(MANUAL_ROUTES)
     peer_ms, peer = best(PEER_PATHS)
     over_manual = auto / manual_ms if auto is not None and manual_ms else None
+    separated = {p: beyond_spread(auto_entry, r) for p, r in results.items()
+                 if p != "auto" and auto is not None and r.get("median_ms") is not None}
     return {
-        "auto_route": results.get("auto", {}).get("route"),
+        "auto_route": auto_entry.get("route"),
         "best_manual_path": manual, "best_peer_path": peer,
         "auto_over_best_manual": over_manual,
         "auto_over_best_peer": auto / peer_ms if auto is not None and peer_ms else None,
         "regression": None if over_manual is None else max(0.0, over_manual - 1.0),
+        "auto_vs_best_manual_beyond_spread": separated.get(manual),
+        "auto_vs_best_peer_beyond_spread": separated.get(peer),
+        "beyond_spread": separated,
     }
 
 
@@ -381,7 +452,8 @@ def summary_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, w in record["workloads"].items():
         s = w["summary"]
-        rows.append({"workload": name, "num_requests": w["num_requests"], **s,
+        flat = {k: v for k, v in s.items() if k != "beyond_spread"}  # a dict: the record keeps it
+        rows.append({"workload": name, "num_requests": w["num_requests"], **flat,
                      "auto_vs_best": s["auto_over_best_manual"]})
     return rows
 
@@ -394,8 +466,10 @@ def results_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
             profile = r.get("profile") or {}
             rows.append({
                 "workload": name, "path": path, "num_requests": w["num_requests"],
-                "padding_share": w["padding_share"], "mean_ms": r.get("mean_ms"),
-                "std_ms": r.get("std_ms"), "samples_ms": ";".join(f"{x:.3f}" for x in r.get("samples_ms") or []),
+                "padding_share": w["padding_share"], "median_ms": r.get("median_ms"),
+                "q1_ms": r.get("q1_ms"), "q3_ms": r.get("q3_ms"), "iqr_ms": r.get("iqr_ms"),
+                "mean_ms": r.get("mean_ms"), "std_ms": r.get("std_ms"),
+                "samples_ms": ";".join(f"{x:.3f}" for x in r.get("samples_ms") or []),
                 "tokens_per_s": r.get("tokens_per_s"), "peak_mem_bytes": r.get("peak_mem_bytes"),
                 "route": r.get("route"), "num_buckets": None if r.get("buckets") is None else len(r["buckets"]),
                 "buckets": None if r.get("buckets") is None else " ".join(f"{b}x{wd}" for b, wd in r["buckets"]),
@@ -406,16 +480,20 @@ def results_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_results(record: Mapping[str, Any], stem: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``<stem>.json`` and ``<stem>.csv`` atomically; both are serialised before either is written."""
+def results_paths(stem: str | os.PathLike) -> tuple[Path, Path]:
+    """``(<stem>.json, <stem>.csv)``; a .json or .csv suffix on ``stem`` is dropped."""
     stem = Path(stem)
     if stem.suffix in (".json", ".csv"):
         stem = stem.with_suffix("")
-    json_body = json_text(record)
-    csv_body = csv_text(results_table(record))
-    json_path = write_text_atomic(stem.with_name(stem.name + ".json"), json_body)
-    csv_path = write_text_atomic(stem.with_name(stem.name + ".csv"), csv_body)
-    return json_path, csv_path
+    return stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
+
+
+def write_results(record: dict[str, Any], stem: str | os.PathLike) -> tuple[Path, Path]:
+    """Write ``<stem>.json`` and ``<stem>.csv`` as a pair (``workspace.write_record``: CSV first,
+    JSON last, one ``run_id``, set in ``record``)."""
+    paths = results_paths(stem)
+    write_record(paths, record, results_table(record))
+    return paths
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
@@ -447,6 +525,7 @@ def _load_record(path: Path, kind: str) -> dict[str, Any]:
     record = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(record, dict) or record.get("kind") != kind:
         raise ValueError(f"{str(path)!r} is not a {kind} record (kind != {kind!r})")
+    check_record_pair(path, record=record)
     return record
 
 
@@ -481,14 +560,19 @@ def route_table(*, max_new_tokens: int = 8) -> list[dict]:
     model = tiny_model("qwen2")
     prompts = lengths_to_prompts([48] + [4] * 15, vocab_size=TINY_VOCAB_SIZE, seed=0, special_ids=[0])
     costs = CostCoefficients(prefill_fixed_cost_ms=0.5, continuous_decode_cost_ms=0.0)  # tiny-model scale
+    rollouts = {mode: Rollout(model, RolloutConfig(mode=mode, costs=costs, profile=True, pad_token_id=0))
+                for mode in MODES}
+    for rollout in rollouts.values():  # warm every route up first: the first call of a process is slow
+        rollout.generate(prompts, max_new_tokens=max_new_tokens)
     rows, reference = [], None
-    for mode in MODES:
-        config = RolloutConfig(mode=mode, costs=costs, profile=True, pad_token_id=0)
-        result = Rollout(model, config).generate(prompts, max_new_tokens=max_new_tokens)
+    for mode, rollout in rollouts.items():
+        result = rollout.generate(prompts, max_new_tokens=max_new_tokens)
         reference = result.sequences if reference is None else reference
         row = {"mode": mode, "route": result.route, "same_tokens": result.sequences == reference}
         row.update({k: getattr(result.profile, k) for k in PROFILE_FIELDS})
         rows.append(row)
+    for rollout in rollouts.values():
+        rollout.close()
     return rows
 
 
@@ -510,14 +594,14 @@ def sweep_or_load(
     record = run_sweep(
         net, workloads=list(workloads), paths=paths_, repetitions=repetitions, max_new_tokens=max_new_tokens,
         costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,
-        costs_source=cost_file or "engine defaults",
+        costs_source=cost_file or "engine defaults", out=results_stem,
     )
-    json_path, _ = write_results(record, results_stem)
-    return record, json_path
+    return record, results_paths(results_stem)[0]
 
 
 def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The reference's table: one row per workload, E2E ms per path, Auto's route and Auto/best."""
+    """The reference's table: one row per workload, median E2E ms per path, Auto's route and
+    Auto/best (and whether Auto and the best manual path differ by more than their spread)."""
     rows = results_table(record)
     summary = {r["workload"]: r for r in summary_table(record)}
     out = []
@@ -526,9 +610,10 @@ def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                                "padding_share": round(w["padding_share"], 3)}
         for r in rows:
             if r["workload"] == name:
-                row[f"{r['path']}_ms"] = r["mean_ms"]
+                row[f"{r['path']}_ms"] = r["median_ms"] if r.get("median_ms") is not None else r["mean_ms"]
         s = summary[name]
         row.update({"auto_route": s["auto_route"], "best_manual_path": s["best_manual_path"],
-                    "auto_vs_best": s["auto_vs_best"], "auto_over_best_peer": s["auto_over_best_peer"]})
+                    "auto_vs_best": s["auto_vs_best"], "auto_over_best_peer": s["auto_over_best_peer"],
+                    "auto_vs_best_beyond_spread": s.get("auto_vs_best_manual_beyond_spread")})
         out.append(row)
     return out
