@@ -213,3 +213,28 @@ def test_measure_prefill_by_graph_replay_times_every_shape_and_keeps_the_kv():
     records = measure_prefill(model, grid, progress=False)
     assert [(r["batch"], r["width"]) for r in records] == [(1, 8), (4, 8), (1, 32), (4, 32)]
     assert all(len(r["forward_samples_ms"]) == 2 and r["forward_ms"] > 0 for r in records)
+
+
+def test_a_bad_fit_warns_in_the_record_and_on_the_console(tiny, tmp_path, monkeypatch):
+    """Synthetic prefill times no C(B, L) can fit (noise, not a cost model): R² and the worst shape
+    error are past their limits, so the result, its saved file and a warning all say so."""
+    from rollout_lab.measure import calibrate as calibrate_module
+    from rollout_lab.measure.calibrate import MAX_REL_ERROR, MIN_R2, fit_warnings
+
+    noisy = [30.0, 1.0, 25.0, 2.0, 40.0, 0.5, 28.0, 3.0, 35.0]  # ms, unrelated to batch and width
+    shapes = [(b, w) for w in (8, 32, 128) for b in (1, 4, 16)]
+    prefill = [{"batch": b, "width": w, "forward_ms": ms, "kv_copy_ms": 0.01, "forward_iqr_ms": 0.0,
+                "kv_copy_iqr_ms": 0.0, "forward_samples_ms": [ms], "kv_copy_samples_ms": [0.01]}
+               for (b, w), ms in zip(shapes, noisy)]
+    monkeypatch.setattr(calibrate_module, "measure_prefill", lambda *a, **k: prefill)
+    monkeypatch.setattr(calibrate_module, "measure_decode_overhead", lambda *a, **k: [])
+    grid = CalibrationGrid(batches=(1, 4, 16), widths=(8, 32, 128), packed=False)
+    with pytest.warns(UserWarning, match="R² .* below 0.9.*predicted .* off"):
+        result = calibrate(tiny, grid=grid, model_name="tiny-qwen2", progress=False)
+    assert result.r2 < MIN_R2 and result.worst_rel_error > MAX_REL_ERROR
+    assert len(result.warnings) == 3 and "recalibrate" in result.warnings[-1]
+    path = result.save(tmp_path / "bad.json")
+    assert json.loads(path.read_text())["metadata"]["fit"]["warnings"] == list(result.warnings)
+    assert CalibrationResult.load(path).warnings == result.warnings
+    assert fit_warnings(0.95, 0.10) == []  # a good fit says nothing
+    assert len(fit_warnings(float("nan"), 0.10)) == 2  # no R² is not a good R²

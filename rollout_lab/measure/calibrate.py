@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,6 +48,7 @@ from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms, read_cost_file
 from rollout_lab.planner.fit import decode_costs, fit_coefficients
@@ -64,6 +66,7 @@ class CalibrationResult:
     decode: tuple[dict[str, Any], ...] = field(default=())  # batch, nocb/cb ms per step, overhead
     r2: float = float("nan")
     packed: tuple[dict[str, Any], ...] = field(default=())  # prompts, width, measured/predicted ms
+    warnings: tuple[str, ...] = field(default=())  # the fit's quality problems (fit_warnings)
 
     @property
     def worst_rel_error(self) -> float:
@@ -73,7 +76,7 @@ class CalibrationResult:
         """Atomically write coefficients + metadata + fit (readable by ``read_cost_file``)."""
         metadata = dict(self.metadata)
         metadata["fit"] = {
-            "r2": self.r2, "worst_rel_error": self.worst_rel_error,
+            "r2": self.r2, "worst_rel_error": self.worst_rel_error, "warnings": list(self.warnings),
             "shapes": list(self.fit), "decode": list(self.decode), "packed": list(self.packed),
         }
         return self.coeffs.to_json(path, metadata=metadata)
@@ -84,7 +87,26 @@ class CalibrationResult:
         coeffs, metadata = read_cost_file(path)
         fit = metadata.pop("fit", None) or {}
         return cls(coeffs, metadata, tuple(fit.get("shapes", ())), tuple(fit.get("decode", ())),
-                   float(fit.get("r2", float("nan"))), tuple(fit.get("packed", ())))
+                   float(fit.get("r2", float("nan"))), tuple(fit.get("packed", ())),
+                   tuple(fit.get("warnings", ())))
+
+
+MIN_R2 = 0.9  # below this the fitted terms are mostly noise: recalibrate on a quieter host
+MAX_REL_ERROR = 0.25  # a shape predicted this far off steers the planner wrongly for that shape
+
+
+def fit_warnings(r2: float, worst_rel_error: float, *, num_shapes: int | None = None) -> list[str]:
+    """What is wrong with a fit's quality, in words (empty when R² >= MIN_R2 and every shape is
+    within MAX_REL_ERROR)."""
+    found = []
+    if not r2 >= MIN_R2:  # NaN included
+        found.append(f"R² {r2:.3f} is below {MIN_R2}: the fitted coefficients are mostly noise")
+    if not worst_rel_error <= MAX_REL_ERROR:
+        shapes = f" of {num_shapes} shapes" if num_shapes else ""
+        found.append(f"the worst shape{shapes} is predicted {worst_rel_error:.0%} off (limit {MAX_REL_ERROR:.0%})")
+    if found:
+        found.append("recalibrate with more --repetitions on an idle host (or --threads 1) before trusting it")
+    return found
 
 
 # -- the whole calibration ---------------------------------------------------------------------
@@ -121,14 +143,17 @@ def calibrate(
         continuous_decode_cost_ms=cb_ms, nocb_decode_cost_ms=nocb_ms,
     )
     for record, measured in zip(fit, prefill):
-        record["forward_samples_ms"] = measured["forward_samples_ms"]
-        record["kv_copy_samples_ms"] = measured["kv_copy_samples_ms"]
+        record.update({k: v for k, v in measured.items() if k.endswith(("_samples_ms", "_iqr_ms"))})
     packed = measure_packed(model, grid, progress=progress) if grid.packed else []
     packed_records: tuple[dict[str, Any], ...] = ()
     if packed:
         per_prompt, packed_records = fit_packed_prompt_cost(packed, geometry, coeffs)
         coeffs = replace(coeffs, packed_prompt_cost_ms=per_prompt)
-    return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records)
+    worst = max((abs(r["rel_error"]) for r in fit), default=float("nan"))
+    problems = fit_warnings(r2, worst, num_shapes=len(fit))
+    if problems:  # on the console too, not only in the record
+        warnings.warn(f"calibration of {metadata['model_name']}: " + "; ".join(problems), stacklevel=2)
+    return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records, tuple(problems))
 
 
 # -- what notebook 01 calls ------------------------------------------------------------------------
@@ -211,7 +236,7 @@ class CalibrationGrid:
     def tiny(cls) -> "CalibrationGrid":
         """A few seconds on CPU with a tiny model: for tests and the notebooks' tiny default."""
         return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=5, decode_batches=(4,),
-                   decode_width=8, decode_steps=4, decode_repeats=3, statistic="min")
+                   decode_width=8, decode_steps=4, decode_repeats=3)
 
     @classmethod
     def for_classes(cls, classes: ShapeClasses, **settings: Any) -> "CalibrationGrid":
@@ -274,6 +299,8 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
         {"batch": b, "width": w,
          "forward_ms": stat([f for f, _ in samples[(b, w)]]),
          "kv_copy_ms": stat([c for _, c in samples[(b, w)]]),
+         "forward_iqr_ms": sample_spread([f for f, _ in samples[(b, w)]])["iqr_ms"],
+         "kv_copy_iqr_ms": sample_spread([c for _, c in samples[(b, w)]])["iqr_ms"],
          "forward_samples_ms": [f for f, _ in samples[(b, w)]],
          "kv_copy_samples_ms": [c for _, c in samples[(b, w)]]}
         for b, w in shapes
@@ -314,7 +341,8 @@ def measure_packed(model: Any, grid: CalibrationGrid, *, progress: bool = True) 
     bar.close()
     stat = STATISTICS[grid.statistic]
     return [{"prompts": b, "width": w, "backend": backend, "measured_ms": stat(samples[(b, w)]),
-             "samples_ms": samples[(b, w)]} for b, w in shapes]
+             "iqr_ms": sample_spread(samples[(b, w)])["iqr_ms"], "samples_ms": samples[(b, w)]}
+            for b, w in shapes]
 
 
 def fit_packed_prompt_cost(
