@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +22,11 @@ from rollout_lab.measure.sweep import (
     results_table,
     run_sweep,
     summary_table,
+    workload_summary,
     write_results,
 )
 from rollout_lab.measure.workloads import get_workload
+from rollout_lab.workspace import check_record_pair
 
 WORKLOADS = {
     "long_tail": get_workload("long_tail", scale=0.05),  # 1x26 + 31x1
@@ -153,3 +161,111 @@ def test_cli_sweep_at_shape_classes(tmp_path):
     assert engine["prefill_graphs"] is False and engine["prefill_classes"]["widths"][-1] == longest
     with pytest.raises(ValueError, match="engine settings"):
         run_sweep(None, workloads=["long_tail"], engine={"prefill_clases": None})
+
+
+# ---------------------------------------------------------------- spread, resume, one writer per output
+
+SMALL = dict(paths=["nocb", "bucketed", "auto"], max_new_tokens=2, model_name="tiny-qwen2", progress=False)
+
+
+def test_median_iqr_and_ratios_are_recomputed_from_the_samples(tmp_path):
+    record = run_sweep(tiny_model("qwen2"), workloads={"a": [5, 1, 1]}, repetitions=4, out=tmp_path / "s", **SMALL)
+    for name, r in record["workloads"]["a"]["paths"].items():
+        samples = sorted(r["samples_ms"])
+        assert len(samples) == 4
+        assert r["median_ms"] == pytest.approx((samples[1] + samples[2]) / 2)
+        q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        assert (r["q1_ms"], r["q3_ms"], r["iqr_ms"]) == pytest.approx((q1, q3, q3 - q1)), name
+    paths = record["workloads"]["a"]["paths"]
+    s = record["workloads"]["a"]["summary"]
+    best = min(("nocb", "bucketed"), key=lambda p: paths[p]["median_ms"])
+    assert s["best_manual_path"] == best
+    assert s["auto_over_best_manual"] == pytest.approx(paths["auto"]["median_ms"] / paths[best]["median_ms"])
+    disjoint = paths["auto"]["q3_ms"] < paths[best]["q1_ms"] or paths[best]["q3_ms"] < paths["auto"]["q1_ms"]
+    assert s["auto_vs_best_manual_beyond_spread"] is disjoint and s["beyond_spread"][best] is disjoint
+    assert check_record_pair(tmp_path / "s.json") == record["run_id"]
+    with (tmp_path / "s.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["run_id"] for r in rows} == {record["run_id"]} and {"median_ms", "iqr_ms"} <= set(rows[0])
+
+
+def test_auto_best_is_on_medians_and_overlapping_spreads_are_said_to_be_noise():
+    def entry(samples):
+        from rollout_lab.measure.spread import sample_spread
+        return {"samples_ms": samples, **sample_spread(samples), "route": "bucketed"}
+
+    # auto's mean is the worst (one slow outlier) but its median is the best
+    results = {"auto": entry([10.0, 10.2, 10.1, 10.3, 90.0]), "nocb": entry([20.0, 20.5, 21.0, 20.2, 20.1]),
+               "bucketed": entry([10.2, 10.4, 10.1, 10.6, 10.3])}
+    s = workload_summary(results)
+    assert s["best_manual_path"] == "bucketed" and s["auto_over_best_manual"] == pytest.approx(10.2 / 10.3)
+    assert s["beyond_spread"] == {"nocb": True, "bucketed": False}  # bucketed vs auto: within the noise
+    assert s["auto_vs_best_manual_beyond_spread"] is False
+
+
+def test_resume_skips_the_workloads_done_and_refuses_other_settings(tmp_path, monkeypatch):
+    from rollout_lab.measure import sweep as sweep_module
+
+    model, out = tiny_model("qwen2"), tmp_path / "r"
+    first = run_sweep(model, workloads={"a": [3, 1]}, repetitions=1, out=out, **SMALL)
+    ran = []
+    real = sweep_module._sweep_workload
+    monkeypatch.setattr(sweep_module, "_sweep_workload",
+                        lambda model, prompts, *a, **k: ran.append(len(prompts)) or real(model, prompts, *a, **k))
+    record = run_sweep(model, workloads={"a": [3, 1], "b": [2, 2, 2]}, repetitions=1, out=out, resume=True, **SMALL)
+    assert ran == [3]  # only b ran
+    assert record["workloads"]["a"] == json.loads(json.dumps(first["workloads"]["a"]))
+    assert load_results(out)["workloads"].keys() == {"a", "b"} and record["resumed"]["workloads"] == ["a"]
+    with pytest.raises(ValueError, match="cannot resume.*config.repetitions: saved 1, now 2"):
+        run_sweep(model, workloads={"c": [1]}, repetitions=2, out=out, resume=True, **SMALL)
+    with pytest.raises(ValueError, match="workload 'a': saved lengths differ"):
+        run_sweep(model, workloads={"a": [4, 1]}, repetitions=1, out=out, resume=True, **SMALL)
+    assert ran == [3] and load_results(out)["workloads"].keys() == {"a", "b"}  # refused before any work
+
+
+GATED_SWEEP = """
+import pathlib, sys, time
+from rollout_lab.measure import sweep
+from rollout_lab.measure.models import tiny_model
+
+out, held, go = sys.argv[1:4]
+real = sweep._sweep
+
+
+def gated(*args, **kwargs):  # the lock is held here: say so, and wait for the test's go
+    pathlib.Path(held).touch()
+    while not pathlib.Path(go).exists():
+        time.sleep(0.02)
+    return real(*args, **kwargs)
+
+
+sweep._sweep = gated
+sweep.run_sweep(tiny_model("qwen2"), workloads={"first": [3, 1]}, paths=["nocb", "auto"], repetitions=1,
+                max_new_tokens=2, progress=False, out=out)
+"""
+
+
+def test_two_sweeps_to_one_output_lose_nothing(tmp_path):
+    """A second sweep to an output another process is writing is refused, naming the holder; once
+    the first is done, the second resumes into the same record and both results are there."""
+    out, held, go = tmp_path / "shared", tmp_path / "held", tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    first = subprocess.Popen([sys.executable, "-c", GATED_SWEEP, str(out), str(held), str(go)], env=env,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        while not held.exists():
+            assert first.poll() is None, first.stderr.read()[-2000:]
+            time.sleep(0.05)
+        with pytest.raises(SystemExit) as err:
+            cli_main(["sweep", "--tiny", "qwen2", "--workloads", "short_tail", "--scale", "0.05", "--paths", "nocb",
+                      "--repetitions", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(out)])
+        assert f"being written by pid {first.pid}" in str(err.value) and "shared.lock" in str(err.value)
+    finally:
+        go.touch()
+        assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    assert not out.with_suffix(".lock").exists()
+    record = run_sweep(tiny_model("qwen2"), workloads={"first": [3, 1], "second": [2, 2]}, paths=["nocb", "auto"],
+                       repetitions=1, max_new_tokens=2, progress=False, out=out, resume=True)
+    assert record["resumed"]["workloads"] == ["first"]
+    assert load_results(out)["workloads"].keys() == {"first", "second"}

@@ -300,12 +300,12 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
         info = runners[path].profile()
         bar.update()
         seqs = outputs[path]
-        spread = sample_spread(entry["samples_ms"])
+        mean_ms = statistics.fmean(entry["samples_ms"])
         entry.update({
-            "mean_ms": statistics.fmean(entry["samples_ms"]),
+            "mean_ms": mean_ms,
             "std_ms": statistics.pstdev(entry["samples_ms"]),
-            **spread,
-            "tokens_per_s": sum(len(s) for s in seqs) / (spread["median_ms"] / 1e3),
+            **sample_spread(entry["samples_ms"]),
+            "tokens_per_s": sum(len(s) for s in seqs) / (mean_ms / 1e3),  # throughput over all the time spent
             **info,
             "matches_nocb": (seqs == outputs["nocb"]) if "nocb" in outputs else None,
             "matches_oracle": (seqs == oracle) if oracle is not None else None,
