@@ -75,17 +75,56 @@ def test_curve_sweep_and_route_figures(dists):
     plot_route_maps(maps)
 
 
-def test_calibration_and_latency_figures():
+def _texts(fig) -> str:
+    return " | ".join(t.get_text() for ax in fig.axes for t in ax.texts) + " | " + " | ".join(
+        t.get_text() for t in fig.texts) + " | " + " | ".join(ax.get_title() for ax in fig.axes)
+
+
+def test_calibration_figure_draws_every_sample_and_the_warnings():
     fit = [{"batch": b, "width": w, "measured_ms": 1 + b * w / 100, "predicted_ms": 1 + b * w / 110,
-            "rel_error": 0.05} for b in (1, 4) for w in (8, 32)]
-    plot_calibration_fit(fit)
-    rows = [{"workload": w, "path": p, "mean_ms": 10.0 + i, "tokens_per_s": 100.0, "peak_mem_bytes": None,
+            "rel_error": 0.05, "forward_samples_ms": [b * w / 100, 1.1 * b * w / 100, 0.9 * b * w / 100],
+            "kv_copy_samples_ms": [1.0, 1.0, 1.0]} for b in (1, 4) for w in (8, 32)]
+    fig = plot_calibration_fit(fit, warnings=["R² 0.5 is below 0.9"])
+    ax_fit, ax_res = fig.axes
+    points = sum(len(c.get_offsets()) for c in ax_fit.collections)
+    assert points == 4 * 3 + 4  # every sample, and each shape's median
+    assert "warning: R² 0.5 is below 0.9" in _texts(fig)
+    assert ax_fit.get_xscale() == "linear"  # 2.1 .. 2.3 ms: less than 10x, so linear
+    assert [t.get_text() for t in ax_res.get_xticklabels()] == ["8", "32"]  # widths, no crowded minor labels
+    wide = [dict(r, measured_ms=r["measured_ms"] * 10 ** k, predicted_ms=r["predicted_ms"] * 10 ** k,
+                 forward_samples_ms=[], kv_copy_samples_ms=[]) for k, r in enumerate(fit)]
+    assert plot_calibration_fit(wide).axes[0].get_yscale() == "log"
+
+
+def _rows(medians, samples=5):
+    return [{"workload": w, "path": p, "median_ms": m, "mean_ms": m, "tokens_per_s": 100.0, "peak_mem_bytes": None,
+             "samples_ms": ";".join(f"{m + d:.3f}" for d in range(samples)) if samples else "",
              "prefill_ms": 4.0, "decode_ms": 5.0, "cache_ms": 0.5, "num_prefill_forwards": 1 + i}
-            for w in ("a", "b") for i, p in enumerate(("nocb", "bucketed", "auto"))]
-    summary = [{"workload": "a", "auto_vs_best": 1.2, "auto_route": "bucketed"}]
-    plot_e2e(rows, summary)
-    plot_throughput_memory(rows)
-    assert len(plot_breakdown(rows).axes) == 2
+            for w in ("a", "b") for i, (p, m) in enumerate(medians.items())]
+
+
+def test_latency_figures_draw_medians_spreads_and_samples():
+    rows = _rows({"nocb": 20.0, "bucketed": 10.0, "auto": 10.5})
+    rows.append({"workload": "a", "path": "hf_static", "samples_ms": "", "skipped": "no static cache"})
+    summary = [{"workload": "a", "auto_vs_best": 1.05, "auto_route": "bucketed",
+                "auto_vs_best_manual_beyond_spread": False}]
+    fig = plot_e2e(rows, summary)
+    ax = fig.axes[0]
+    heights = sorted(round(p.get_height(), 3) for p in ax.patches if p.get_height() > 0)
+    assert heights == sorted([12.0, 22.0, 12.5] * 2)  # medians of the samples m..m+4
+    assert sum(len(c.get_offsets()) for c in ax.collections) == 6 * 5  # every sample a point
+    assert ax.get_yscale() == "linear"  # 10 .. 24 ms
+    assert "within spread" in _texts(fig) and "not measured: hf_static" in _texts(fig)
+    assert ax.get_legend() is not None and ax.get_legend().get_bbox_to_anchor().bounds == ax.bbox.bounds
+    assert plot_e2e(_rows({"nocb": 1.0, "auto": 100.0})).axes[0].get_yscale() == "log"  # 100x apart
+    memory = plot_throughput_memory(rows).axes[1]
+    assert not memory.axison and "peak memory (CUDA only): not measured" in _texts(memory.figure)
+    assert len(plot_breakdown(rows[:6]).axes) == 2
+
+
+def test_figures_say_not_measured_instead_of_drawing_empty_axes():
+    fig = plot_e2e(_rows({"nocb": 20.0}, samples=0))
+    assert not fig.axes[0].axison and "not measured" in _texts(fig)
 
 
 @pytest.mark.parametrize("kind", KINDS)

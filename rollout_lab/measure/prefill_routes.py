@@ -6,7 +6,8 @@ the lognormal and bimodal batches of each size (``measure.workloads.crossing_bat
 so a call is its prefill (plus the first token's choice), interleaved, after one warm-up:
 
     rows = prefill_route_rows(model, batch_sizes=(32, 64, 128), repetitions=3)
-    # distribution, batch_size, num_tokens, route, mean_ms, stdev_ms, num_forwards, backend
+    # distribution, batch_size, num_tokens, route, mean_ms, stdev_ms, median_ms, q1_ms, q3_ms, iqr_ms,
+    # samples_ms, num_forwards, backend
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.workloads import crossing_batches, lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients
 
@@ -56,6 +58,7 @@ def prefill_route_rows(
                     "distribution": kind, "batch_size": n, "num_tokens": sum(lengths), "route": route,
                     "mean_ms": statistics.fmean(samples[route]),
                     "stdev_ms": statistics.stdev(samples[route]) if len(samples[route]) > 1 else 0.0,
+                    **sample_spread(samples[route]), "samples_ms": ";".join(f"{x:.3f}" for x in samples[route]),
                     "num_forwards": profile.num_prefill_forwards, "backend": profile.prefill_backend,
                 })
     for rollout in rollouts.values():

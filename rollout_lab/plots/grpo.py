@@ -56,6 +56,6 @@ def plot_grpo(record: Mapping[str, Any]) -> Figure:
     right.set_title("where our paths' time goes", fontsize=9)
     if ours:
         right.margins(y=0.12)
-        right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        right.legend(fontsize=8, loc="upper left")  # inside the axes: nothing drawn outside the figure
     fig.tight_layout()
     return fig

@@ -1,5 +1,7 @@
 """The latency figures of notebook 03: end-to-end time per path, throughput and memory, and the
-phase breakdown of our routes, from a sweep record's rows (``measure.sweep.results_table``)::
+phase breakdown of our routes, from a sweep record's rows (``measure.sweep.results_table``).
+Timings are drawn as medians with their interquartile range and every sample (seaborn), on a linear
+axis unless they span 10x; what was not measured is said in words::
 
     from rollout_lab.plots.latency import plot_e2e
     fig = plot_e2e(results_table(record), summary_table(record))
@@ -11,10 +13,12 @@ from typing import Any, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
+import seaborn as sns
 from matplotlib.figure import Figure
 
 from rollout_lab.engine.config import MODES
-from rollout_lab.plots.style import PALETTE, subplot_grid
+from rollout_lab.plots.style import PALETTE, choose_scale, draw_not_measured, subplot_grid
 
 # ---------------------------------------------------------------- 03: latency tables
 
@@ -33,33 +37,64 @@ def _value(rows, workload, path, key):
     return math.nan
 
 
-def _grouped_bars(ax, rows, key, *, scale: float = 1.0, log: bool = False) -> None:
+def _grouped_bars(ax, rows, key, *, scale: float = 1.0) -> None:
     workloads, path_names = _by_workload(rows)
     width = 0.8 / max(1, len(path_names))
     x = np.arange(len(workloads))
+    values = []
     for c, path in enumerate(path_names):
         vals = [_value(rows, w, path, key) * scale for w in workloads]
+        values += vals
         ax.bar(x + (c - (len(path_names) - 1) / 2) * width, vals, width=width, label=path, color=PALETTE(c % 10))
     ax.set_xticks(x)
     ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
-    if log:
-        ax.set_yscale("log")
+    choose_scale(ax, values)
     ax.grid(axis="y", alpha=0.3)
 
 
+def samples_of(row: Mapping[str, Any]) -> list[float]:
+    """A row's timed samples: a list, or the CSV's "1.0;2.0" text; [] for a path not measured."""
+    value = row.get("samples_ms")
+    if value in (None, ""):
+        return []
+    return [float(x) for x in (value.split(";") if isinstance(value, str) else value) if x != ""]
+
+
 def plot_e2e(rows: Sequence[Mapping[str, Any]], summary: Sequence[Mapping[str, Any]] = ()) -> Figure:
-    """End-to-end ms per path and workload; Auto/best and Auto's route annotated above each group."""
-    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len({r['workload'] for r in rows}) + 3), 4.4))
-    _grouped_bars(ax, rows, "mean_ms", log=True)
-    ax.set_ylabel("end-to-end ms (mean)")
-    workloads, _ = _by_workload(rows)
+    """End-to-end ms per path and workload: bars at the median, the interquartile range as an
+    interval and every timed sample as a point (seaborn). Above each group: Auto / best manual path
+    (of medians) and Auto's route, marked "within spread" when their IQRs overlap."""
+    workloads, path_names = _by_workload(rows)
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(workloads) + 3), 4.6))
+    long = pd.DataFrame([{"workload": r["workload"], "path": r["path"], "ms": x} for r in rows for x in samples_of(r)])
+    if long.empty:
+        draw_not_measured(ax, "end-to-end time (no timed samples in these rows)")
+        return fig
+    timed = [p for p in path_names if p in set(long["path"])]
+    colors = {p: PALETTE(path_names.index(p) % 10) for p in timed}
+    sns.barplot(data=long, x="workload", y="ms", hue="path", order=workloads, hue_order=timed, palette=colors,
+                estimator="median", errorbar=("pi", 50), capsize=0.15, err_kws={"linewidth": 1.0, "color": "0.2"},
+                alpha=0.75, ax=ax)
+    sns.stripplot(data=long, x="workload", y="ms", hue="path", order=workloads, hue_order=timed,
+                  palette={p: "black" for p in timed}, dodge=True, size=2.5, alpha=0.6, legend=False, ax=ax)
+    scale = choose_scale(ax, long.groupby(["workload", "path"])["ms"].median())
+    ax.set_ylim(top=long["ms"].max() * (4.0 if scale == "log" else 1.35))  # room for the legend, inside
+    ax.set_xlabel("")
+    ax.set_ylabel("end-to-end ms (bar: median; line: IQR; dots: samples)")
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax.grid(axis="y", alpha=0.3)
     for i, w in enumerate(workloads):
         s = next((r for r in summary if r["workload"] == w), None)
         if s is not None and s.get("auto_vs_best") not in (None, ""):
-            ax.annotate(f"{float(s['auto_vs_best']):.2f}x\n{s.get('auto_route', '')}", (i, 1.0),
+            beyond = s.get("auto_vs_best_manual_beyond_spread")
+            noise = "\n(within spread)" if beyond in (False, "False") else ""
+            ax.annotate(f"{float(s['auto_vs_best']):.2f}x {s.get('auto_route', '')}{noise}", (i, 1.0),
                         xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
-    ax.legend(fontsize=7, ncol=len(MODES), loc="upper left", bbox_to_anchor=(0, -0.28))
-    ax.set_title("E2E per path (annotation: Auto / best manual path, and Auto's route)", fontsize=10, pad=24)
+    ax.legend(fontsize=7, ncol=min(len(timed), 4), loc="upper left")
+    missing = [p for p in path_names if p not in timed]
+    note = f"\nnot measured: {', '.join(missing)}" if missing else ""
+    ax.set_title(f"E2E per path (above: Auto / best manual path, of medians, and Auto's route){note}",
+                 fontsize=10, pad=26)
     fig.tight_layout()
     return fig
 
@@ -69,12 +104,12 @@ def plot_throughput_memory(rows: Sequence[Mapping[str, Any]]) -> Figure:
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.2))
     _grouped_bars(ax_t, rows, "tokens_per_s")
     ax_t.set_ylabel("generated tokens / s")
-    _grouped_bars(ax_m, rows, "peak_mem_bytes", scale=1 / 2**20)
-    ax_m.set_ylabel("peak memory (MiB)")
     if all(r.get("peak_mem_bytes") in (None, "") for r in rows):
-        ax_m.text(0.5, 0.5, "peak memory not measured on this device (CUDA only)", transform=ax_m.transAxes,
-                  ha="center", va="center", fontsize=9, color="0.4")
-    ax_t.legend(fontsize=7)
+        draw_not_measured(ax_m, "peak memory (CUDA only)")
+    else:
+        _grouped_bars(ax_m, rows, "peak_mem_bytes", scale=1 / 2**20)
+        ax_m.set_ylabel("peak memory (MiB)")
+    ax_t.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig
 
@@ -92,8 +127,8 @@ def plot_breakdown(rows: Sequence[Mapping[str, Any]]) -> Figure:
             bottom += vals
         for i, p in enumerate(path_names):
             n = _value(rows, w, p, "num_prefill_forwards")
-            if math.isfinite(n):
-                ax.annotate(f"{int(n)} fwd", (i, bottom[i]), ha="center", va="bottom", fontsize=7)
+            label = f"{int(n)} fwd" if math.isfinite(n) else "not\nprofiled"  # HF peers have no profile
+            ax.annotate(label, (i, bottom[i]), ha="center", va="bottom", fontsize=7)
         ax.set_title(w, fontsize=9)
         ax.set_ylabel("ms")
         ax.tick_params(axis="x", labelrotation=30, labelsize=7)
@@ -152,7 +187,15 @@ def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> 
 
 def plot_prefill_routes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Measured prefill ms against the batch's prompt tokens, one line per route and distribution
-    (``measure.prefill_routes.prefill_route_rows``); error bars: one standard deviation."""
+    (``measure.prefill_routes.prefill_route_rows``): the median and its interquartile range where the
+    rows have them, else the mean and one standard deviation (older records)."""
+    if any(r.get("median_ms") not in (None, "") for r in rows):
+        rows = [dict(r, mean_ms=float(r["median_ms"]), low=float(r["median_ms"]) - float(r["q1_ms"]),
+                     high=float(r["q3_ms"]) - float(r["median_ms"])) for r in rows]
+        center = "median (IQR)"
+    else:
+        rows = [dict(r, low=r["stdev_ms"], high=r["stdev_ms"]) for r in rows]
+        center = "mean (±1 sd)"
     fig, ax = plt.subplots(figsize=(6.8, 3.8))
     styles = {"lognormal": "-", "bimodal": "--"}
     for k, route in enumerate(dict.fromkeys(r["route"] for r in rows)):
@@ -161,13 +204,13 @@ def plot_prefill_routes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -
                           key=lambda r: r["num_tokens"])
             if mine:
                 ax.errorbar([r["num_tokens"] for r in mine], [r["mean_ms"] for r in mine],
-                            yerr=[r["stdev_ms"] for r in mine], color=PALETTE(k), linestyle=style, marker="o",
-                            markersize=3, capsize=2, label=f"{route}, {kind}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+                            yerr=[[r["low"] for r in mine], [r["high"] for r in mine]], color=PALETTE(k),
+                            linestyle=style, marker="o", markersize=3, capsize=2, label=f"{route}, {kind}")
+    choose_scale(ax, [r["num_tokens"] for r in rows], axis="x")
+    choose_scale(ax, [r["mean_ms"] for r in rows], axis="y")
     ax.set_xlabel("prompt tokens in the batch")
-    ax.set_ylabel("prefill call (ms)")
+    ax.set_ylabel(f"prefill call (ms, {center})")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     return fig

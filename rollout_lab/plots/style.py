@@ -14,8 +14,10 @@ from typing import Any
 import matplotlib
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 PALETTE = plt.get_cmap("tab10")
+LOG_SPAN = 10.0  # values spanning at least this ratio get a log axis; narrower ones read better linear
 
 
 def slug(text: str) -> str:
@@ -45,3 +47,21 @@ def subplot_grid(num: int, *, ncols: int = 3, size: tuple[float, float] = (4.6, 
     for ax in axes.flat[num:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:num])
+
+
+def choose_scale(ax: Any, values: Any, *, axis: str = "y") -> str:
+    """Set ``axis`` linear where the positive finite ``values`` span less than ``LOG_SPAN``, else log
+    with only the decades labelled (minor labels crowd into each other); returns the scale."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v)) and float(v) > 0]
+    scale = "log" if finite and max(finite) / min(finite) >= LOG_SPAN else "linear"
+    (ax.set_yscale if axis == "y" else ax.set_xscale)(scale)
+    if scale == "log":
+        (ax.yaxis if axis == "y" else ax.xaxis).set_minor_formatter(NullFormatter())
+    return scale
+
+
+def draw_not_measured(ax: Any, what: str) -> None:
+    """Say in words that ``what`` was not measured, instead of drawing empty axes."""
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, f"{what}: not measured", transform=ax.transAxes, ha="center", va="center",
+            fontsize=9, color="0.3", wrap=True)
