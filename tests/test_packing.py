@@ -133,3 +133,19 @@ def test_prefill_routes_are_measured_side_by_side():
         assert r["num_forwards"] == 1 or r["route"] == "bucketed"
     with pytest.raises(ValueError, match="repetitions >= 1"):
         prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=0)
+
+
+def test_sweep_prefill_rows_read_the_profiled_calls_of_the_prefill_routes():
+    from rollout_lab.measure.prefill_routes import sweep_prefill_rows
+
+    def path(prefill_ms, cache_ms, forwards, backend):
+        return {"profile": {"prefill_ms": prefill_ms, "cache_ms": cache_ms,
+                            "num_prefill_forwards": forwards, "prefill_backend": backend}}
+
+    record = {"workloads": {"w": {"num_requests": 3, "lengths": [4, 5, 6], "paths": {
+        "nocb": path(10.0, 0.0, 1, "hf_padded"), "packed": path(7.0, 1.5, 1, "segments"),
+        "auto": path(1.0, 1.0, 1, "graph"), "hf_static": {"profile": None}}}}}
+    rows = sweep_prefill_rows(record)
+    assert [(r["route"], r["mean_ms"], r["num_tokens"], r["backend"]) for r in rows] == [
+        ("nocb", 10.0, 15, "hf_padded"), ("packed", 8.5, 15, "segments")]
+    assert all(r["distribution"] == "sweep" and r["workload"] == "w" for r in rows)

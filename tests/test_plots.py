@@ -165,3 +165,15 @@ def test_grpo_figure_from_a_record(tmp_path):
         plot_grpo(dict(record, results={}))
     written = save_figure(fig, tmp_path, "grpo")
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_prefill_routes_draw_a_sweeps_workloads_as_points():
+    from rollout_lab.plots.latency import plot_prefill_routes
+
+    rows = [{"distribution": "sweep", "workload": w, "num_tokens": n, "route": route, "mean_ms": ms, "stdev_ms": 0.0}
+            for w, n in (("a", 50), ("b", 900)) for route, ms in (("bucketed", n / 10), ("packed", n / 20 + 30))]
+    fig = plot_prefill_routes(rows)
+    ax = fig.axes[0]
+    points = [c for c in ax.collections if len(c.get_offsets()) == 2]
+    assert len(points) == 2 and "profiled call" in ax.get_ylabel()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["bucketed, sweep workloads", "packed, sweep workloads"]

@@ -64,3 +64,23 @@ def prefill_route_rows(
     for rollout in rollouts.values():
         rollout.close()
     return rows
+
+
+def sweep_prefill_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The same rows from a sweep record's profiled calls (``rollout-lab sweep``): per workload and
+    prefill route that it ran, the profiled call's prefill plus KV admission (``prefill_ms +
+    cache_ms``) against the workload's prompt tokens; ``distribution`` is "sweep" and ``workload``
+    names it. One profiled call each, so no spread (``stdev_ms`` 0)."""
+    rows = []
+    for workload, entry in record["workloads"].items():
+        for route in PREFILL_ROUTES:
+            profile = (entry["paths"].get(route) or {}).get("profile")
+            if not profile:
+                continue
+            rows.append({
+                "distribution": "sweep", "workload": workload, "batch_size": entry["num_requests"],
+                "num_tokens": sum(entry["lengths"]), "route": route,
+                "mean_ms": profile["prefill_ms"] + profile["cache_ms"], "stdev_ms": 0.0,
+                "num_forwards": profile["num_prefill_forwards"], "backend": profile["prefill_backend"],
+            })
+    return rows

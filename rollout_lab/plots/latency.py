@@ -206,10 +206,15 @@ def plot_prefill_routes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -
                 ax.errorbar([r["num_tokens"] for r in mine], [r["mean_ms"] for r in mine],
                             yerr=[[r["low"] for r in mine], [r["high"] for r in mine]], color=PALETTE(k),
                             linestyle=style, marker="o", markersize=3, capsize=2, label=f"{route}, {kind}")
+        workloads = [r for r in rows if r["route"] == route and r["distribution"] not in styles]
+        if workloads:  # a sweep's workloads (measure.prefill_routes.sweep_prefill_rows): points, no line
+            ax.scatter([r["num_tokens"] for r in workloads], [r["mean_ms"] for r in workloads], color=PALETTE(k),
+                       marker="D", s=18, label=f"{route}, sweep workloads")
     choose_scale(ax, [r["num_tokens"] for r in rows], axis="x")
     choose_scale(ax, [r["mean_ms"] for r in rows], axis="y")
     ax.set_xlabel("prompt tokens in the batch")
-    ax.set_ylabel(f"prefill call (ms, {center})")
+    sweep_only = all(r["distribution"] not in styles for r in rows)
+    ax.set_ylabel("prefill + KV admission, one profiled call (ms)" if sweep_only else f"prefill call (ms, {center})")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
