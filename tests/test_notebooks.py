@@ -152,6 +152,13 @@ def test_01_calibration_outputs(executed):
     data = json.loads(cost_file.read_text())
     assert all(v is None or (math.isfinite(v) and v >= 0) for v in data["coefficients"].values())
     assert data["metadata"]["model_name"] == "tiny-qwen2"
+    fit_quality = data["metadata"]["fit"]
+    assert isinstance(fit_quality["warnings"], list)  # said in the file, and printed by the notebook:
+    printed = "".join(o.get("text", "") for c in nbformat.read(out / "build" / "notebooks" / "01_calibrate.ipynb",
+                                                                as_version=4).cells if c.cell_type == "code"
+                      for o in c.get("outputs", []))
+    assert all(f"WARNING: {w}" in printed for w in fit_quality["warnings"])
+    assert fit_quality["warnings"] or "fit quality: R² >= 0.9" in printed
     fit = read_csv(out / "data" / "tables" / "01_calibration_fit_tiny_qwen2.csv")
     assert len(fit) == 4  # smoke grid: 2 batches x 2 widths
     for r in fit:
@@ -172,8 +179,12 @@ def test_03_latency_outputs(executed):
         assert r["auto_route"] in ("nocb", "bucketed")
         assert all(float(r[f"{p}_ms"]) > 0 for p in ("nocb", "equal_width", "aligned", "bucketed", "auto"))
         assert float(r["auto_vs_best"]) > 0
+    assert all(r["auto_vs_best_beyond_spread"] in ("True", "False") for r in table)
+    saved = read_csv(out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.csv")
+    assert {r["run_id"] for r in saved} == {record["run_id"]}  # the record's pair, from one write
     rows = read_csv(out / "data" / "tables" / "03_results_tiny_qwen2_float32_cpu.csv")
     for r in rows:
+        assert float(r["q1_ms"]) <= float(r["median_ms"]) <= float(r["q3_ms"])
         assert r["matches_nocb"] == "True"
         assert int(r["num_prefill_forwards"]) >= 1
     for stem in ("03_e2e", "03_throughput_memory", "03_breakdown"):
@@ -256,8 +267,8 @@ def test_executed_copies_have_outputs(executed):
 
 def test_01_cost_file_feeds_02_and_03(executed):
     out, _ = executed
-    from rollout_lab.planner.cost import CostCoefficients, read_cost_file
+    from rollout_lab.planner.cost import CostCoefficients, CostFile
 
     cost_file = out / "data" / "calibration" / "tiny-qwen2_float32_cpu.json"
-    coeffs = read_cost_file(cost_file)[0]
+    coeffs = CostFile.read(cost_file).coeffs
     assert coeffs == CostCoefficients.from_dict(json.loads(cost_file.read_text())["coefficients"])
