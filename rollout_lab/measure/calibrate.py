@@ -208,7 +208,7 @@ class CalibrationGrid:
     decode_batches: tuple[int, ...] = (8, 32)  # requests in the decode probe; () = not measured
     decode_width: int = 64  # prompt length in the decode probe
     decode_steps: int = 8  # decode steps measured (calls with decode_steps + 1 and 1 new tokens)
-    decode_repeats: int = 3
+    decode_repeats: int = 5  # timed passes of the decode probe, after one warm-up pass
     statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
     packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
     prefill_graphs: bool = False  # CUDA: time each shape as a compiled graph's replay (engine.prefill_graphs)
@@ -236,7 +236,7 @@ class CalibrationGrid:
     def tiny(cls) -> "CalibrationGrid":
         """A few seconds on CPU with a tiny model: for tests and the notebooks' tiny default."""
         return cls(batches=(1, 4, 16), widths=(8, 32, 128), repeats=5, decode_batches=(4,),
-                   decode_width=8, decode_steps=4, decode_repeats=3)
+                   decode_width=8, decode_steps=4, decode_repeats=5)
 
     @classmethod
     def for_classes(cls, classes: ShapeClasses, **settings: Any) -> "CalibrationGrid":
