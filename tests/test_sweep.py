@@ -132,11 +132,11 @@ def test_load_results_errors(tmp_path):
     (["--device", "tpu"], "--device"),
     (["--prefill-graphs", "--device", "cpu"], "--prefill-graphs captures CUDA graphs"),
 ])
-def test_cli_errors_before_any_work(argv, message, monkeypatch):
+def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
-    with pytest.raises(SystemExit) as err:
-        cli_main(["sweep", "--tiny", "qwen2", *argv])
-    assert message in str(err.value)
+    assert cli_main(["sweep", "--tiny", "qwen2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and message in err
 
 
 def test_cli_tiny_sweep(tmp_path, capsys):
@@ -245,7 +245,7 @@ sweep.run_sweep(tiny_model("qwen2"), workloads={"first": [3, 1]}, paths=["nocb",
 """
 
 
-def test_two_sweeps_to_one_output_lose_nothing(tmp_path):
+def test_two_sweeps_to_one_output_lose_nothing(tmp_path, capsys):
     """A second sweep to an output another process is writing is refused, naming the holder; once
     the first is done, the second resumes into the same record and both results are there."""
     out, held, go = tmp_path / "shared", tmp_path / "held", tmp_path / "go"
@@ -257,10 +257,10 @@ def test_two_sweeps_to_one_output_lose_nothing(tmp_path):
         while not held.exists():
             assert first.poll() is None, first.stderr.read()[-2000:]
             time.sleep(0.05)
-        with pytest.raises(SystemExit) as err:
-            cli_main(["sweep", "--tiny", "qwen2", "--workloads", "short_tail", "--scale", "0.05", "--paths", "nocb",
-                      "--repetitions", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(out)])
-        assert f"being written by pid {first.pid}" in str(err.value) and "shared.lock" in str(err.value)
+        assert cli_main(["sweep", "--tiny", "qwen2", "--workloads", "short_tail", "--scale", "0.05", "--paths",
+                         "nocb", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and f"being written by pid {first.pid}" in err and "shared.lock" in err
     finally:
         go.touch()
         assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
@@ -269,3 +269,20 @@ def test_two_sweeps_to_one_output_lose_nothing(tmp_path):
                        repetitions=1, max_new_tokens=2, progress=False, out=out, resume=True)
     assert record["resumed"]["workloads"] == ["first"]
     assert load_results(out)["workloads"].keys() == {"first", "second"}
+
+
+def test_route_table_warms_every_route_up_before_timing_any(monkeypatch):
+    from rollout_lab.measure import sweep as sweep_module
+
+    calls = []
+    real = sweep_module.Rollout
+
+    class Counted(real):
+        def generate(self, *args, **kwargs):
+            calls.append(self.config.mode)
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_module, "Rollout", Counted)
+    rows = sweep_module.route_table(max_new_tokens=2)
+    assert [r["mode"] for r in rows] == list(MODES) and all(r["same_tokens"] for r in rows)
+    assert calls == list(MODES) * 2  # one warm-up call of every route, then the measured ones
