@@ -124,8 +124,8 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
         return []
     stale = []
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
-        if not (pid.isdigit() and _is_alive(int(pid))):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]  # not a pid: another file's, or not ours
+        if pid.isdigit() and not _is_alive(int(pid)):
             _unlink_quietly(tmp)
             stale.append(tmp)
     return stale
