@@ -15,25 +15,27 @@ they start.
 from __future__ import annotations
 
 import argparse
-import os
 import ast
 import dataclasses
+import logging
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
-from rollout_lab.measure.presets import PRESETS, geometry_for
+from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
 from rollout_lab.measure.workloads import (DATASETS, SEED_FIVE, WORKLOADS,
                                            read_lengths_file, sample_lengths)
 from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks
 from rollout_lab.planner.bucket_dp import plan_buckets
-from rollout_lab.planner.cost import (CostCoefficients, prefill_cost_ms,
-                                      read_cost_file)
+from rollout_lab.planner.checks import check_context
+from rollout_lab.planner.cost import (CostCoefficients, CostFile, ModelGeometry,
+                                      prefill_cost_ms, setting_metadata)
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.workspace import Workspace, record_paths
+from rollout_lab.workspace import Workspace, check_writable, record_paths
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -46,24 +48,30 @@ EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "no
 # -- plan (no torch) -----------------------------------------------------------------------------
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        lengths = list(args.lengths)  # ints already (_lengths_argument)
-        if args.file:
-            lengths += read_lengths_file(args.file)
-        if args.dataset:
-            lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
-        if not lengths:
-            raise ValueError("give prompt lengths as arguments, with --file, or with --dataset")
-        geometry = geometry_for(args.model or args.preset, args.dtype)
-        coeffs = read_cost_file(args.costs)[0] if args.costs else CostCoefficients()
-        plan = plan_buckets(lengths, geometry, coeffs)
-        packing = plan_packed(lengths, geometry, coeffs)
-        route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
-                             continuous_batch_size=args.continuous_batch_size,
-                             geometry=geometry, coeffs=coeffs)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    lengths = list(args.lengths)  # ints already (_lengths_argument)
+    if args.file:
+        lengths += read_lengths_file(args.file)
+    if args.dataset:
+        lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
+    if not lengths:
+        raise ValueError("give prompt lengths as arguments, with --file, or with --dataset")
+    geometry = geometry_for(args.model or args.preset, args.dtype)
+    kind = None if args.device is None else device_type(args.device)
+    coeffs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
+    if args.costs:  # plan has no model: the preset (or config.json), dtype and device say what it would be
+        expected = setting_metadata(geometry=geometry, dtype=args.dtype, model_name=model_name(args.model or args.preset),
+                                    device_type=kind)
+        coeffs = CostFile.read(args.costs).check(expected, override=args.override_costs)
+        costs_line = (f"costs: {args.costs} (" + ("provenance not checked: --override-costs" if args.override_costs
+                      else f"checked: {', '.join(expected)}; pass --device to check the device too"
+                      if args.device is None else f"checked: {', '.join(expected)}") + ")")
+    plan = plan_buckets(lengths, geometry, coeffs)
+    packing = plan_packed(lengths, geometry, coeffs)
+    route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
+                         continuous_batch_size=args.continuous_batch_size,
+                         geometry=geometry, coeffs=coeffs)
     print(f"{len(lengths)} prompts, {args.model or args.preset} {args.dtype} geometry")
+    print(costs_line)
     print(f"{'bucket':>6} {'rows':>6} {'width':>6} {'padded':>7} {'est ms':>9}")
     for k, (bucket, width) in enumerate(zip(plan.buckets, plan.widths)):
         pad = len(bucket) * width - sum(lengths[i] for i in bucket)
@@ -92,43 +100,65 @@ def _lengths_argument(text: str) -> int:
 # -- the commands that run a model ---------------------------------------------------------------
 
 def resolve_model_arguments(args: argparse.Namespace) -> None:
-    """Check --tiny/--preset/--device and fill their defaults in place; SystemExit names a bad option."""
+    """Check --tiny/--preset/--device and fill their defaults in place; ValueError names a bad option."""
     import torch  # torch: only the commands that run a model
 
     from rollout_lab.measure.models import TINY_FAMILIES  # torch, as above
 
     if getattr(args, "model", None) is not None:
         if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise SystemExit(f"error: --model {args.model!r} is not a checkpoint folder (a folder with config.json)")
+            raise ValueError(f"--model {args.model!r} is not a checkpoint folder (a folder with config.json)")
     elif args.tiny is None and args.preset is None:
         args.tiny = "qwen2"
     if args.tiny is not None and args.tiny not in TINY_FAMILIES:
-        raise SystemExit(f"error: unknown --tiny family {args.tiny!r}; expected one of {list(TINY_FAMILIES)}")
+        raise ValueError(f"unknown --tiny family {args.tiny!r}; expected one of {list(TINY_FAMILIES)}")
     if args.preset is not None and args.preset not in PRESETS:
-        raise SystemExit(f"error: unknown --preset {args.preset!r}; expected one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown --preset {args.preset!r}; expected one of {sorted(PRESETS)}")
     if args.dtype is None:
         args.dtype = "float32" if args.tiny else "bfloat16"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, TypeError) as err:
-        raise SystemExit(f"error: bad --device {args.device!r}: {err}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"error: --device {args.device!r}: expected cpu or cuda[:N]")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {args.device!r} but CUDA is not available here; use --device cpu")
+    if device_type(args.device) == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device!r} but CUDA is not available here; use --device cpu")
+
+
+def device_type(device: str) -> str:
+    """"cpu" or "cuda" for ``--device`` cpu or cuda[:N]; ValueError naming anything else."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"bad --device {device!r}: expected cpu or cuda[:N]")
+    return kind
+
+
+def model_spec(args: argparse.Namespace) -> str:
+    """The resolved --model/--tiny/--preset as ``load_model`` takes it."""
+    return args.model or (f"tiny-{args.tiny}" if args.tiny else args.preset)
+
+
+def model_limits(args: argparse.Namespace) -> tuple[Any, str, int | None]:
+    """(config, name, context positions) of the resolved model, read without building it."""
+    from rollout_lab.measure.models import model_config  # transformers
+
+    config, name = model_config(model_spec(args))
+    text = config.get_text_config(decoder=True)
+    return config, name, getattr(text, "max_position_embeddings", None)
+
+
+def read_costs_before_work(path: str, args: argparse.Namespace, config: Any, name: str) -> CostFile:
+    """The cost file, checked on what is known before the model is built (name, geometry, dtype,
+    device type); the rest is checked against the built model (``engine.setting.model_metadata``)."""
+    cost_file = CostFile.read(path)
+    expected = setting_metadata(geometry=ModelGeometry.from_config(config, args.dtype), dtype=args.dtype,
+                                model_name=name, device_type=device_type(args.device))
+    cost_file.check(expected, override=args.override_costs)
+    return cost_file
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
     """The model of the resolved --tiny/--preset in --dtype on --device, and its name."""
     from rollout_lab.measure.models import load_model  # torch
 
-    name = args.model or (f"tiny-{args.tiny}" if args.tiny else args.preset)
-    try:
-        return load_model(name, dtype=args.dtype, device=args.device)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    return load_model(model_spec(args), dtype=args.dtype, device=args.device)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -144,11 +174,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, max_batch_tokens=args.max_batch_tokens)
     if args.prefill_graphs:
         if not args.device.startswith("cuda"):
-            raise SystemExit(f"error: --prefill-graphs captures CUDA graphs; --device is {args.device}")
+            raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
         grid = dataclasses.replace(grid, prefill_graphs=True)
-    workspace = _workspace(args)
+    _, name, _ = model_limits(args)
+    out = Path(args.out) if args.out else calibration_path(name, args.dtype, args.device, _workspace(args))
+    check_writable(out.parent, what="the cost file's folder")  # before any measuring
     model, name = build_model(args)
-    out = args.out or calibration_path(name, args.dtype, args.device, workspace)
     result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress)
     result.save(out)
     c = result.coeffs
@@ -164,45 +195,49 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from rollout_lab.measure import \
         sweep  # torch: only the commands that run a model
-    from rollout_lab.measure.calibrate import \
-        load_calibration  # torch, as above
+    from rollout_lab.engine.setting import model_metadata  # torch, as above
+    from rollout_lab.measure.calibrate import calibration_path  # torch, as above
 
     resolve_model_arguments(args)
     scale = args.scale if args.scale is not None else (0.25 if args.tiny else 1.0)
-    try:  # every check before the model is built
-        lengths = sweep.resolve_workloads(args.workloads or list(SEED_FIVE), scale=scale)
-        paths = sweep.check_paths(args.paths)
-        if args.costs:
-            read_cost_file(args.costs)
-        engine: dict = {}
-        if args.prefill_graphs and not args.device.startswith("cuda"):
-            raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
-        if args.prefill_classes or args.prefill_graphs:  # the ladder over these workloads' shapes
-            longest = max(max(v) for v in lengths.values())
-            rows = max(len(v) for v in lengths.values())
-            engine["prefill_classes"] = ShapeClasses.ladder(max_width=longest, max_rows=rows)
-            engine["prefill_graphs"] = bool(args.prefill_graphs)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    workspace = _workspace(args)
-    model, name = build_model(args)
-    costs = None
-    if args.costs:
+    # every check before the model is built: the workloads within its context, the output writable,
+    # the cost file (the one given, else the workspace's calibration of this model) on what is known
+    config, name, max_positions = model_limits(args)
+    lengths = sweep.resolve_workloads(args.workloads or list(SEED_FIVE), scale=scale)
+    for workload, workload_lengths in lengths.items():
         try:
-            costs = load_calibration(args.costs, model=model, model_name=name, override=args.override_costs)
+            check_context(max(workload_lengths), args.max_new_tokens, max_positions,
+                          what=f"workload {workload!r} at --scale {scale:g}")
         except ValueError as err:
-            raise SystemExit(f"error: {err}") from None
-    out = args.out or workspace.results / f"sweep_{name}_{args.dtype}_{args.device.split(':')[0]}"
+            raise ValueError(f"{err}; lower --scale or --max-new-tokens") from None
+    paths = sweep.check_paths(args.paths)
+    engine: dict = {}
+    if args.prefill_graphs and not args.device.startswith("cuda"):
+        raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
+    if args.prefill_classes or args.prefill_graphs:  # the ladder over these workloads' shapes
+        longest = max(max(v) for v in lengths.values())
+        rows = max(len(v) for v in lengths.values())
+        engine["prefill_classes"] = ShapeClasses.ladder(max_width=longest, max_rows=rows)
+        engine["prefill_graphs"] = bool(args.prefill_graphs)
+    workspace = _workspace(args)
+    out = Path(args.out) if args.out else workspace.results / f"sweep_{name}_{args.dtype}_{device_type(args.device)}"
+    check_writable(out.parent, what="the --out folder")
+    cost_path = Path(args.costs) if args.costs else calibration_path(name, args.dtype, args.device, workspace)
+    cost_file = read_costs_before_work(str(cost_path), args, config, name) \
+        if args.costs or cost_path.is_file() else None
+    print(f"costs: {cost_path}" + ("" if args.costs else " (this model's calibration in the workspace)")
+          if cost_file else f"costs: the engine's defaults (no calibration at {cost_path}: `rollout-lab calibrate`)")
+    model, name = build_model(args)
+    costs = None if cost_file is None else \
+        cost_file.check(model_metadata(model, model_name=name), override=args.override_costs)
     oracle = sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None else args.oracle_max_tokens
-    try:
-        record = sweep.run_sweep(
-            model, workloads=lengths, paths=paths, repetitions=args.repetitions,
-            max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
-            out=out, workload_scale=scale, oracle_max_tokens=oracle,
-            costs_source=args.costs or "engine defaults", decode=args.decode, engine=engine, resume=args.resume,
-        )
-    except ValueError as err:  # another sweep holds the output's lock, or --resume's record differs
-        raise SystemExit(f"error: {err}") from None
+    # a ValueError here (another sweep holds the output's lock, --resume's record differs) is one line
+    record = sweep.run_sweep(
+        model, workloads=lengths, paths=paths, repetitions=args.repetitions,
+        max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
+        out=out, workload_scale=scale, oracle_max_tokens=oracle, decode=args.decode, engine=engine,
+        costs_source=str(cost_path) if cost_file else "engine defaults", resume=args.resume,
+    )
     json_path, csv_path = sweep.results_paths(out)  # run_sweep wrote them, under the output's lock
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}")
     for row in sweep.summary_table(record):
@@ -219,15 +254,15 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
         key = notebook if notebook == "*" else next((n for n in NOTEBOOKS if n.startswith(notebook)), notebook)
         extra.setdefault(key, {})[name] = value
     names = None if not args.only else [next((n for n in NOTEBOOKS if n.startswith(o)), o) for o in args.only]
-    try:
-        if args.model is not None and args.preset is not None:
-            raise ValueError("give --preset or --model, not both")
-        if args.model is not None and not os.path.isdir(args.model):
-            raise ValueError(f"--model {args.model!r} is not a checkpoint folder")
-        run_notebooks(names=names, device=args.device, preset=args.model or args.preset, dtype=args.dtype,
-                      out_dir=_workspace(args).root, extra=extra, kernel_name=args.kernel)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    if args.model is not None and args.preset is not None:
+        raise ValueError("give --preset or --model, not both")
+    if args.model is not None and not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model!r} is not a checkpoint folder")
+    device_type(args.device)
+    workspace = _workspace(args)
+    check_writable(workspace.root, what="the --out-dir workspace")
+    run_notebooks(names=names, device=args.device, preset=args.model or args.preset, dtype=args.dtype,
+                  out_dir=workspace.root, extra=extra, kernel_name=args.kernel)
     return 0
 
 
@@ -236,6 +271,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from rollout_lab.measure.sweep import PROFILE_FIELDS, route_table  # torch
 
     workspace = _workspace(args)
+    check_writable(workspace.root, what="the --out-dir workspace")
     start = time.perf_counter()
     print("== The planner's worked example: 1x512 + 31x16 on Qwen2.5-3B fp32 geometry ==")
     main(["plan", "512", *["16"] * 31, "--max-new-tokens", "16"])
@@ -246,7 +282,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(f"{row[h]:12.2f}" if isinstance(row[h], float) else f"{str(row[h]):>12}" for h in header))
     if not all(row["same_tokens"] for row in rows):
-        raise SystemExit("error: the routes disagree on the generated tokens")
+        raise ValueError("the routes disagree on the generated tokens")
     print(f"\n== The notebooks, with papermill (tiny CPU default), into {workspace.root} ==", flush=True)
     extra = dict(SMOKE_PARAMETERS) if args.quick else {}
     # 03 prices Auto with the calibration 01 has just written, not the reference defaults
@@ -259,22 +295,35 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def _workspace(args: argparse.Namespace) -> Workspace:
-    try:
-        return Workspace.resolve(args.out_dir)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+    return Workspace.resolve(args.out_dir)
 
 
 # -- the parser ----------------------------------------------------------------------------------
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as every other user error is: one line, status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
 
 
@@ -321,19 +370,26 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollout-lab", description="rollout_lab: fast RL rollouts for prompts of varying length")
+    parser = Parser(prog="rollout-lab", description="rollout_lab: fast RL rollouts for prompts of varying length")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the DP's buckets and the route choice for prompt lengths")
     plan.add_argument("lengths", nargs="*", type=_lengths_argument, help="prompt lengths in tokens")
-    plan.add_argument("--file", help="a file of lengths: numbers, or a CSV with a num_tokens (or single) column")
+    plan.add_argument("--file", help="a file of lengths: numbers, or a CSV with a header naming a "
+                                     "num_tokens, tokens or length column (or a single column)")
     plan.add_argument("--dataset", choices=DATASETS, help="sample prompt lengths of a real dataset (shipped)")
     plan.add_argument("--num-prompts", type=positive_int, default=32, help="prompts drawn with --dataset")
     plan.add_argument("--seed", type=int, default=0, help="seed of the --dataset draw")
     plan.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-3b", help="model geometry")
     plan.add_argument("--model", metavar="PATH", help="a local checkpoint folder: its config.json gives the geometry")
     plan.add_argument("--dtype", choices=DTYPES, default="float32", help="KV element type")
-    plan.add_argument("--costs", help="a cost file from `rollout-lab calibrate` (default: reference coefficients)")
+    plan.add_argument("--costs", help="a cost file from `rollout-lab calibrate` (default: reference coefficients); "
+                                      "its provenance must match --preset/--model, --dtype and --device")
+    plan.add_argument("--device", default=None,
+                      help="cpu or cuda[:N]: the device the plan is for, checked against --costs (default: not checked)")
+    plan.add_argument("--override-costs", action="store_true",
+                      help="use --costs even if its provenance does not match this setting")
     plan.add_argument("--max-new-tokens", type=positive_int, default=16, help="generation budget for the route choice")
     plan.add_argument("--continuous-batch-size", type=positive_int, default=None, help="number of slots (default: all)")
     plan.set_defaults(func=cmd_plan)
@@ -369,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: reference coefficients)")
     sweep.add_argument("--override-costs", action="store_true",
                        help="use --costs even if its metadata does not match this run")
-    sweep.add_argument("--oracle-max-tokens", type=int, default=None,
+    sweep.add_argument("--oracle-max-tokens", type=non_negative_int, default=None,
                        help="check the one-request oracle on workloads up to this many tokens (0 = never; default 1024)")
     sweep.add_argument("--decode", choices=("auto", "graph", "eager"), default=None,
                        help="our CB decode stepper (default: the engine's, graph on CUDA)")
@@ -400,11 +456,24 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quick", action="store_true", help="smallest parameters")
     _add_out_dir(rep)
     rep.set_defaults(func=cmd_reproduce)
+    for command in sub.choices.values():  # after the command too; SUPPRESS keeps a --debug given before it
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit status. A user error (a bad value, an unwritable output, a missing
+    extra) is one line ``error: ...`` on stderr and status 2; ``--debug`` raises it with its traceback."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, or a bad argument (Parser.error has printed it)
+        return int(done.code or 0)
+    # HF's continuous-batching peer (measure.peers.hf_generate_batch) logs warnings on every call
+    # through its own handler ("ContinuousBatchingLogger", propagate=False), which tear the sweep's
+    # progress bars; its errors still print. (The notebooks' kernels: notebooks.run_notebooks.)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     if getattr(args, "threads", None) is not None:
         import torch  # --threads is a process-wide torch setting, made here where the user asked for it
 
@@ -412,9 +481,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as err:
-        if err.name not in EXTRAS:
+        if err.name not in EXTRAS or args.debug:
             raise
-        raise SystemExit(f"error: {err.name} is not installed: pip install 'rollout_lab[{EXTRAS[err.name]}]'") from None
+        return _user_error(f"{err.name} is not installed: pip install 'rollout_lab[{EXTRAS[err.name]}]'")
+    except (ValueError, OSError) as err:
+        if args.debug:
+            raise
+        return _user_error(str(err) or type(err).__name__)
+
+
+def _user_error(message: str) -> int:
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -80,6 +80,22 @@ class Workspace:
         return self.root / "build" / "notebooks"
 
 
+def check_writable(folder: str | os.PathLike, *, what: str = "output folder") -> Path:
+    """Create ``folder`` and write and remove a probe file in it, so that an unwritable output fails
+    before any work; ValueError naming ``what`` and the folder."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what} {str(folder)!r} exists and is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{what} {str(folder)!r} is not writable: {err.strerror or err}") from None
+    return folder
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)

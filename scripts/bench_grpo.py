@@ -34,6 +34,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
+from rollout_lab.measure.calibrate import load_calibration
 from rollout_lab.measure.models import (add_model_options, load_model,
                                         resolve_model_options,
                                         special_token_ids)
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.scale != 1.0:
         lengths = scale_lengths(lengths, args.scale)
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=args.seed, special_ids=special)
-    costs = CostCoefficients.from_json(args.costs) if args.costs else CostCoefficients()
+    costs = load_calibration(args.costs, model=model, model_name=model_name) if args.costs else CostCoefficients()
     paths = Paths(model, prompts, args, pad_id, costs)
 
     samples: dict[str, list[float]] = {p: [] for p in args.paths}

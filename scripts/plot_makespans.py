@@ -13,7 +13,7 @@ from pathlib import Path
 from rollout_lab.measure.makespans import (COLUMNS, WORKLOADS, WORLD_SIZES,
                                            makespan_rows)
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, setting_metadata
 from rollout_lab.plots.makespans import plot_makespans
 from rollout_lab.workspace import Workspace, write_csv, write_json_atomic
 
@@ -25,12 +25,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="decode budget per request")
     parser.add_argument("--continuous-batch-size", type=int, default=None, help="slots per rank")
     parser.add_argument("--costs", default=None, help="a cost file (default: the seed coefficients)")
+    parser.add_argument("--override-costs", action="store_true", help="use --costs whatever its provenance")
     parser.add_argument("--element-bytes", type=int, default=4, help="KV element size (4 = fp32)")
     parser.add_argument("--out-dir", default=str(REPO), help="workspace (default: this checkout)")
     args = parser.parse_args()
     ws = Workspace.resolve(args.out_dir)
-    coeffs = CostCoefficients.from_json(args.costs) if args.costs else CostCoefficients()
     geometry = ModelGeometry.qwen25_3b(args.element_bytes)
+    # the costs must have been measured on Qwen2.5-3B geometry (--override-costs: use them anyway)
+    coeffs = CostCoefficients.from_json(args.costs, expected=setting_metadata(geometry=geometry),
+                                        override=args.override_costs) if args.costs else CostCoefficients()
     rows = makespan_rows(WORKLOADS, WORLD_SIZES, geometry=geometry, coeffs=coeffs,
                          max_new_tokens=args.max_new_tokens,
                          continuous_batch_size=args.continuous_batch_size)

@@ -17,7 +17,7 @@ from rollout_lab.measure.bucket_choices import (
 from rollout_lab.measure.presets import geometry_for
 from rollout_lab.measure.workloads import resolve_distribution, resolve_distributions, scale_lengths
 from rollout_lab.planner.bucket_dp import plan_buckets, plan_buckets_k, plans_by_num_buckets
-from rollout_lab.planner.cost import CostCoefficients, prefill_cost_ms, read_cost_file
+from rollout_lab.planner.cost import CostCoefficients, CostFile, prefill_cost_ms
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.workspace import write_csv
 
@@ -78,7 +78,7 @@ def test_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="unknown preset"):
         geometry_for("gpt-5")
     with pytest.raises(ValueError, match="does not exist"):
-        read_cost_file("/nonexistent/costs.json")
+        CostFile.read("/nonexistent/costs.json")
 
 
 def test_distributions_resolve():

@@ -8,7 +8,7 @@ import torch
 from rollout_lab.cli import main as cli_main
 from rollout_lab.measure.calibrate import CalibrationGrid, CalibrationResult, calibrate, load_calibration
 from rollout_lab.measure.models import tiny_model
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, attention_gflops, kv_mib, read_cost_file
+from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, attention_gflops, kv_mib
 from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
 
 QWEN3B_BF16 = ModelGeometry.qwen25_3b(2)
@@ -124,8 +124,8 @@ def test_tiny_calibration_end_to_end(calibrated):
                   "transformers", "tf32_matmul", "git_sha", "date", "grid"):
         assert field in meta, field
     assert meta["dtype"] == "float32" and meta["attn_implementation"] == "sdpa"
-    coeffs, saved = read_cost_file(path)  # the plain cost-file reader (``plan --costs``) accepts it
-    assert coeffs == c and saved["fit"]["shapes"][0]["measured_ms"] > 0
+    read = CostFile.read(path)  # the parser alone, before any check
+    assert read.coeffs == c and read.metadata["fit"]["shapes"][0]["measured_ms"] > 0
     again = CalibrationResult.load(path)
     assert again.coeffs == c and again.fit == result.fit and again.r2 == pytest.approx(result.r2)
     assert again.packed == result.packed
@@ -135,7 +135,6 @@ def test_load_accepts_the_same_run(calibrated, tiny):
     result, path = calibrated
     assert load_calibration(path, model=tiny) == result.coeffs
     assert load_calibration(path, model=tiny, model_name="tiny-qwen2") == result.coeffs
-    assert load_calibration(path) == result.coeffs  # versions only
 
 
 def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
@@ -148,10 +147,15 @@ def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
     with pytest.raises(ValueError, match="torch") as err:
         load_calibration(other, model=tiny)
     assert "attn_implementation" in str(err.value) and "dtype" not in str(err.value)
-    with pytest.raises(ValueError, match="dtype.*geometry|geometry.*dtype"):
-        load_calibration(path, model=tiny, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="geometry.*dtype"):
+        load_calibration(path, model=tiny_model("qwen2", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="model_name"):
         load_calibration(path, model=tiny, model_name="qwen2.5-3b")
+    assert load_calibration(other, model=tiny, override=True) == result.coeffs
+    data["metadata"] = {}
+    other.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="has no provenance metadata"):
+        load_calibration(other, model=tiny)
     assert load_calibration(other, model=tiny, override=True) == result.coeffs
 
 
@@ -169,15 +173,15 @@ def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("rollout_lab.measure.calibrate.calibrate", lambda *a, **k: pytest.fail("calibrated despite bad arguments"))
-    with pytest.raises(SystemExit) as err:
-        cli_main(["calibrate", *argv, "--out", "/nonexistent/x.json"])
-    assert message in str(err.value)
+    assert cli_main(["calibrate", *argv, "--out", "/nonexistent/x.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and message in err
 
 
 def test_cli_rejects_a_bad_dtype(capsys):
-    with pytest.raises(SystemExit):
-        cli_main(["calibrate", "--tiny", "qwen2", "--dtype", "float12"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert cli_main(["calibrate", "--tiny", "qwen2", "--dtype", "float12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "invalid choice" in err and err.count("\n") == 1
 
 
 def test_decode_costs_keep_the_reference_form_or_give_both():

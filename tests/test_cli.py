@@ -1,13 +1,30 @@
-"""The command line: plan from a dataset or a file with a header, errors as one line, and a missing
+"""The command line: plan from a dataset or a file with a header, cost files checked against the
+setting, every user error one line ``error: ...`` with status 2 before any work, and a missing
 optional dependency named with the extra that installs it."""
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from rollout_lab.cli import main
+from rollout_lab.measure.presets import geometry_for
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, setting_metadata
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def one_error_line(capsys) -> str:
+    """The command's stderr, which must be exactly one line starting with "error:"."""
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    return err
 
 
 def test_plan_a_real_dataset_batch(capsys):
@@ -24,52 +41,62 @@ def test_plan_prices_the_packed_route_once_calibrated(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "packed prefill" in out and "1 forwards of 560 tokens" in out and "not calibrated" in out
     assert "packed CB not a candidate" in out
-    CostCoefficients(packed_prompt_cost_ms=0.1).to_json(tmp_path / "c.json")
+    setting = setting_metadata(geometry=geometry_for("qwen2.5-3b", "float32"), dtype="float32", model_name="qwen2.5-3b")
+    CostCoefficients(packed_prompt_cost_ms=0.1).to_json(tmp_path / "c.json", metadata=setting)
     assert main(["plan", "512", "16", "16", "16", "--costs", str(tmp_path / "c.json"), "--max-new-tokens", "1"]) == 0
     out = capsys.readouterr().out
     assert "route for 1 new tokens: packed" in out and "not calibrated" not in out
+    assert f"costs: {tmp_path / 'c.json'} (checked: model_name, geometry, dtype;" in out
 
 
 def test_plan_reads_a_csv_with_a_header_and_plain_numbers(tmp_path, capsys):
     (tmp_path / "h.csv").write_text("name,index,num_tokens\nx,0,512\nx,1,16\nx,2,16\n")
+    (tmp_path / "t.csv").write_text("id,tokens\n0,512\n1,16\n")
+    (tmp_path / "l.csv").write_text("length,id\n512,0\n16,1\n9,2\n7,3\n")
     (tmp_path / "n.txt").write_text("512, 16\n16 16")
-    main(["plan", "--file", str(tmp_path / "h.csv")])
+    assert main(["plan", "--file", str(tmp_path / "h.csv")]) == 0
     assert capsys.readouterr().out.startswith("3 prompts")
-    main(["plan", "--file", str(tmp_path / "n.txt"), "20"])
+    assert main(["plan", "--file", str(tmp_path / "t.csv")]) == 0
+    assert capsys.readouterr().out.startswith("2 prompts")
+    assert main(["plan", "--file", str(tmp_path / "l.csv")]) == 0
+    assert capsys.readouterr().out.startswith("4 prompts")
+    assert main(["plan", "--file", str(tmp_path / "n.txt"), "20"]) == 0
     assert capsys.readouterr().out.startswith("5 prompts")
+    shipped = REPO / "rollout_lab" / "measure" / "prompt_lengths" / "gsm8k.csv"  # the README's example
+    assert main(["plan", "--file", str(shipped)]) == 0
+    assert capsys.readouterr().out.startswith("1319 prompts")
 
 
 @pytest.mark.parametrize("content, message", [
-    ("a,b\n1,2\n", "needs a 'num_tokens' column"),
+    ("a,b\n1,2\n", "needs a column named one of \\['num_tokens', 'tokens', 'length'\\]"),
     ("num_tokens\n12\nmany\n", "'many' is not an integer"),
     ("12 x", "'x' is not an integer"),
 ])
-def test_plan_file_errors_are_one_line(tmp_path, content, message):
+def test_plan_file_errors_are_one_line(tmp_path, content, message, capsys):
     (tmp_path / "f.csv").write_text(content)
-    with pytest.raises(SystemExit) as err:
-        main(["plan", "--file", str(tmp_path / "f.csv")])
-    assert message in str(err.value) and str(err.value).startswith("error:")
+    assert main(["plan", "--file", str(tmp_path / "f.csv")]) == 2
+    assert re.search(message, one_error_line(capsys))
 
 
-def test_plan_without_lengths_or_with_an_unknown_file(tmp_path):
-    with pytest.raises(SystemExit, match="give prompt lengths"):
-        main(["plan"])
-    with pytest.raises(SystemExit, match="does not exist"):
-        main(["plan", "--file", str(tmp_path / "missing.csv")])
+def test_plan_without_lengths_or_with_an_unknown_file(tmp_path, capsys):
+    assert main(["plan"]) == 2
+    assert "give prompt lengths" in one_error_line(capsys)
+    assert main(["plan", "--file", str(tmp_path / "missing.csv")]) == 2
+    assert "does not exist" in one_error_line(capsys)
 
 
-def test_out_dir_that_is_a_file_fails_before_any_work(tmp_path):
+def test_out_dir_that_is_a_file_fails_before_any_work(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(SystemExit, match="is not a folder"):
-        main(["notebooks", "--only", "02", "--out-dir", str(tmp_path / "f")])
+    assert main(["notebooks", "--only", "02", "--out-dir", str(tmp_path / "f")]) == 2
+    assert "is not a folder" in one_error_line(capsys)
 
 
 def test_a_missing_extra_is_named_in_one_line(tmp_path):
     code = ("import sys; sys.modules['papermill'] = None\n"
             "from rollout_lab.cli import main\n"
-            f"main(['notebooks', '--only', '02', '--out-dir', {str(tmp_path)!r}])\n")
+            f"sys.exit(main(['notebooks', '--only', '02', '--out-dir', {str(tmp_path)!r}]))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip() == "error: papermill is not installed: pip install 'rollout_lab[notebooks]'"
 
 
@@ -102,11 +129,145 @@ def test_commands_take_a_local_checkpoint(checkpoint, tmp_path, capsys):
                  "--no-progress", "--out", str(out)]) == 0
 
 
-def test_a_bad_checkpoint_is_one_line(tmp_path):
+def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
     for argv in (["sweep", "--model", str(tmp_path / "missing")], ["calibrate", "--model", str(tmp_path)]):
-        with pytest.raises(SystemExit, match="is not a checkpoint folder"):
-            main(argv)
-    with pytest.raises(SystemExit, match="no config.json"):
-        main(["plan", "16", "--model", str(tmp_path)])
-    with pytest.raises(SystemExit, match="give --preset or --model, not both"):
-        main(["notebooks", "--preset", "qwen2.5-3b", "--model", str(tmp_path), "--out-dir", str(tmp_path / "o")])
+        assert main(argv) == 2
+        assert "is not a checkpoint folder" in one_error_line(capsys)
+    assert main(["plan", "16", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in one_error_line(capsys)
+    assert main(["notebooks", "--preset", "qwen2.5-3b", "--model", str(tmp_path), "--out-dir", str(tmp_path / "o")]) == 2
+    assert "give --preset or --model, not both" in one_error_line(capsys)
+
+
+# ---------------------------------------------------------------- cost files checked, errors before work
+
+def tiny_cpu_cost_file(path: Path) -> Path:
+    """A cost file with the provenance of the tiny qwen2 on CPU in fp32 (as `calibrate --tiny qwen2` writes)."""
+    from rollout_lab.measure.calibrate import run_metadata
+    from rollout_lab.measure.models import tiny_model
+
+    return CostCoefficients(prefill_fixed_cost_ms=0.5).to_json(
+        path, metadata=run_metadata(tiny_model("qwen2"), model_name="tiny-qwen2"))
+
+
+def test_plan_refuses_costs_measured_for_another_model_unless_overridden(tmp_path, capsys):
+    cost_file = tiny_cpu_cost_file(tmp_path / "tiny.json")
+    argv = ["plan", "16", "512", "--costs", str(cost_file), "--preset", "qwen3-32b", "--dtype", "bfloat16",
+            "--device", "cuda"]
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    for name in ("model_name", "geometry", "dtype", "device_type"):
+        assert f"{name}: file has" in err, name
+    assert "--override-costs" in err
+    assert main([*argv, "--override-costs"]) == 0
+    assert "provenance not checked: --override-costs" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any attempt to build or load a model fails the test: the errors must come first."""
+    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model before the checks"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "16", "--costs", "/nonexistent.json"], "cost file '/nonexistent.json' does not exist"),
+    (["plan", "16", "--costs", "{null}"], "'coefficients' must be an object, got None"),
+    (["plan", "16", "--costs", "{meta5}"], "'metadata' must be an object, got 5"),
+    (["plan", "16", "--costs", "{latin1}"], "is not UTF-8 text"),
+    (["plan", "16", "--device", "tpu"], "bad --device 'tpu'"),
+    (["sweep", "--device", "cpu", "--max-new-tokens", "600"], "+ max_new_tokens 600 exceeds the model's context of 512"),
+    (["sweep", "--device", "cpu", "--scale", "100"], "at --scale 100: prompt length"),
+    (["sweep", "--device", "cpu", "--scale", "-1"], "scale must be a finite number > 0"),
+    (["sweep", "--device", "cpu", "--oracle-max-tokens", "-5"], "argument --oracle-max-tokens: must be >= 0, got -5"),
+    (["sweep", "--device", "cpu", "--costs", "{null}"], "'coefficients' must be an object"),
+    (["sweep", "--device", "cpu", "--out", "{file}/sub/x"], "is not writable"),
+    (["sweep", "--device", "cpu", "--workloads", "nope"], "unknown workloads"),
+    (["calibrate", "--device", "cpu", "--out", "{file}/sub/x.json"], "is not writable"),
+    (["notebooks", "--only", "02", "--out-dir", "{file}/sub"], "is not writable"),
+    (["notebooks", "--only", "03", "--param", "03:results_file=missing.json"], "results_file="),
+    (["reproduce", "--out-dir", "{file}/sub"], "is not writable"),
+    (["sweep", "--threads", "0"], "argument --threads: must be >= 1"),
+])
+def test_every_bad_input_is_one_line_and_status_2_before_any_work(argv, message, tmp_path, capsys, no_model,
+                                                                   monkeypatch):
+    files = {"{file}": tmp_path / "a_file", "{null}": tmp_path / "null.json", "{meta5}": tmp_path / "meta5.json",
+             "{latin1}": tmp_path / "latin1.json"}
+    files["{file}"].write_text("x")
+    files["{null}"].write_text(json.dumps({"coefficients": None, "metadata": {}}))
+    files["{meta5}"].write_text(json.dumps({"coefficients": CostCoefficients().to_dict(), "metadata": 5}))
+    files["{latin1}"].write_bytes('{"metadata": {"model_name": "caf\u00e9"}}'.encode("latin-1"))
+    monkeypatch.chdir(tmp_path)
+    for key, path in files.items():
+        argv = [a.replace(key, str(path)) for a in argv]
+    assert main(argv) == 2
+    assert message in one_error_line(capsys)
+
+
+def test_the_preflight_on_an_unwritable_output_is_fast(tmp_path, capsys, no_model):
+    (tmp_path / "a_file").write_text("x")
+    start = time.perf_counter()
+    assert main(["sweep", "--device", "cpu", "--workloads", "long_tail", "--out", str(tmp_path / "a_file" / "o" / "x")]) == 2
+    assert time.perf_counter() - start < 5.0
+    assert "the --out folder" in one_error_line(capsys)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes through chmod 0o500")
+def test_the_preflight_on_a_read_only_folder(tmp_path, capsys, no_model):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        start = time.perf_counter()
+        assert main(["calibrate", "--device", "cpu", "--out", str(locked / "x.json")]) == 2
+        assert time.perf_counter() - start < 5.0
+        assert "is not writable" in one_error_line(capsys)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_one_line_from_a_subprocess_and_the_traceback_with_debug(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "rollout_lab.cli", "plan", "16", "--costs", str(tmp_path / "none.json")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"error: cost file {str(tmp_path / 'none.json')!r} does not exist (or is not a file)\n"
+    done = subprocess.run([*command, "--debug"], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.rstrip().endswith("does not exist (or is not a file)")
+
+
+def test_sweep_uses_the_workspace_calibration_of_its_model_and_says_so(tmp_path, capsys):
+    workspace = tmp_path / "ws"
+    cost_file = tiny_cpu_cost_file(workspace / "data" / "calibration" / "tiny-qwen2_float32_cpu.json")
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--tiny", "qwen2", "--device", "cpu", "--workloads", "short_tail", "--scale", "0.05",
+            "--paths", "bucketed", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress",
+            "--out-dir", str(workspace), "--out", str(out)]
+    assert main(argv) == 0
+    assert f"costs: {cost_file} (this model's calibration in the workspace)" in capsys.readouterr().out
+    assert json.loads(out.with_suffix(".json").read_text())["config"]["costs_source"] == str(cost_file)
+    data = json.loads(cost_file.read_text())
+    data["metadata"]["geometry"]["num_layers"] = 36  # the file no longer describes this model
+    cost_file.write_text(json.dumps(data))
+    assert main([*argv[:-2], "--out", str(tmp_path / "again")]) == 2
+    assert "geometry: file has" in one_error_line(capsys)
+
+
+def test_notebook_path_parameters_are_resolved_from_the_callers_folder(tmp_path, monkeypatch):
+    from rollout_lab.notebooks import check_inputs, resolve_path_parameters
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.json").write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    params = {"results_file": "data/x.json", "rl_results_file": ["data/x.json", "data/y.json"],
+              "results_stem": "out/s", "model": "ckpt", "geometry_preset": "qwen2.5-3b", "workloads": ["spread"],
+              "cost_file": None}
+    resolved = resolve_path_parameters(params, cwd=tmp_path)
+    assert resolved["results_file"] == str(tmp_path / "data" / "x.json")
+    assert resolved["rl_results_file"] == [str(tmp_path / "data" / "x.json"), str(tmp_path / "data" / "y.json")]
+    assert resolved["results_stem"] == str(tmp_path / "out" / "s") and resolved["model"] == str(tmp_path / "ckpt")
+    assert resolved["geometry_preset"] == "qwen2.5-3b" and resolved["workloads"] == ["spread"]
+    assert resolved["cost_file"] is None
+    with pytest.raises(ValueError, match=r"03: rl_results_file='.*y.json' does not exist"):
+        check_inputs("03", resolved)
+    check_inputs("03", {**resolved, "rl_results_file": None})

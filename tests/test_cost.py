@@ -1,14 +1,18 @@
+import json
 import math
+from dataclasses import asdict
 
 import pytest
 
 from rollout_lab.planner.cost import (
+    MAX_COST_FILE_BYTES,
     CostCoefficients,
+    CostFile,
     ModelGeometry,
     attention_gflops,
     kv_mib,
     prefill_cost_ms,
-    read_cost_file,
+    setting_metadata,
 )
 
 QWEN3B_FP32 = ModelGeometry(36, 16, 2, 128, 4)
@@ -56,16 +60,83 @@ def test_bad_token_limit(bad):
 
 def test_json_round_trip_and_strict_keys(tmp_path):
     c = CostCoefficients(prefill_fixed_cost_ms=3.5, prefill_max_tokens=None, prefill_replicate_cost_ms=0.02)
-    path = c.to_json(tmp_path / "c.json", metadata={"model": "tiny"})
-    assert CostCoefficients.from_json(path) == c
+    setting = setting_metadata(geometry=QWEN3B_FP32, dtype="float32", model_name="qwen2.5-3b")
+    path = c.to_json(tmp_path / "c.json", metadata={**setting, "note": "mine"})
+    assert CostCoefficients.from_json(path, expected=setting) == c
     assert "prefill_replicate_cost_ms" in c.to_dict()
-    assert read_cost_file(path)[1] == {"model": "tiny"}
+    assert CostFile.read(path).metadata["note"] == "mine"
     data = path.read_text().replace('"prefill_kv_cost_ms"', '"prefill_kv_cost"')
     (tmp_path / "bad.json").write_text(data)
     with pytest.raises(ValueError, match="unknown keys \\['prefill_kv_cost'\\].*missing keys \\['prefill_kv_cost_ms'\\]"):
-        CostCoefficients.from_json(tmp_path / "bad.json")
+        CostCoefficients.from_json(tmp_path / "bad.json", expected=setting)
     with pytest.raises(ValueError, match="does not exist"):
-        CostCoefficients.from_json(tmp_path / "nope.json")
+        CostCoefficients.from_json(tmp_path / "nope.json", expected=setting)
+
+
+def test_a_cost_file_is_checked_against_the_setting_it_is_used_in(tmp_path):
+    """Every differing field is named; a file without provenance is refused; override accepts both;
+    plain CostCoefficients objects are the user's own numbers and never checked."""
+    tiny = ModelGeometry(2, 4, 2, 16, 4)
+    path = CostCoefficients().to_json(tmp_path / "tiny.json", metadata={
+        **setting_metadata(geometry=tiny, dtype="float32", model_name="tiny-qwen2", device_type="cpu"),
+        "torch": "2.0"})
+    qwen32 = setting_metadata(geometry=ModelGeometry(64, 64, 8, 128, 2), dtype="bfloat16",
+                              model_name="qwen3-32b", device_type="cuda")
+    with pytest.raises(ValueError) as err:
+        CostFile.read(path).check(qwen32)
+    message = str(err.value)
+    for name in ("model_name", "geometry", "dtype", "device_type"):
+        assert f"{name}: file has" in message, name
+    assert "torch" not in message.split("(")[1]  # only the fields the setting knows are compared
+    assert "--override-costs" in message and "tiny.json" in message
+    assert CostFile.read(path).check(qwen32, override=True) == CostCoefficients()
+    bare = CostCoefficients().to_json(tmp_path / "bare.json")  # no metadata: cannot be checked
+    with pytest.raises(ValueError, match="bare.json.*has no provenance metadata"):
+        CostFile.read(bare).check(setting_metadata(geometry=tiny))
+    assert CostFile.read(bare).check(setting_metadata(geometry=tiny), override=True) == CostCoefficients()
+
+
+GOOD = {"coefficients": CostCoefficients().to_dict(), "metadata": {}}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    (b"\xff\xfe not utf-8", "is not UTF-8 text"),
+    (b"{not json", "is not valid JSON"),
+    (b"[1, 2]", "must hold an object with keys 'coefficients' and 'metadata'"),
+    (json.dumps({**GOOD, "extra": 1}).encode(), "must hold an object with keys"),
+    (json.dumps({**GOOD, "coefficients": None}).encode(), "'coefficients' must be an object, got None"),
+    (json.dumps({**GOOD, "metadata": 5}).encode(), "'metadata' must be an object, got 5"),
+    (json.dumps({**GOOD, "coefficients": {k: v for k, v in GOOD["coefficients"].items()
+                                          if k != "prefill_token_cost_ms"}}).encode(),
+     "missing keys \\['prefill_token_cost_ms'\\]"),
+    (json.dumps({**GOOD, "coefficients": {**GOOD["coefficients"], "prefill_kv_cost_ms": -1}}).encode(),
+     "prefill_kv_cost_ms must be finite and >= 0, got -1"),
+    (json.dumps({**GOOD, "coefficients": {**GOOD["coefficients"], "prefill_kv_cost_ms": "NaN"}}).encode(),
+     "prefill_kv_cost_ms must be a number"),
+    (b'{"coefficients": {"prefill_kv_cost_ms": NaN}}', "NaN is not a JSON number"),
+    (b"[" * 100000 + b"]" * 100000, "is not valid JSON"),
+])
+def test_a_malformed_cost_file_names_the_file_and_the_field(tmp_path, content, message):
+    path = tmp_path / "costs.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as err:
+        CostFile.read(path)
+    assert "costs.json" in str(err.value)
+
+
+def test_a_huge_cost_file_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_COST_FILE_BYTES + 1)
+    with pytest.raises(ValueError, match=f"huge.json.*{MAX_COST_FILE_BYTES + 1} bytes, over the"):
+        CostFile.read(path)
+
+
+def test_setting_metadata_is_shaped_as_a_calibration_records_it():
+    assert setting_metadata(geometry=QWEN3B_FP32, dtype="torch.bfloat16", device_type="cuda:1") == {
+        "geometry": asdict(QWEN3B_FP32), "dtype": "bfloat16", "device_type": "cuda"}
 
 
 class _Cfg:

@@ -14,3 +14,48 @@ def test_without_it_the_checkout_is_read(monkeypatch):
     monkeypatch.delenv("ROLLOUT_LAB_GIT_SHA", raising=False)
     sha = git_sha()
     assert sha == "unknown" or len(sha.split("+")[0]) == 40
+
+
+# ---------------------------------------------------------------- a cost file meets the model it is used with
+
+def test_rollout_config_costs_path_is_checked_against_the_model(tmp_path):
+    """RolloutConfig(costs=path) is read at once and checked by Rollout against the live model: a file
+    from another model (geometry, dtype, device) or without metadata is refused, naming the fields,
+    unless override_costs=True; a plain CostCoefficients is used as given."""
+    import json
+
+    import pytest
+
+    from rollout_lab.engine.config import RolloutConfig
+    from rollout_lab.engine.rollout import Rollout
+    from rollout_lab.engine.setting import model_metadata
+    from rollout_lab.measure.models import tiny_model
+    from rollout_lab.planner.cost import CostCoefficients
+
+    tiny = tiny_model("qwen2")
+    mine = CostCoefficients(prefill_fixed_cost_ms=0.5)
+    matching = mine.to_json(tmp_path / "tiny.json", metadata=model_metadata(tiny))
+    assert Rollout(tiny, RolloutConfig(costs=str(matching))).costs == mine
+    assert Rollout(tiny, RolloutConfig(costs=matching, mode="bucketed")).generate(
+        [[5, 6, 7]], max_new_tokens=2).sequences[0]
+
+    other = json.loads(matching.read_text())
+    other["metadata"].update(dtype="bfloat16", device_type="cuda", device_name="NVIDIA H200")
+    other["metadata"]["geometry"]["num_layers"] = 36
+    (tmp_path / "h200.json").write_text(json.dumps(other))
+    config = RolloutConfig(costs=tmp_path / "h200.json")
+    with pytest.raises(ValueError) as err:
+        Rollout(tiny, config)
+    for name in ("geometry", "dtype", "device_type", "device_name"):
+        assert f"{name}: file has" in str(err.value), name
+    assert "h200.json" in str(err.value) and "override" in str(err.value)
+    assert Rollout(tiny, RolloutConfig(costs=tmp_path / "h200.json", override_costs=True)).costs == mine
+
+    bare = mine.to_json(tmp_path / "bare.json")
+    with pytest.raises(ValueError, match="bare.json.*has no provenance metadata"):
+        Rollout(tiny, RolloutConfig(costs=bare))
+    assert Rollout(tiny, RolloutConfig(costs=bare, override_costs=True)).costs == mine
+    assert Rollout(tiny, RolloutConfig(costs=CostCoefficients(prefill_fixed_cost_ms=99.0))).costs.prefill_fixed_cost_ms == 99.0
+    with pytest.raises(ValueError, match="'metadata' must be an object"):
+        (tmp_path / "five.json").write_text(json.dumps({"coefficients": mine.to_dict(), "metadata": 5}))
+        RolloutConfig(costs=tmp_path / "five.json")

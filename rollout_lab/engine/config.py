@@ -17,7 +17,7 @@ from rollout_lab.engine.profile import Profile
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import as_int, is_int
-from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.planner.cost import CostCoefficients, CostFile
 from rollout_lab.planner.decode_steps import check_prior_settings
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.planner.fit import check_window
@@ -43,7 +43,10 @@ class RolloutConfig:
 
     mode: str = "auto"
     continuous_batch_size: int | None = None  # slots; None = all requests at once
-    costs: CostCoefficients = field(default_factory=CostCoefficients)
+    # the user's own CostCoefficients (used as given), or a cost file's path: read here, and checked
+    # against the model by Rollout (its provenance must match; override_costs=True accepts a mismatch)
+    costs: CostCoefficients | CostFile = field(default_factory=CostCoefficients)
+    override_costs: bool = False
     eos_token_id: int | list[int] | None = None  # None: the model's
     ignore_eos: bool = False  # True: no EOS stops a row (benchmarks)
     pad_token_id: int | None = None  # None: the model's, else the first EOS, else 0
@@ -94,8 +97,8 @@ class RolloutConfig:
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if isinstance(self.costs, (str, os.PathLike)):
-            object.__setattr__(self, "costs", CostCoefficients.from_json(self.costs))
-        if not isinstance(self.costs, CostCoefficients):
+            object.__setattr__(self, "costs", CostFile.read(self.costs))
+        if not isinstance(self.costs, (CostCoefficients, CostFile)):
             raise ValueError(f"costs must be a CostCoefficients or a cost file path, got {self.costs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -116,7 +119,7 @@ class RolloutConfig:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
         check_prior_settings(self.response_length_prior, self.prior_ewma)
         check_window(self.online_window)
-        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration"):
+        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration", "override_costs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):

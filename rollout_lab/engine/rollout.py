@@ -38,6 +38,7 @@ from rollout_lab.engine.nocb import run_nocb
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams, sample_key
+from rollout_lab.engine.setting import model_metadata
 from rollout_lab.engine.steppers import (
     EagerStepper,
     StepperKey,
@@ -51,7 +52,7 @@ from rollout_lab.engine.steppers import (
 )
 from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.checks import budgets_of, is_int
+from rollout_lab.planner.checks import budgets_of, check_context, is_int
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
@@ -113,10 +114,13 @@ class Rollout:
             raise ValueError(f"prefill_graphs=True needs a CUDA device, the model is on {self.device}")
         self._prefill_graphs: PrefillGraphs | None = None
         self._prefill_signature: tuple | None = None
-        # learned across calls; the frozen config is never changed
-        self.costs: CostCoefficients = self.config.costs
+        # learned across calls; the frozen config is never changed. A cost file is used only once its
+        # provenance matches this model (CostFile.check names every field that differs)
+        costs = self.config.costs
+        self.costs: CostCoefficients = costs if isinstance(costs, CostCoefficients) else \
+            costs.check(model_metadata(model), override=self.config.override_costs)
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
-        self.online = OnlineCalibrator(self.geometry, self.config.costs, window=self.config.online_window) \
+        self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
             if self.config.online_recalibration else None
         self._explored = False
 
@@ -380,11 +384,7 @@ class Rollout:
                 raise ValueError(
                     f"request {index}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
                 )
-            if self.max_positions is not None and len(ids) + max_new_tokens > self.max_positions:
-                raise ValueError(
-                    f"request {index}: prompt length {len(ids)} + max_new_tokens {max_new_tokens} "
-                    f"exceeds the model's context of {self.max_positions} positions"
-                )
+            check_context(len(ids), max_new_tokens, self.max_positions, what=f"request {index}")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

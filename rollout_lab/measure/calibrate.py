@@ -23,7 +23,7 @@ copies into the other samples' slots) is the same copy, so it takes kv's slope.
   scatter; ``packed_prompt_cost_ms`` is what each packed prompt costs beyond the shared
   coefficients (``fit_packed_prompt_cost``). Without it Auto never considers packed.
 
-The metadata: the fields in ``CHECKED_FIELDS`` (model, geometry, dtype, device, attention
+The metadata: the fields in ``planner.cost.CHECKED_FIELDS`` (model, geometry, dtype, device, attention
 implementation, library versions, TF32) must agree between a cost file and the run that loads it:
 coefficients measured on another setting would steer the planner wrongly without any error.
 """
@@ -46,11 +46,12 @@ from rollout_lab.engine.prefill import cache_kwarg_name, packed_backend, prefill
 from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.setting import model_metadata
 from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.workloads import lengths_to_prompts
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms, read_cost_file
+from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, packed_prefill_cost_ms
 from rollout_lab.planner.fit import decode_costs, fit_coefficients
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import Workspace
@@ -73,7 +74,7 @@ class CalibrationResult:
         return max((abs(r["rel_error"]) for r in self.fit), default=float("nan"))
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Atomically write coefficients + metadata + fit (readable by ``read_cost_file``)."""
+        """Atomically write coefficients + metadata + fit (readable by ``CostFile.read``)."""
         metadata = dict(self.metadata)
         metadata["fit"] = {
             "r2": self.r2, "worst_rel_error": self.worst_rel_error, "warnings": list(self.warnings),
@@ -83,8 +84,10 @@ class CalibrationResult:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CalibrationResult":
-        """Read a saved calibration back as a result (no metadata check: for plots and reports)."""
-        coeffs, metadata = read_cost_file(path)
+        """Read a saved calibration back as a result (no metadata check: for plots and reports;
+        ``load_calibration`` checks it against a model)."""
+        cost_file = CostFile.read(path)
+        coeffs, metadata = cost_file.coeffs, dict(cost_file.metadata)
         fit = metadata.pop("fit", None) or {}
         return cls(coeffs, metadata, tuple(fit.get("shapes", ())), tuple(fit.get("decode", ())),
                    float(fit.get("r2", float("nan"))), tuple(fit.get("packed", ())),
@@ -131,7 +134,7 @@ def calibrate(
         raise ValueError(f"dtype={dtype} but the model's parameters are {param.dtype}; convert the model first")
     if device is not None and torch.device(device).type != param.device.type:
         raise ValueError(f"device={device} but the model is on {param.device}; move the model first")
-    metadata = run_metadata(model, dtype=param.dtype, device=param.device, model_name=model_name)
+    metadata = run_metadata(model, model_name=model_name)
     metadata["grid"] = grid.to_dict()
     prefill = measure_prefill(model, grid, progress=progress)
     decode = measure_decode_overhead(model, grid, progress=progress)
@@ -407,25 +410,15 @@ def measure_decode_overhead(
             engine.close()
     return records
 
-# Metadata fields that must agree between a cost file and the run that loads it.
 # -- the metadata, and the check that a cost file fits this run ------------------------------------
 
-CHECKED_FIELDS = (
-    "model_name", "geometry", "dtype", "device_name", "attn_implementation",
-    "torch", "transformers", "tf32_matmul",
-)
 
-
-def run_metadata(model: Any, *, dtype: Any = None, device: Any = None, model_name: str | None = None) -> dict[str, Any]:
-    """The checked fields (see ``CHECKED_FIELDS``) plus provenance, for the current process."""
+def run_metadata(model: Any, *, model_name: str | None = None) -> dict[str, Any]:
+    """The checked fields (``planner.cost.CHECKED_FIELDS``, from ``engine.setting.model_metadata``)
+    plus provenance, for ``model`` in the current process."""
     param = next(model.parameters())
-    dtype = param.dtype if dtype is None else dtype
-    device = param.device if device is None else torch.device(device)
-    info = provenance(device=device, dtype=dtype)
-    info["model_name"] = model_name or _default_model_name(model)
-    info["geometry"] = dataclasses.asdict(ModelGeometry.from_config(model.config, dtype))
-    info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-    info["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    info = provenance(device=param.device, dtype=param.dtype)
+    info.update(model_metadata(model, model_name=model_name or _default_model_name(model)))
     info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     return info
 
@@ -435,55 +428,10 @@ def _default_model_name(model: Any) -> str:
     return getattr(config, "name_or_path", "") or f"{config.model_type}-{config.num_hidden_layers}L-{config.hidden_size}h"
 
 
-def metadata_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{field: (saved, current)} for every checked field present in ``current`` that differs."""
-    return {
-        name: (saved.get(name, "<missing>"), current[name])
-        for name in CHECKED_FIELDS
-        if name in current and saved.get(name, "<missing>") != current[name]
-    }
-
-
 def load_calibration(
-    path: str | os.PathLike,
-    *,
-    model: Any = None,
-    dtype: Any = None,
-    device: Any = None,
-    model_name: str | None = None,
-    override: bool = False,
+    path: str | os.PathLike, *, model: Any, model_name: str | None = None, override: bool = False,
 ) -> CostCoefficients:
-    """Coefficients of a cost file, after checking its metadata against this run.
-
-    Without ``model`` only what is known is checked: library versions, and dtype/device when given.
-    A mismatch raises ValueError naming each differing field; ``override=True`` accepts it.
-    """
-    coeffs, saved = read_cost_file(path)
-    if model is not None:
-        current = run_metadata(model, dtype=dtype, device=device, model_name=model_name)
-        if model_name is None:
-            current.pop("model_name")  # a default name is a guess; geometry is checked instead
-    else:
-        current = _library_metadata(dtype=dtype, device=device)
-        if model_name is not None:
-            current["model_name"] = model_name
-    diffs = metadata_mismatches(saved, current)
-    if diffs and not override:
-        detail = "; ".join(f"{k}: file has {v[0]!r}, this run has {v[1]!r}" for k, v in diffs.items())
-        raise ValueError(
-            f"cost file {str(path)!r} was calibrated for a different setting ({detail}). "
-            "Recalibrate with `rollout-lab calibrate`, or pass override=True (--override-costs)."
-        )
-    return coeffs
-
-
-def _library_metadata(*, dtype: Any, device: Any) -> dict[str, Any]:
-    info = provenance(device=device)
-    current = {"torch": info["torch"], "transformers": info["transformers"]}
-    if device is not None:
-        current["device_name"] = info["device_name"]
-    if dtype is not None:
-        current["dtype"] = str(dtype).replace("torch.", "")
-    if device is not None and torch.device(device).type == "cuda":
-        current["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
-    return current
+    """Coefficients of a cost file, after checking its provenance against ``model`` as it is now
+    (``CostFile.check`` with ``model_metadata``; the name too when given). A mismatch, or a file
+    without metadata, raises ValueError naming each differing field; ``override=True`` accepts it."""
+    return CostFile.read(path).check(model_metadata(model, model_name=model_name), override=override)

@@ -10,13 +10,12 @@ Random weights give honest timings (shapes decide speed) but not natural EOS beh
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
-from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.presets import PRESETS, model_name
 
 TINY_VOCAB_SIZE = 384
 TINY_MAX_POSITIONS = 512
@@ -119,11 +118,13 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
-    """A local Hugging Face checkpoint (no download), in eval mode."""
+    """A local Hugging Face checkpoint (no download), in eval mode: safetensors weights only (never a
+    pickled ``.bin``) and no code from the checkpoint (``trust_remote_code=False``)."""
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+        use_safetensors=True, trust_remote_code=False,
     )
     return model.to(device).eval()
 
@@ -187,6 +188,25 @@ def resolve_model_options(args: Any) -> str:
     return f"tiny-{args.tiny}" if args.tiny else args.preset
 
 
+def model_config(model: str) -> tuple[Any, str]:
+    """(config, name) of ``model`` as ``load_model`` would build and name it, without any weights: for
+    the checks made before a model is loaded (its context, its geometry)."""
+    if model.startswith("tiny-"):
+        return tiny_config(model[len("tiny-"):]), model
+    if model in PRESETS:
+        return preset_config(model), model
+    if os.path.isdir(model):
+        try:
+            config = AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"checkpoint folder {model!r} has no readable config.json: {err}") from None
+        return config, model_name(model)
+    raise ValueError(
+        f"model must be 'tiny-<family>' ({', '.join(TINY_FAMILIES)}), a preset "
+        f"({', '.join(sorted(PRESETS))}) or a checkpoint folder; got {model!r}"
+    )
+
+
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu") -> tuple[Any, str]:
     """(model, name) for ``model`` = "tiny-<family>", a preset name, or a local checkpoint folder."""
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
@@ -194,13 +214,9 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "cpu") -> tu
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     torch_dtype = getattr(torch, dtype)
+    _, name = model_config(model)  # a bad name is an error before any weights are built
     if model.startswith("tiny-"):
-        return tiny_model(model[len("tiny-"):], dtype=torch_dtype).to(device), model
+        return tiny_model(model[len("tiny-"):], dtype=torch_dtype).to(device), name
     if model in PRESETS:
-        return from_preset(model, dtype=torch_dtype, device=device), model
-    if os.path.isdir(model):
-        return load_pretrained(model, dtype=torch_dtype, device=device), Path(model).name
-    raise ValueError(
-        f"model must be 'tiny-<family>' ({', '.join(TINY_FAMILIES)}), a preset "
-        f"({', '.join(sorted(PRESETS))}) or a checkpoint folder; got {model!r}"
-    )
+        return from_preset(model, dtype=torch_dtype, device=device), name
+    return load_pretrained(model, dtype=torch_dtype, device=device), name

@@ -36,6 +36,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def model_name(model: str) -> str:
+    """The name a model goes by in file names and provenance: a checkpoint folder's own name, else
+    ``model`` as given (a preset, "tiny-<family>")."""
+    return Path(model).name if Path(model).is_dir() else model
+
+
 def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
     """The cost model's geometry, with ``dtype`` KV elements, of a named preset or of a local
     checkpoint folder (only its ``config.json`` is read: no weights, no torch)."""

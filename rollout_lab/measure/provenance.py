@@ -68,14 +68,15 @@ def _torch_info(device: Any) -> dict[str, Any]:
     import torch  # only when the measurement used torch: the planner benchmark does not
     import transformers
 
+    from rollout_lab.engine.setting import device_name  # torch, as above
+
     info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__}
     dev = torch.device(device) if device is not None else torch.device("cpu")
     info["device_type"] = dev.type
+    info["device_name"] = device_name(dev)
     if dev.type == "cuda" and torch.cuda.is_available():
-        info["device_name"] = torch.cuda.get_device_name(dev)
         info["cuda"] = torch.version.cuda
         info["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
     else:
-        info["device_name"] = platform.processor() or platform.machine()
         info["num_threads"] = torch.get_num_threads()
     return info

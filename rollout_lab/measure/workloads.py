@@ -95,9 +95,13 @@ def load_lengths(dataset: str) -> list[int]:
     return lengths
 
 
+LENGTH_COLUMNS = ("num_tokens", "tokens", "length")  # a lengths CSV's column, by name (the first present)
+
+
 def read_lengths_file(path: str | Path) -> list[int]:
     """Prompt lengths from a file: numbers separated by whitespace or commas, or a CSV with a header
-    whose ``num_tokens`` (or only) column holds them, such as the shipped prompt-length CSVs."""
+    whose ``num_tokens``, ``tokens`` or ``length`` (``LENGTH_COLUMNS``, or only) column holds them,
+    such as the shipped prompt-length CSVs."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"lengths file {str(path)!r} does not exist")
@@ -111,10 +115,11 @@ def read_lengths_file(path: str | Path) -> list[int]:
     if is_header:  # a CSV: its header names the column
         reader = csv.DictReader(io.StringIO(text.lstrip()))
         columns = reader.fieldnames or []
-        column = "num_tokens" if "num_tokens" in columns else (columns[0] if len(columns) == 1 else None)
+        named = [c for c in LENGTH_COLUMNS if c in columns]
+        column = named[0] if named else (columns[0] if len(columns) == 1 else None)
         if column is None:
-            raise ValueError(f"{path}: a CSV of lengths needs a 'num_tokens' column or a single column; "
-                             f"got columns {columns}")
+            raise ValueError(f"{path}: a CSV of lengths needs a column named one of {list(LENGTH_COLUMNS)}, "
+                             f"or a single column; got columns {columns}")
         tokens = [row[column] for row in reader]
     else:
         tokens = text.replace(",", " ").split()

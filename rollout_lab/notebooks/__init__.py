@@ -10,8 +10,10 @@
 Every output goes to the workspace (``rollout_lab.workspace``: ``--out-dir``, else
 ``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out``): figures to ``figures/``, tables to
 ``data/tables/``, calibrations to ``data/calibration/``, sweeps to ``data/results/``, and the
-executed copies, with their outputs, to ``build/notebooks/``. Papermill runs each notebook in the
-current folder, so relative paths in ``--param`` values mean what they say. Equivalent plain
+executed copies, with their outputs, to ``build/notebooks/``. Parameters that are paths
+(``PATH_PARAMETERS``) are made absolute from the caller's folder before papermill runs, so relative
+paths in ``--param`` values mean what they say; a file to read that is missing is an error naming
+the parameter. Equivalent plain
 papermill command (the kernel is the running interpreter's ``python3``)::
 
     papermill rollout_lab/notebooks/03_latency_tables.ipynb out.ipynb -k python3 \
@@ -20,6 +22,7 @@ papermill command (the kernel is the running interpreter's ``python3``)::
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -68,6 +71,40 @@ def notebook_parameters(
     return params
 
 
+# the parameters that name files or folders: those read, and those written
+INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "decode_step_file",
+                    "prefill_routes_file")
+PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
+
+
+def resolve_path_parameters(params: Mapping[str, Any], *, cwd: str | Path) -> dict[str, Any]:
+    """``params`` with every path (``PATH_PARAMETERS``, a path or a list of paths; and ``model`` or
+    ``geometry_preset`` when they name an existing checkpoint folder) made absolute from ``cwd``."""
+    cwd = Path(cwd)
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [absolute(v) for v in value]
+        return str((cwd / Path(value).expanduser()).resolve()) if isinstance(value, (str, os.PathLike)) else value
+
+    out = dict(params)
+    for name, value in params.items():
+        if name in PATH_PARAMETERS:
+            out[name] = absolute(value)
+        elif name in ("model", "geometry_preset") and isinstance(value, str) and (cwd / value).is_dir():
+            out[name] = absolute(value)
+    return out
+
+
+def check_inputs(name: str, params: Mapping[str, Any]) -> None:
+    """ValueError naming the parameter of notebook ``name`` whose file to read does not exist."""
+    for parameter in INPUT_PARAMETERS:
+        value = params.get(parameter)
+        for path in value if isinstance(value, (list, tuple)) else [value]:
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {parameter}={str(path)!r} does not exist (or is not a file)")
+
+
 def run_notebooks(
     *, names: Sequence[str] | None = None, device: str = "cpu", preset: str | None = None,
     dtype: str | None = None, out_dir: str | Path | None = None,
@@ -81,6 +118,7 @@ def run_notebooks(
     """
     try:
         import papermill as pm  # optional: the [notebooks] extra
+        from traitlets.config import Config  # installed with papermill (jupyter_client)
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(f"{err.name} is not installed: pip install 'rollout_lab[notebooks]'",
                                   name=err.name) from None
@@ -90,10 +128,8 @@ def run_notebooks(
     if unknown:
         raise ValueError(f"unknown notebooks {unknown}; expected some of {list(NOTEBOOKS)}")
     workspace = Workspace.resolve(out_dir)
-    executed_dir = workspace.executed_notebooks
-    executed_dir.mkdir(parents=True, exist_ok=True)
     extra = dict(extra or {})
-    executed = []
+    runs = []  # every notebook's parameters are checked before the first one runs
     for name in names:
         source = notebook_path(name)
         declared = {p for p in pm.inspect_notebook(str(source))}
@@ -103,13 +139,25 @@ def run_notebooks(
         bad = sorted(set(more) - declared)
         if bad:
             raise ValueError(f"{name} has no parameters {bad}; it declares {sorted(declared)}")
-        params = {k: v for k, v in wanted.items() if k in declared}
+        runs.append((name, source, resolve_path_parameters(
+            {k: v for k, v in wanted.items() if k in declared}, cwd=os.getcwd())))
+    executed_dir = workspace.executed_notebooks
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    # The kernel talks to us over IPC sockets in a private folder, not TCP: ipykernel warns on every
+    # start that TCP is unencrypted (and any local user could reach the port)
+    kernel_config = Config()
+    kernel_config.KernelManager.transport = "ipc"
+    executed = []
+    for name, source, params in runs:
+        check_inputs(name, params)  # here: 03's cost_file may be the one 01 has just written
         target = executed_dir / f"{name}.ipynb"
         start = time.perf_counter()
         if progress:
             print(f"== {name}: {params}", flush=True)
-        pm.execute_notebook(str(source), str(target), parameters=params, kernel_name=kernel_name,
-                            cwd=os.getcwd(), progress_bar=False, log_output=False)
+        with tempfile.TemporaryDirectory(prefix="rollout-lab-kernel-") as sockets:
+            kernel_config.KernelManager.ip = os.path.join(sockets, "kernel")
+            pm.execute_notebook(str(source), str(target), parameters=params, kernel_name=kernel_name,
+                                cwd=os.getcwd(), progress_bar=False, log_output=False, config=kernel_config)
         if progress:
             print(f"   {target} in {time.perf_counter() - start:.1f} s", flush=True)
         executed.append(target)

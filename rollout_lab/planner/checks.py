@@ -2,6 +2,7 @@
 
     as_int(np.int64(3)) == 3; as_int(True) is None; as_int(3.0) is None
     check_max_new_tokens(16)      # ValueError naming the value unless an int >= 1
+    check_context(500, 16, 512, what="request 3")  # ValueError: 516 positions past a 512 context
     budgets_of([8, 512], 2)       # [8, 512]: one budget per request; budgets_of(16, 3) == [16, 16, 16]
 
 Pure Python.
@@ -32,6 +33,14 @@ def check_max_new_tokens(max_new_tokens: object) -> int:
     if value is None or value < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     return value
+
+
+def check_context(prompt_length: int, max_new_tokens: int, max_positions: int | None, *, what: str) -> None:
+    """ValueError naming ``what`` when a prompt plus its budget is longer than the model's context
+    (``max_positions``; None = no limit)."""
+    if max_positions is not None and prompt_length + max_new_tokens > max_positions:
+        raise ValueError(f"{what}: prompt length {prompt_length} + max_new_tokens {max_new_tokens} "
+                         f"exceeds the model's context of {max_positions} positions")
 
 
 def budgets_of(max_new_tokens: object, num_requests: int) -> list[int]:

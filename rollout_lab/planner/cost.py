@@ -9,6 +9,11 @@ and for a packed forward of prompts L_1..L_n (``packed_prefill_cost_ms``):
 Every term is linear in the batch B, so C(B, L) = fixed + B * per_row_cost_ms(L); the planner
 relies on that. Pure Python: no torch import (``ModelGeometry.from_config`` takes any dtype-like).
 
+A cost file (``CostCoefficients.to_json``) is read by ``CostFile.read`` (JSON only, size-limited) and
+used only after ``CostFile.check`` finds its provenance (``CHECKED_FIELDS``) equal to the setting's:
+
+    CostFile.read(path).check(setting_metadata(geometry=g, dtype="bfloat16", model_name="qwen3-32b"))
+
 """
 from __future__ import annotations
 
@@ -93,24 +98,117 @@ class CostCoefficients:
         )
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "CostCoefficients":
-        return read_cost_file(path)[0]
+    def from_json(cls, path: str | os.PathLike, *, expected: Mapping[str, Any],
+                  override: bool = False) -> "CostCoefficients":
+        """The coefficients of a cost file whose provenance agrees with ``expected`` (the setting
+        in use: ``setting_metadata``, or ``engine.setting.model_metadata`` of a live model);
+        ``CostFile.read`` then ``CostFile.check``."""
+        return CostFile.read(path).check(expected, override=override)
 
 
-def read_cost_file(path: str | os.PathLike) -> tuple[CostCoefficients, dict[str, Any]]:
-    """Load a cost file written by ``CostCoefficients.to_json``: (coefficients, metadata)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"cost file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"cost file {str(path)!r} is not valid JSON: {err}") from err
-    if not isinstance(data, dict) or set(data) - {"coefficients", "metadata"} or "coefficients" not in data:
-        raise ValueError(
-            f"cost file {str(path)!r} must hold an object with keys 'coefficients' and 'metadata'"
-        )
-    return CostCoefficients.from_dict(data["coefficients"]), dict(data.get("metadata") or {})
+# -- cost files: read with limits, then checked against the setting they are used in --------------
+
+MAX_COST_FILE_BYTES = 10 * 2**20  # a calibration with its fit is ~100 KiB; refuse anything absurd
+# The provenance fields that must agree between a cost file and the setting that uses it:
+# coefficients measured on another model, dtype, device or library would steer the planner wrongly
+# without any error.
+CHECKED_FIELDS = (
+    "model_name", "geometry", "dtype", "device_type", "device_name", "attn_implementation",
+    "torch", "transformers", "tf32_matmul",
+)
+
+
+@dataclass(frozen=True)
+class CostFile:
+    """A cost file as written by ``CostCoefficients.to_json``: its coefficients and its provenance.
+
+    Only JSON is read (never pickle), at most ``MAX_COST_FILE_BYTES``; every malformed part is a
+    ValueError naming the file and the field. ``check`` is the one provenance check of the project.
+    """
+
+    path: Path
+    coeffs: CostCoefficients
+    metadata: Mapping[str, Any]
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "CostFile":
+        path = Path(path)
+        where = f"cost file {str(path)!r}"
+        if not path.is_file():
+            raise ValueError(f"{where} does not exist (or is not a file)")
+        size = path.stat().st_size
+        if size > MAX_COST_FILE_BYTES:
+            raise ValueError(f"{where} is {size} bytes, over the {MAX_COST_FILE_BYTES} a cost file may hold")
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where} is not UTF-8 text: {err}") from None
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, NaN/Infinity, nesting too deep
+            raise ValueError(f"{where} is not valid JSON: {err}") from None
+        if not isinstance(data, dict) or set(data) - {"coefficients", "metadata"} or "coefficients" not in data:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where} must hold an object with keys 'coefficients' and 'metadata', got {keys}")
+        coefficients, metadata = data["coefficients"], data.get("metadata", {})
+        if not isinstance(coefficients, dict):
+            raise ValueError(f"{where}: 'coefficients' must be an object, got {coefficients!r}")
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{where}: 'metadata' must be an object, got {metadata!r}")
+        try:
+            coeffs = CostCoefficients.from_dict(coefficients)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
+        return cls(path, coeffs, metadata)
+
+    def check(self, expected: Mapping[str, Any], *, override: bool = False) -> CostCoefficients:
+        """The coefficients, if the file's provenance agrees with ``expected`` on every checked field
+        ``expected`` holds; else a ValueError naming each differing field (a file without
+        metadata differs in all of them). ``override=True`` accepts the file as it is."""
+        if override:
+            return self.coeffs
+        diffs = metadata_mismatches(self.metadata, expected)
+        if not diffs:
+            return self.coeffs
+        where = f"cost file {str(self.path)!r}"
+        if not any(name in self.metadata for name in CHECKED_FIELDS):
+            raise ValueError(f"{where} has no provenance metadata ({', '.join(sorted(diffs))} unknown), so "
+                             "it cannot be checked against this setting; recalibrate with `rollout-lab "
+                             "calibrate`, or pass override=True (--override-costs) to use it anyway")
+        detail = "; ".join(f"{k}: file has {v[0]!r}, this setting has {v[1]!r}" for k, v in diffs.items())
+        raise ValueError(f"{where} was calibrated for a different setting ({detail}); recalibrate with "
+                         "`rollout-lab calibrate`, or pass override=True (--override-costs) to use it anyway")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def metadata_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved, expected)} for every checked field present in ``expected`` that differs."""
+    return {
+        name: (saved.get(name, "<missing>"), expected[name])
+        for name in CHECKED_FIELDS
+        if name in expected and saved.get(name, "<missing>") != expected[name]
+    }
+
+
+def setting_metadata(
+    *, geometry: "ModelGeometry | None" = None, dtype: Any = None, model_name: str | None = None,
+    device_type: str | None = None,
+) -> dict[str, Any]:
+    """The checked fields a setting without a live model knows (``plan``: a preset's geometry, its
+    dtype and name, the device type), shaped as a cost file's metadata records them."""
+    known: dict[str, Any] = {}
+    if model_name is not None:
+        known["model_name"] = model_name
+    if geometry is not None:
+        known["geometry"] = asdict(geometry)
+    if dtype is not None:
+        known["dtype"] = str(dtype).replace("torch.", "")
+    if device_type is not None:
+        known["device_type"] = str(device_type).split(":")[0]
+    return known
 
 
 _DTYPE_BYTES = {

@@ -1,0 +1,39 @@
+"""The setting a measurement depends on, read from a live model: its geometry, dtype, device,
+attention implementation, the library versions and the TF32 mode (``model_metadata``).
+
+    model_metadata(model)["device_name"]    # "NVIDIA H200", or the CPU's processor name
+
+A cost file measured in one setting is checked against another through ``planner.cost.CostFile.check``
+with this dict; calibration records it as the file's provenance (``measure.calibrate.run_metadata``).
+"""
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+import transformers
+
+from rollout_lab.planner.cost import ModelGeometry, setting_metadata
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name on CUDA, else the host's processor."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def model_metadata(model: torch.nn.Module, *, model_name: str | None = None) -> dict[str, Any]:
+    """Every field of ``planner.cost.CHECKED_FIELDS`` for ``model`` as it is now (its parameters'
+    dtype and device); ``model_name`` only when given (a default name would be a guess: the geometry
+    is checked instead)."""
+    param = next(model.parameters())
+    info = setting_metadata(geometry=ModelGeometry.from_config(model.config, param.dtype), dtype=param.dtype,
+                            model_name=model_name, device_type=param.device.type)
+    info["device_name"] = device_name(param.device)
+    info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    info["torch"] = torch.__version__
+    info["transformers"] = transformers.__version__
+    info["tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    return info
