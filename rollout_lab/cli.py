@@ -178,6 +178,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, prefill_graphs=True)
     _, name, _ = model_limits(args)
     out = Path(args.out) if args.out else calibration_path(name, args.dtype, args.device, _workspace(args))
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a folder; give the cost file's path (e.g. {str(out / 'costs.json')!r})")
     check_writable(out.parent, what="the cost file's folder")  # before any measuring
     model, name = build_model(args)
     result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress)
@@ -225,8 +227,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     cost_path = Path(args.costs) if args.costs else calibration_path(name, args.dtype, args.device, workspace)
     cost_file = read_costs_before_work(str(cost_path), args, config, name) \
         if args.costs or cost_path.is_file() else None
-    print(f"costs: {cost_path}" + ("" if args.costs else " (this model's calibration in the workspace)")
-          if cost_file else f"costs: the engine's defaults (no calibration at {cost_path}: `rollout-lab calibrate`)")
+    if cost_file is None:
+        print(f"costs: the engine's defaults (no calibration at {cost_path}; `rollout-lab calibrate` makes it)")
+    else:
+        print(f"costs: {cost_path}" + ("" if args.costs else " (this model's calibration in the workspace)"))
     model, name = build_model(args)
     costs = None if cost_file is None else \
         cost_file.check(model_metadata(model, model_name=name), override=args.override_costs)

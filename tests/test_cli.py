@@ -183,6 +183,7 @@ def no_model(monkeypatch):
     (["sweep", "--device", "cpu", "--out", "{file}/sub/x"], "is not writable"),
     (["sweep", "--device", "cpu", "--workloads", "nope"], "unknown workloads"),
     (["calibrate", "--device", "cpu", "--out", "{file}/sub/x.json"], "is not writable"),
+    (["calibrate", "--device", "cpu", "--out", "."], "is a folder; give the cost file's path"),
     (["notebooks", "--only", "02", "--out-dir", "{file}/sub"], "is not writable"),
     (["notebooks", "--only", "03", "--param", "03:results_file=missing.json"], "results_file="),
     (["reproduce", "--out-dir", "{file}/sub"], "is not writable"),
@@ -271,3 +272,30 @@ def test_notebook_path_parameters_are_resolved_from_the_callers_folder(tmp_path,
     with pytest.raises(ValueError, match=r"03: rl_results_file='.*y.json' does not exist"):
         check_inputs("03", resolved)
     check_inputs("03", {**resolved, "rl_results_file": None})
+
+
+def test_hf_continuous_batching_warnings_are_silenced_in_our_commands(capsys):
+    import logging
+
+    logger = logging.getLogger("ContinuousBatchingLogger")
+    logger.setLevel(logging.NOTSET)
+    assert main(["plan", "16"]) == 0
+    assert logger.getEffectiveLevel() == logging.ERROR
+
+
+def test_notebooks_get_absolute_paths_and_an_ipc_kernel(tmp_path, monkeypatch):
+    """What papermill is handed: the caller's relative paths made absolute, and a kernel on IPC
+    sockets (ipykernel warns on every start that TCP is unencrypted)."""
+    papermill = pytest.importorskip("papermill")
+    from rollout_lab.notebooks import run_notebooks
+
+    calls = []
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: calls.append(k))
+    monkeypatch.chdir(tmp_path)
+    Path("costs.json").write_text("{}")
+    run_notebooks(names=["02_bucket_choices"], out_dir="ws", extra={"02_bucket_choices": {"cost_file": "costs.json"}},
+                  progress=False)
+    (call,) = calls
+    assert call["parameters"]["cost_file"] == str(tmp_path / "costs.json")
+    assert call["parameters"]["output_dir"] == str(tmp_path / "ws")
+    assert call["config"].KernelManager.transport == "ipc"
