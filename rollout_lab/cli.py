@@ -426,9 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--resume", action="store_true",
                        help="keep the workloads the record at --out already holds (its settings must match)")
     sweep.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
-    sweep.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: reference coefficients)")
+    sweep.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: this model's calibration "
+                                       "in the workspace, <out-dir>/data/calibration/, else the engine's defaults)")
     sweep.add_argument("--override-costs", action="store_true",
-                       help="use --costs even if its metadata does not match this run")
+                       help="use the cost file even if its provenance does not match this run")
     sweep.add_argument("--oracle-max-tokens", type=non_negative_int, default=None,
                        help="check the one-request oracle on workloads up to this many tokens (0 = never; default 1024)")
     sweep.add_argument("--decode", choices=("auto", "graph", "eager"), default=None,
