@@ -176,7 +176,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if not args.device.startswith("cuda"):
             raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
         grid = dataclasses.replace(grid, prefill_graphs=True)
-    _, name, _ = model_limits(args)
+    _, name, max_positions = model_limits(args)
+    grid.fitting_shapes(max_positions)  # before the model is built
     out = Path(args.out) if args.out else calibration_path(name, args.dtype, args.device, _workspace(args))
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a folder; give the cost file's path (e.g. {str(out / 'costs.json')!r})")
@@ -262,6 +263,8 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
         raise ValueError("give --preset or --model, not both")
     if args.model is not None and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r} is not a checkpoint folder")
+    if args.preset is not None and args.preset not in PRESETS:
+        raise ValueError(f"unknown --preset {args.preset!r}; expected one of {sorted(PRESETS)}")
     device_type(args.device)
     workspace = _workspace(args)
     check_writable(workspace.root, what="the --out-dir workspace")
@@ -449,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a preset model (e.g. qwen2.5-3b): full grid, unscaled workloads, HF peers included")
     nbs.add_argument("--model", metavar="PATH", default=None,
                      help="a local checkpoint folder, run as --preset is")
-    nbs.add_argument("--dtype", default=None, help="model dtype (default float32 tiny, bfloat16 presets)")
+    nbs.add_argument("--dtype", choices=DTYPES, default=None, help="model dtype (default float32 tiny, bfloat16 presets)")
     nbs.add_argument("--only", nargs="+", help="notebook names or prefixes, e.g. 02")
     nbs.add_argument("--param", action="append", type=_parse_param, metavar="[NB:]NAME=VALUE",
                      help="override a parameter (Python literal), e.g. 02:batch_size=64; repeatable")

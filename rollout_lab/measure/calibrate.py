@@ -254,6 +254,14 @@ class CalibrationGrid:
             if b * w <= self.max_batch_tokens and (max_width is None or w <= max_width)
         ]
 
+    def fitting_shapes(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        """``shapes(max_width)``; ValueError when fewer than 3 are left (the fit has 3 prefill terms)."""
+        shapes = self.shapes(max_width)
+        if len(shapes) < 3:
+            raise ValueError(f"the grid leaves {len(shapes)} shapes within max_batch_tokens={self.max_batch_tokens} "
+                             f"and the model's context of {max_width} positions; need >= 3: {self}")
+        return shapes
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -262,9 +270,7 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     """Median forward and KV-copy milliseconds per grid shape, interleaved over the passes."""
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
-    shapes = grid.shapes(getattr(config, "max_position_embeddings", None))
-    if len(shapes) < 3:
-        raise ValueError(f"the grid leaves {len(shapes)} shapes within the limits; need >= 3: {grid}")
+    shapes = grid.fitting_shapes(getattr(config, "max_position_embeddings", None))
     max_width = max(w for _, w in shapes)
     cache = AlignedKVCache.for_model(model, num_slots=max(b for b, _ in shapes), capacity=max_width + 1)
     cache.set_front(max_width)
