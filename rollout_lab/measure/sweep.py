@@ -555,6 +555,9 @@ def decode_step_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 # -- what make reproduce and notebook 03 call ------------------------------------------------------
 
+ROUTE_TABLE_WARMUP_ROUNDS = 2  # nocb's HF generate on CPU: ~1300 ms, then ~400 ms, then ~20 ms a call
+
+
 def route_table(*, max_new_tokens: int = 8) -> list[dict]:
     """Run the long-tail shape (1x48 + 15x4) through every route on the tiny qwen2 model."""
     model = tiny_model("qwen2")
@@ -562,8 +565,9 @@ def route_table(*, max_new_tokens: int = 8) -> list[dict]:
     costs = CostCoefficients(prefill_fixed_cost_ms=0.5, continuous_decode_cost_ms=0.0)  # tiny-model scale
     rollouts = {mode: Rollout(model, RolloutConfig(mode=mode, costs=costs, profile=True, pad_token_id=0))
                 for mode in MODES}
-    for rollout in rollouts.values():  # warm every route up first: the first call of a process is slow
-        rollout.generate(prompts, max_new_tokens=max_new_tokens)
+    for _ in range(ROUTE_TABLE_WARMUP_ROUNDS):  # warm every route up first: first calls are slow
+        for rollout in rollouts.values():
+            rollout.generate(prompts, max_new_tokens=max_new_tokens)
     rows, reference = [], None
     for mode, rollout in rollouts.items():
         result = rollout.generate(prompts, max_new_tokens=max_new_tokens)
