@@ -220,7 +220,7 @@ def resumable_workloads(saved: Mapping[str, Any], record: Mapping[str, Any],
     """The workloads of a saved sweep that a sweep with ``record``'s settings may keep; ValueError
     naming every setting that differs (config, provenance, or a kept workload's lengths)."""
     diffs = [f"config.{k}: saved {saved['config'].get(k)!r}, now {v!r}"
-             for k, v in json_roundtrip(record["config"]).items() if saved["config"].get(k) != v]
+             for k, v in _as_read_back(record["config"]).items() if saved["config"].get(k) != v]
     diffs += [f"provenance.{k}: saved {saved['provenance'].get(k)!r}, now {record['provenance'].get(k)!r}"
               for k in RESUME_PROVENANCE if saved["provenance"].get(k) != record["provenance"].get(k)]
     done = {k: w for k, w in saved["workloads"].items() if k in lengths_by_name}
@@ -232,7 +232,7 @@ def resumable_workloads(saved: Mapping[str, Any], record: Mapping[str, Any],
     return {**{k: w for k, w in saved["workloads"].items() if k not in lengths_by_name}, **done}
 
 
-def json_roundtrip(value: Any) -> Any:
+def _as_read_back(value: Any) -> Any:
     """``value`` as it reads back from a record (tuples as lists), for comparing with a saved one."""
     return json.loads(json_text(value))
 
