@@ -244,11 +244,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         costs_source=str(cost_path) if cost_file else "engine defaults", resume=args.resume,
     )
     json_path, csv_path = sweep.results_paths(out)  # run_sweep wrote them, under the output's lock
-    print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}")
+    print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}  (medians)")
+    spread = {True: "beyond spread", False: "within spread", None: ""}  # Auto vs best manual: disjoint IQRs?
     for row in sweep.summary_table(record):
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"{row['workload']:<16} {str(row['auto_route']):<10} {fmt(row['auto_over_best_manual']):>17} "
-              f"{fmt(row['auto_over_best_peer']):>15}")
+              f"{fmt(row['auto_over_best_peer']):>15}  {spread[row['auto_vs_best_manual_beyond_spread']]}")
     print(f"wrote {json_path} and {csv_path}")
     return 0
 
