@@ -35,7 +35,7 @@ from rollout_lab.planner.cost import (CostCoefficients, CostFile, ModelGeometry,
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.workspace import Workspace, check_writable, record_paths
+from rollout_lab.workspace import Workspace, check_not_locked, check_writable, record_paths
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -225,6 +225,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     workspace = _workspace(args)
     out = Path(args.out) if args.out else workspace.results / f"sweep_{name}_{args.dtype}_{device_type(args.device)}"
     check_writable(out.parent, what="the --out folder")
+    check_not_locked(out)  # another sweep writing it now: refused before the model is built
     cost_path = Path(args.costs) if args.costs else calibration_path(name, args.dtype, args.device, workspace)
     cost_file = read_costs_before_work(str(cost_path), args, config, name) \
         if args.costs or cost_path.is_file() else None

@@ -271,10 +271,8 @@ def output_lock(out: str | os.PathLike) -> Iterator[Path]:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder = _read_lock(path)
-            if holder.get("filling") or _is_alive(holder.get("pid")):
-                raise ValueError(
-                    f"{str(out)!r} is being written by pid {holder['pid']} (started {holder.get('started')}, "
-                    f"lock {str(path)!r}); wait for it, or choose another --out") from None
+            if _is_held(holder):
+                raise ValueError(_held_message(out, path, holder)) from None
             print(f"taking over {path}: its holder (pid {holder.get('pid')}, started {holder.get('started')}) "
                   "is no longer running", file=sys.stderr)
             _unlink_quietly(path)
@@ -289,6 +287,24 @@ def output_lock(out: str | os.PathLike) -> Iterator[Path]:
     finally:
         if _read_lock(path).get("pid") == os.getpid():
             _unlink_quietly(path)
+
+
+def check_not_locked(out: str | os.PathLike) -> None:
+    """ValueError naming the live holder of ``<out>.lock``: a command refuses before any work, and
+    ``output_lock`` checks again when its writing starts."""
+    path = lock_path(out)
+    holder = _read_lock(path)
+    if _is_held(holder):
+        raise ValueError(_held_message(out, path, holder))
+
+
+def _is_held(holder: Mapping[str, Any]) -> bool:
+    return bool(holder.get("filling")) or _is_alive(holder.get("pid"))
+
+
+def _held_message(out: str | os.PathLike, path: Path, holder: Mapping[str, Any]) -> str:
+    return (f"{str(out)!r} is being written by pid {holder.get('pid')} (started {holder.get('started')}, "
+            f"lock {str(path)!r}); wait for it, or choose another --out")
 
 
 def _read_lock(path: Path) -> dict[str, Any]:

@@ -245,7 +245,7 @@ sweep.run_sweep(tiny_model("qwen2"), workloads={"first": [3, 1]}, paths=["nocb",
 """
 
 
-def test_two_sweeps_to_one_output_lose_nothing(tmp_path, capsys):
+def test_two_sweeps_to_one_output_lose_nothing(tmp_path, monkeypatch, capsys):
     """A second sweep to an output another process is writing is refused, naming the holder; once
     the first is done, the second resumes into the same record and both results are there."""
     out, held, go = tmp_path / "shared", tmp_path / "held", tmp_path / "go"
@@ -257,8 +257,14 @@ def test_two_sweeps_to_one_output_lose_nothing(tmp_path, capsys):
         while not held.exists():
             assert first.poll() is None, first.stderr.read()[-2000:]
             time.sleep(0.05)
-        assert cli_main(["sweep", "--tiny", "qwen2", "--workloads", "short_tail", "--scale", "0.05", "--paths",
-                         "nocb", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(out)]) == 2
+        with pytest.raises(ValueError, match=f"being written by pid {first.pid} .*shared.lock"):
+            run_sweep(tiny_model("qwen2"), workloads={"second": [2, 2]}, paths=["nocb"], repetitions=1,
+                      max_new_tokens=2, progress=False, out=out)
+        with monkeypatch.context() as patch:  # the command refuses before it builds a model
+            patch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model"))
+            assert cli_main(["sweep", "--tiny", "qwen2", "--workloads", "short_tail", "--scale", "0.05", "--paths",
+                             "nocb", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress",
+                             "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error:") and f"being written by pid {first.pid}" in err and "shared.lock" in err
     finally:
