@@ -35,7 +35,8 @@ from rollout_lab.planner.cost import (CostCoefficients, CostFile, ModelGeometry,
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.workspace import Workspace, check_not_locked, check_writable, record_paths
+from rollout_lab.workspace import (Workspace, check_not_locked, check_writable,
+                                   output_lock, record_paths)
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -182,9 +183,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a folder; give the cost file's path (e.g. {str(out / 'costs.json')!r})")
     check_writable(out.parent, what="the cost file's folder")  # before any measuring
+    check_not_locked(out)  # another calibration writing it now
     model, name = build_model(args)
-    result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress)
-    result.save(out)
+    with output_lock(out):  # one calibration at a time per cost file: a second one is refused
+        result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress)
+        result.save(out)
     c = result.coeffs
     print(f"{name} {args.dtype} on {result.metadata.get('device_name')}: {len(result.fit)} shapes, "
           f"R^2 {result.r2:.4f}, worst relative error {result.worst_rel_error:.1%}")

@@ -242,3 +242,13 @@ def test_a_bad_fit_warns_in_the_record_and_on_the_console(tiny, tmp_path, monkey
     assert CalibrationResult.load(path).warnings == result.warnings
     assert fit_warnings(0.95, 0.10) == []  # a good fit says nothing
     assert len(fit_warnings(float("nan"), 0.10)) == 2  # no R² is not a good R²
+
+
+def test_a_second_calibration_to_one_cost_file_is_refused(tmp_path, monkeypatch, capsys):
+    from rollout_lab.workspace import output_lock
+
+    out = tmp_path / "costs.json"
+    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model"))
+    with output_lock(out):  # as a running calibration holds it
+        assert cli_main(["calibrate", "--tiny", "qwen2", "--device", "cpu", "--out", str(out)]) == 2
+    assert "is being written by pid" in capsys.readouterr().err and not out.exists()

@@ -54,7 +54,7 @@ from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, packed_prefill_cost_ms
 from rollout_lab.planner.fit import decode_costs, fit_coefficients
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.workspace import Workspace
+from rollout_lab.workspace import Workspace, output_lock
 
 
 @dataclass(frozen=True)
@@ -189,9 +189,10 @@ def calibrate_or_load(
             raise ValueError(f"calibration_file {str(path)!r} does not exist")
         return CalibrationResult.load(path), path
     net, name = load_model(model, dtype=dtype, device=device)
-    result = calibrate(net, grid=calibration_grid(grid), model_name=name, progress=progress)
     path = Path(output_path) if output_path else calibration_path(name, dtype, device, Workspace.resolve(output_dir))
-    result.save(path)
+    with output_lock(path):  # one calibration at a time per cost file: a second one is refused
+        result = calibrate(net, grid=calibration_grid(grid), model_name=name, progress=progress)
+        result.save(path)
     return result, path
 
 # -- the grid and the timed probes -----------------------------------------------------------------
