@@ -410,6 +410,8 @@ def measure_decode_overhead(
                 "batch": batch, "width": grid.decode_width, "steps": grid.decode_steps,
                 "nocb_ms_per_step": per_step["nocb"], "cb_ms_per_step": per_step["bucketed"],
                 "overhead_ms_per_step": per_step["bucketed"] - per_step["nocb"],
+                # every timed call, per mode and token budget ("nocb_1", "nocb_<steps + 1>", ...)
+                "samples_ms": {f"{'cb' if m == 'bucketed' else m}_{n}": times[(m, n)] for m in modes for n in budgets},
             })
     bar.close()
     for engine in engines.values():
