@@ -293,3 +293,28 @@ def test_route_table_warms_every_route_up_before_timing_any(monkeypatch):
     assert [r["mode"] for r in rows] == list(MODES) and all(r["same_tokens"] for r in rows)
     rounds = sweep_module.ROUTE_TABLE_WARMUP_ROUNDS
     assert rounds >= 1 and calls == list(MODES) * (rounds + 1)  # warm-up rounds of every route, then the measured
+
+
+def test_join_sweeps_puts_separate_processes_paths_in_one_record():
+    from rollout_lab.measure.sweep import join_sweeps
+
+    def record(paths, lengths=(3, 9), sha="a"):
+        entry = {"num_requests": len(lengths), "lengths": list(lengths), "padding_share": 0.0,
+                 "paths": {p: {"samples_ms": list(ms), "mean_ms": sum(ms) / len(ms), "route": p} for p, ms in paths.items()}}
+        return {"kind": "sweep", "provenance": {"git_sha": sha, "date": "d"}, "config": {"paths": list(paths)},
+                "workloads": {"w": entry}}
+
+    ours = record({"bucketed": (10.0, 11.0, 12.0), "auto": (10.0, 10.5, 11.0)})
+    peer = record({"hf_static": (40.0, 44.0, 48.0)}, sha="b")
+    joined = join_sweeps([ours, peer], ["ours.json", "peer.json"])
+    paths = joined["workloads"]["w"]["paths"]
+    assert list(paths) == ["bucketed", "auto", "hf_static"] and paths["hf_static"]["median_ms"] == 44.0
+    summary = joined["workloads"]["w"]["summary"]
+    assert summary["auto_over_best_manual"] == pytest.approx(10.5 / 11.0)
+    assert summary["auto_over_best_peer"] == pytest.approx(10.5 / 44.0) and summary["best_peer_path"] == "hf_static"
+    assert [j["git_sha"] for j in joined["joined"]] == ["a", "b"] and joined["config"]["paths"][-1] == "hf_static"
+    assert "summary" not in ours["workloads"]["w"] and "median_ms" not in ours["workloads"]["w"]["paths"]["auto"]
+    with pytest.raises(ValueError, match="other prompt lengths"):
+        join_sweeps([ours, record({"hf_static": (1.0,)}, lengths=(3, 8))], ["ours.json", "other.json"])
+    with pytest.raises(ValueError, match="'auto' of 'w' is in again.json"):
+        join_sweeps([ours, record({"auto": (1.0,)})], ["ours.json", "again.json"])

@@ -504,6 +504,43 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     return _load_record(path, "sweep")
 
 
+def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """One record from sweeps of the same workloads run in separate processes (HF's compiled peer
+    runs in its own: its CUDA-graph trees must not share a process with our captures).
+
+    Every record must hold the same workloads with the same prompt lengths, and no path twice.
+    Entries without a median (records before the medians) get it from their samples; each
+    workload's summary is recomputed over the joined paths. ``provenance`` is the first record's;
+    ``joined`` names every source (``names``) with its git sha, date and paths."""
+    if not records or len(records) != len(names):
+        raise ValueError(f"join_sweeps needs one name per record, got {len(records)} records and {len(names)} names")
+    first = records[0]
+    joined = {"kind": "sweep", "provenance": dict(first["provenance"]), "config": dict(first["config"]),
+              "workloads": {}, "joined": []}
+    for record, name in zip(records, names):
+        if list(record["workloads"]) != list(first["workloads"]):
+            raise ValueError(f"{name} has workloads {list(record['workloads'])}, {names[0]} has {list(first['workloads'])}")
+        for workload, entry in record["workloads"].items():
+            if entry["lengths"] != first["workloads"][workload]["lengths"]:
+                raise ValueError(f"{name} ran other prompt lengths for {workload!r} than {names[0]}")
+            target = joined["workloads"].setdefault(workload, {k: v for k, v in entry.items() if k != "summary"}
+                                                    | {"paths": {}})
+            for path, result in entry["paths"].items():
+                if path in target["paths"]:
+                    raise ValueError(f"path {path!r} of {workload!r} is in {name} and in an earlier record")
+                spread = {} if result.get("median_ms") is not None or not result.get("samples_ms") \
+                    else sample_spread(result["samples_ms"])
+                target["paths"][path] = {**result, **spread}
+        prov = record["provenance"]
+        joined["joined"].append({"file": name, "git_sha": prov.get("git_sha"), "date": prov.get("date"),
+                                 "paths": list(next(iter(record["workloads"].values()))["paths"])})
+    joined["config"]["paths"] = [p for j in joined["joined"] for p in j["paths"]]
+    for entry in joined["workloads"].values():
+        entry["summary"] = workload_summary(entry["paths"])
+    joined["summary"] = summarize(joined)
+    return joined
+
+
 def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``scripts/bench_rl.py`` (kind "rl_throughput")."""
     return _load_record(Path(path), "rl_throughput")
@@ -581,12 +618,16 @@ def route_table(*, max_new_tokens: int = 8) -> list[dict]:
 
 
 def sweep_or_load(
-    *, results_file: str | None, model: str, dtype: str, device: str, workloads: Sequence[str],
+    *, results_file: str | Sequence[str] | None, model: str, dtype: str, device: str, workloads: Sequence[str],
     workload_scale: float, paths_: Sequence[str] | None, repetitions: int, max_new_tokens: int,
     cost_file: str | None, override_costs: bool, results_stem: str | None,
     output_dir: str | Path | None, progress: bool = False,
 ) -> tuple[dict[str, Any], Path]:
-    """Render a saved sweep (``results_file``), or run one and write JSON + CSV: (record, json path)."""
+    """Render a saved sweep (``results_file``; several are joined by ``join_sweeps``), or run one and
+    write JSON + CSV: (record, json path of the first)."""
+    if isinstance(results_file, (list, tuple)):
+        files = [str(f) for f in results_file]
+        return join_sweeps([load_results(f) for f in files], files), Path(files[0])
     if results_file is not None:
         return load_results(results_file), Path(results_file)
     net, name = load_model(model, dtype=dtype, device=device)
