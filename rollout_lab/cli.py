@@ -497,6 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err.name not in EXTRAS or args.debug:
             raise
         return _user_error(f"{err.name} is not installed: pip install 'rollout_lab[{EXTRAS[err.name]}]'")
+    except BrokenPipeError:  # the reader went away (`rollout-lab plan ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush stays quiet
+        return 0
     except (ValueError, OSError) as err:
         if args.debug:
             raise

@@ -302,3 +302,14 @@ def test_notebooks_get_absolute_paths_and_an_ipc_kernel(tmp_path, monkeypatch):
     assert call["parameters"]["cost_file"] == str(tmp_path / "costs.json")
     assert call["parameters"]["output_dir"] == str(tmp_path / "ws")
     assert call["config"].KernelManager.transport == "ipc"
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
+    """`rollout-lab plan ... | head`: the closed pipe ends the command quietly with status 0."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.Popen([sys.executable, "-m", "rollout_lab.cli", "plan", "--dataset", "gsm8k", "--num-prompts", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    done.stdout.close()  # before the command writes anything
+    err = done.stderr.read()
+    assert done.wait() == 0 and err == b""
