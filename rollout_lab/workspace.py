@@ -152,6 +152,29 @@ def _unlink_quietly(path: str | os.PathLike) -> None:
         os.unlink(path)
 
 
+def read_json_file(path: str | os.PathLike, *, what: str, max_bytes: int) -> Any:
+    """The JSON value in ``path``, read with limits: at most ``max_bytes``, UTF-8, no NaN/Infinity,
+    no nesting deep enough to exhaust the parser. Every failure is a ValueError naming ``what`` and
+    the file; nothing but JSON is ever parsed (no pickle anywhere)."""
+    path = Path(path)
+    where = f"{what} {str(path)!r}"
+    if not path.is_file():
+        raise ValueError(f"{where} does not exist (or is not a file)")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{where} is {size} bytes, over the {max_bytes} a {what} may hold")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where} is not UTF-8 text: {err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, NaN/Infinity, nesting too deep
+        raise ValueError(f"{where} is not valid JSON: {err}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """Serialise ``obj`` as indented JSON and write it atomically."""
     return write_text_atomic(path, json_text(obj))

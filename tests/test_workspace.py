@@ -158,3 +158,23 @@ def test_output_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path
     with output_lock(tmp_path / "res"):
         assert json.loads(path.read_text())["pid"] == os.getpid()
     assert f"its holder (pid {int(dead.stdout)}, started earlier) is no longer running" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"kind": "sweep", "x": NaN}', "not valid JSON: NaN is not a JSON number"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    (b'{"kind": "sweep"} trailing', "not valid JSON"),
+    (b" " * 2048 + b"{}", "2050 bytes, over the 1024"),
+])
+def test_json_files_are_read_with_limits(tmp_path, body, message):
+    from rollout_lab.workspace import read_json_file
+
+    path = tmp_path / "r.json"
+    path.write_bytes(body)
+    with pytest.raises(ValueError, match=f"results file '.*r.json' (is )?{message}"):
+        read_json_file(path, what="results file", max_bytes=1024 if b" " * 2048 in body else 10**7)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_json_file(tmp_path / "none.json", what="results file", max_bytes=10)
+    path.write_text('{"kind": "sweep", "n": [1, 2.5]}')
+    assert read_json_file(path, what="results file", max_bytes=1024) == {"kind": "sweep", "n": [1, 2.5]}

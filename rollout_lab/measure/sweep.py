@@ -66,7 +66,7 @@ from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
 from rollout_lab.planner.checks import check_max_new_tokens
 from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.workspace import (RUN_ID, Workspace, check_record_pair,
-                                   json_text, output_lock, write_record)
+                                   json_text, output_lock, read_json_file, write_record)
 
 PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
@@ -556,10 +556,11 @@ def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
     return _load_record(Path(path), "decode_step")
 
 
+MAX_RECORD_BYTES = 256 * 2**20  # a sweep with every profile is ~100 KiB; refuse anything absurd
+
+
 def _load_record(path: Path, kind: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"results file {str(path)!r} does not exist")
-    record = json.loads(path.read_text(encoding="utf-8"))
+    record = read_json_file(path, what="results file", max_bytes=MAX_RECORD_BYTES)
     if not isinstance(record, dict) or record.get("kind") != kind:
         raise ValueError(f"{str(path)!r} is not a {kind} record (kind != {kind!r})")
     check_record_pair(path, record=record)

@@ -17,14 +17,13 @@ used only after ``CostFile.check`` finds its provenance (``CHECKED_FIELDS``) equ
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rollout_lab.workspace import write_json_atomic
+from rollout_lab.workspace import read_json_file, write_json_atomic
 
 MIB = float(2**20)
 MAX_COEFFICIENT = 1e12  # ms per unit; far past any device, and the sums of the model stay finite
@@ -134,17 +133,7 @@ class CostFile:
     def read(cls, path: str | os.PathLike) -> "CostFile":
         path = Path(path)
         where = f"cost file {str(path)!r}"
-        if not path.is_file():
-            raise ValueError(f"{where} does not exist (or is not a file)")
-        size = path.stat().st_size
-        if size > MAX_COST_FILE_BYTES:
-            raise ValueError(f"{where} is {size} bytes, over the {MAX_COST_FILE_BYTES} a cost file may hold")
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{where} is not UTF-8 text: {err}") from None
-        except (ValueError, RecursionError) as err:  # JSONDecodeError, NaN/Infinity, nesting too deep
-            raise ValueError(f"{where} is not valid JSON: {err}") from None
+        data = read_json_file(path, what="cost file", max_bytes=MAX_COST_FILE_BYTES)
         if not isinstance(data, dict) or set(data) - {"coefficients", "metadata"} or "coefficients" not in data:
             keys = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"{where} must hold an object with keys 'coefficients' and 'metadata', got {keys}")
@@ -178,10 +167,6 @@ class CostFile:
         detail = "; ".join(f"{k}: file has {v[0]!r}, this setting has {v[1]!r}" for k, v in diffs.items())
         raise ValueError(f"{where} was calibrated for a different setting ({detail}); recalibrate with "
                          "`rollout-lab calibrate`, or pass override=True (--override-costs) to use it anyway")
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def metadata_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
