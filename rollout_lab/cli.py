@@ -36,7 +36,7 @@ from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import (Workspace, check_not_locked, check_writable,
-                                   output_lock, record_paths)
+                                   output_lock, record_paths, write_csv)
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -301,9 +301,36 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     extra["03_latency_tables"] = {**extra.get("03_latency_tables", {}),
                                   "cost_file": str(workspace.calibration / "tiny-qwen2_float32_cpu.json")}
     executed = run_notebooks(extra=extra, out_dir=workspace.root)
+    _committed_gpu_table(workspace)
     print(f"== done in {time.perf_counter() - start:.0f} s: {len(executed)} notebooks in "
           f"{executed[0].parent}; figures in {workspace.figures}, tables in {workspace.tables} ==")
     return 0
+
+
+# The checkout's H200 sweep of today's engine: our routes, and HF's compiled peer in its own process
+COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda_routes.json",
+                        "data/results/sweep_qwen2.5-3b_bfloat16_cuda_hf_static.json")
+
+
+def _committed_gpu_table(workspace: Workspace) -> None:
+    """Print the committed H200 sweeps' E2E table (joined) and write it to the workspace: the GPU
+    numbers re-rendered from their records, on a machine without a GPU."""
+    from rollout_lab.measure.sweep import e2e_table, join_sweeps, load_results  # torch
+
+    if not all(Path(f).is_file() for f in COMMITTED_GPU_SWEEPS):
+        print("\n== The committed H200 records: not in this folder (run from a checkout to render them) ==")
+        return
+    record = join_sweeps([load_results(f) for f in COMMITTED_GPU_SWEEPS], list(COMMITTED_GPU_SWEEPS))
+    table = e2e_table(record)
+    out = write_csv(table, workspace.tables / "h200_e2e_qwen2_5_3b_bfloat16_cuda.csv")
+    prov = record["provenance"]
+    print(f"\n== The committed H200 records ({prov.get('device_name')}, {prov.get('dtype')}, git "
+          f"{str(prov.get('git_sha'))[:7]}): median E2E ms, rendered without a GPU into {out} ==")
+    paths = record["config"]["paths"]
+    print(f"{'workload':>18}" + "".join(f"{p:>11}" for p in paths) + f"{'auto route':>12}{'auto/best':>11}{'auto/HF':>9}")
+    for row in table:
+        print(f"{row['workload']:>18}" + "".join(f"{row[p + '_ms']:11.1f}" for p in paths)
+              + f"{row['auto_route']:>12}{row['auto_vs_best']:11.3f}{row['auto_over_best_peer']:9.2f}")
 
 
 def _workspace(args: argparse.Namespace) -> Workspace:

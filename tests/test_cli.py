@@ -3,6 +3,7 @@ setting, every user error one line ``error: ...`` with status 2 before any work,
 optional dependency named with the extra that installs it."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import pytest
 
 from rollout_lab.cli import main
 from rollout_lab.measure.presets import geometry_for
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, setting_metadata
+from rollout_lab.planner.cost import CostCoefficients, setting_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -313,3 +314,21 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
     done.stdout.close()  # before the command writes anything
     err = done.stderr.read()
     assert done.wait() == 0 and err == b""
+
+
+def test_reproduce_renders_the_committed_gpu_records_without_a_gpu(tmp_path, monkeypatch, capsys):
+    from rollout_lab.cli import COMMITTED_GPU_SWEEPS, _committed_gpu_table
+    from rollout_lab.measure.sweep import load_results
+    from rollout_lab.workspace import Workspace
+
+    monkeypatch.chdir(REPO)
+    _committed_gpu_table(Workspace.resolve(tmp_path))
+    with (tmp_path / "data/tables/h200_e2e_qwen2_5_3b_bfloat16_cuda.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    ours = load_results(COMMITTED_GPU_SWEEPS[0])
+    assert [r["workload"] for r in rows] == list(ours["workloads"])
+    assert all(float(r["hf_static_ms"]) > 0 and r["auto_route"] in ("bucketed", "packed", "nocb") for r in rows)
+    assert "NVIDIA H200" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # an installed package, away from a checkout: said, not an error
+    _committed_gpu_table(Workspace.resolve(tmp_path / "elsewhere"))
+    assert "not in this folder" in capsys.readouterr().out
