@@ -27,7 +27,7 @@ ROWS = {
     "measure": "models, workloads, calibration, sweeps, HF peers, the studies behind the notebooks",
     "engine": "Rollout over a Hugging Face model (torch, transformers)",
     "planner": "cost model, DP, routes, fits, sharding: pure Python + numpy, never torch",
-    "workspace": "where outputs go; atomic writes; the CSV writer (standard library only)",
+    "workspace": "where outputs go; atomic record pairs, locks, JSON read with limits (standard library only)",
 }
 COLORS = {"cli": 7, "notebooks": 7, "plots": 4, "measure": 2, "engine": 0, "planner": 1, "workspace": 7}
 LEFT, WIDTH, ROW_HEIGHT, GAP = 0.27, 0.72, 0.118, 0.022
