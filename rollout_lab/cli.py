@@ -36,7 +36,7 @@ from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import (Workspace, check_not_locked, check_writable,
-                                   output_lock, record_paths, write_csv)
+                                   output_lock, pair_paths, record_paths, write_csv)
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -247,7 +247,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         out=out, workload_scale=scale, oracle_max_tokens=oracle, decode=args.decode, engine=engine,
         costs_source=str(cost_path) if cost_file else "engine defaults", resume=args.resume,
     )
-    json_path, csv_path = sweep.results_paths(out)  # run_sweep wrote them, under the output's lock
+    json_path, csv_path = pair_paths(out)  # run_sweep wrote them, under the output's lock
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}  (medians)")
     spread = {True: "beyond spread", False: "within spread", None: ""}  # Auto vs best manual: disjoint IQRs?
     for row in sweep.summary_table(record):

@@ -205,13 +205,22 @@ def csv_text(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = 
     return buffer.getvalue()
 
 
-def record_paths(out: str | os.PathLike) -> tuple[Path, Path]:
-    """``(<out>.json, <out>.csv)`` for a benchmark script's ``--out`` stem (a .json or .csv suffix
-    is dropped); an existing one is an error, so a record is never silently overwritten."""
+def record_stem(out: str | os.PathLike) -> Path:
+    """A record's output stem: ``out`` with a .json or .csv suffix dropped."""
     stem = Path(out)
-    if stem.suffix in (".json", ".csv"):
-        stem = stem.with_suffix("")
-    paths = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
+    return stem.with_suffix("") if stem.suffix in (".json", ".csv") else stem
+
+
+def pair_paths(out: str | os.PathLike) -> tuple[Path, Path]:
+    """``(<stem>.json, <stem>.csv)``: the two files of the record at ``out`` (``record_stem``)."""
+    stem = record_stem(out)
+    return stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
+
+
+def record_paths(out: str | os.PathLike) -> tuple[Path, Path]:
+    """``pair_paths(out)`` for a benchmark script's ``--out``; an existing one is an error, so a
+    record is never silently overwritten."""
+    paths = pair_paths(out)
     existing = [str(p) for p in paths if p.exists()]
     if existing:
         raise ValueError(f"{' and '.join(existing)} already exist; choose another --out")
@@ -274,9 +283,7 @@ def check_record_pair(json_path: str | os.PathLike, csv_path: str | os.PathLike 
 
 def lock_path(out: str | os.PathLike) -> Path:
     """``<out>.lock`` for an output stem (a .json or .csv suffix is dropped)."""
-    stem = Path(out)
-    if stem.suffix in (".json", ".csv"):
-        stem = stem.with_suffix("")
+    stem = record_stem(out)
     return stem.with_name(stem.name + ".lock")
 
 

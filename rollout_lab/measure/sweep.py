@@ -66,7 +66,8 @@ from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
 from rollout_lab.planner.checks import check_max_new_tokens
 from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.workspace import (RUN_ID, Workspace, check_record_pair,
-                                   json_text, output_lock, read_json_file, write_record)
+                                   json_text, output_lock, pair_paths, read_json_file,
+                                   write_record)
 
 PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
@@ -182,7 +183,7 @@ def _sweep(model, lengths_by_name, paths, *, repetitions, max_new_tokens, costs,
         },
         "workloads": {},
     }
-    if resume and results_paths(out)[0].is_file():
+    if resume and pair_paths(out)[0].is_file():
         saved = load_results(out)
         done = resumable_workloads(saved, record, lengths_by_name)
         record["workloads"].update(done)
@@ -480,28 +481,17 @@ def results_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def results_paths(stem: str | os.PathLike) -> tuple[Path, Path]:
-    """``(<stem>.json, <stem>.csv)``; a .json or .csv suffix on ``stem`` is dropped."""
-    stem = Path(stem)
-    if stem.suffix in (".json", ".csv"):
-        stem = stem.with_suffix("")
-    return stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".csv")
-
-
 def write_results(record: dict[str, Any], stem: str | os.PathLike) -> tuple[Path, Path]:
     """Write ``<stem>.json`` and ``<stem>.csv`` as a pair (``workspace.write_record``: CSV first,
     JSON last, one ``run_id``, set in ``record``)."""
-    paths = results_paths(stem)
+    paths = pair_paths(stem)
     write_record(paths, record, results_table(record))
     return paths
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``write_results`` (``path`` may be the stem or the .json file)."""
-    path = Path(path)
-    if path.suffix != ".json":
-        path = path.with_name(path.name + ".json") if path.suffix != ".csv" else path.with_suffix(".json")
-    return _load_record(path, "sweep")
+    return _load_record(pair_paths(path)[0], "sweep")
 
 
 def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
@@ -642,7 +632,7 @@ def sweep_or_load(
         costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,
         costs_source=cost_file or "engine defaults", out=results_stem,
     )
-    return record, results_paths(results_stem)[0]
+    return record, pair_paths(results_stem)[0]
 
 
 def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
