@@ -131,6 +131,12 @@ def device_type(device: str) -> str:
     return kind
 
 
+def check_prefill_graphs_device(args: argparse.Namespace) -> None:
+    """``--prefill-graphs`` (calibrate, sweep) captures CUDA graphs: a ValueError on any other device."""
+    if device_type(args.device) != "cuda":
+        raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
+
+
 def model_spec(args: argparse.Namespace) -> str:
     """The resolved --model/--tiny/--preset as ``load_model`` takes it."""
     return args.model or (f"tiny-{args.tiny}" if args.tiny else args.preset)
@@ -174,8 +180,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.max_batch_tokens is not None:
         grid = dataclasses.replace(grid, max_batch_tokens=args.max_batch_tokens)
     if args.prefill_graphs:
-        if not args.device.startswith("cuda"):
-            raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
+        check_prefill_graphs_device(args)
         grid = dataclasses.replace(grid, prefill_graphs=True)
     _, name, max_positions = model_limits(args)
     grid.fitting_shapes(max_positions)  # before the model is built
@@ -218,8 +223,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"{err}; lower --scale or --max-new-tokens") from None
     paths = sweep.check_paths(args.paths)
     engine: dict = {}
-    if args.prefill_graphs and not args.device.startswith("cuda"):
-        raise ValueError(f"--prefill-graphs captures CUDA graphs; --device is {args.device}")
+    if args.prefill_graphs:
+        check_prefill_graphs_device(args)
     if args.prefill_classes or args.prefill_graphs:  # the ladder over these workloads' shapes
         longest = max(max(v) for v in lengths.values())
         rows = max(len(v) for v in lengths.values())

@@ -152,11 +152,11 @@ def calibrate(
     if packed:
         per_prompt, packed_records = fit_packed_prompt_cost(packed, geometry, coeffs)
         coeffs = replace(coeffs, packed_prompt_cost_ms=per_prompt)
-    worst = max((abs(r["rel_error"]) for r in fit), default=float("nan"))
-    problems = fit_warnings(r2, worst, num_shapes=len(fit))
+    result = CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records)
+    problems = fit_warnings(r2, result.worst_rel_error, num_shapes=len(fit))
     if problems:  # on the console too, not only in the record
         warnings.warn(f"calibration of {metadata['model_name']}: " + "; ".join(problems), stacklevel=2)
-    return CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records, tuple(problems))
+    return replace(result, warnings=tuple(problems))
 
 
 # -- what notebook 01 calls ------------------------------------------------------------------------
@@ -305,16 +305,14 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     if graphs is not None:
         graphs.close()
     stat = STATISTICS[grid.statistic]
-    return [
-        {"batch": b, "width": w,
-         "forward_ms": stat([f for f, _ in samples[(b, w)]]),
-         "kv_copy_ms": stat([c for _, c in samples[(b, w)]]),
-         "forward_iqr_ms": sample_spread([f for f, _ in samples[(b, w)]])["iqr_ms"],
-         "kv_copy_iqr_ms": sample_spread([c for _, c in samples[(b, w)]])["iqr_ms"],
-         "forward_samples_ms": [f for f, _ in samples[(b, w)]],
-         "kv_copy_samples_ms": [c for _, c in samples[(b, w)]]}
-        for b, w in shapes
-    ]
+    records = []
+    for b, w in shapes:
+        forwards, copies = [f for f, _ in samples[(b, w)]], [c for _, c in samples[(b, w)]]
+        records.append({"batch": b, "width": w, "forward_ms": stat(forwards), "kv_copy_ms": stat(copies),
+                        "forward_iqr_ms": sample_spread(forwards)["iqr_ms"],
+                        "kv_copy_iqr_ms": sample_spread(copies)["iqr_ms"],
+                        "forward_samples_ms": forwards, "kv_copy_samples_ms": copies})
+    return records
 
 
 def measure_packed(model: Any, grid: CalibrationGrid, *, progress: bool = True) -> list[dict[str, Any]]:
