@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind issue 14's records: the decode step (Qwen2.5-3B) and the RL-shape throughput
 # (Qwen3-0.6B), with span attention and the compiled step against their ablations; the bf16
-# teacher-forced logits check and GRPO 64 x 8 x 512 (Qwen2.5-3B).
+# teacher-forced logits check, GRPO 64 x 8 x 512 and 128 GPQA-like prompts x 256 tokens at 128 slots
+# (Qwen2.5-3B; `gpqa` runs our routes at the prefill-graph ladder, `gpqa_peer` HF static + compile in
+# its own process; COSTS=<calibration> prices Auto).
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/issue14.sh tests step rl    # the same steps on a tiny CPU model
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue14.sh tests step   # one device call
 #   ... bash scripts/gpu/issue14.sh rl                                           # the next
@@ -16,9 +18,12 @@ step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"; GRPO="--tiny qwen2 --scale 0.1 --max-new-tokens 16"
+  GPQA="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8 --prefill-classes"; PEER="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8"
 else
   STEP="--preset qwen2.5-3b"; RL="--preset qwen3-0.6b"
   LOGITS="--preset qwen2.5-3b --steps 32"; GRPO="--preset qwen2.5-3b --max-new-tokens 512"
+  GPQA="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256 --prefill-graphs"
+  PEER="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256"
 fi
 $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 for what in "$@"; do
@@ -29,7 +34,11 @@ for what in "$@"; do
     rl)    step 420 $PY scripts/bench_rl.py $RL --paths ours ours_no_compile ours_masked --out $OUT/rl ;;
     # the same model as the next step: its compile finds inductor's cache warm
     logits) step 330 $PY scripts/check_logits.py $LOGITS --out $OUT/logits ;;
-    grpo)  step 330 $PY scripts/bench_grpo.py $GRPO --reps 1 --out $OUT/grpo ;;
-    *) echo "unknown step $what (tests, step, rl, logits, grpo)"; exit 2 ;;
+    grpo)  step 450 $PY scripts/bench_grpo.py $GRPO ${COSTS:+--costs $COSTS} --reps 1 --out $OUT/grpo ;;
+    gpqa)  step 300 $PY -m rollout_lab.cli sweep $GPQA ${COSTS:+--costs $COSTS} --no-progress --workloads gpqa_diamond_128 \
+               --paths nocb bucketed packed auto --out $OUT/sweep_gpqa128_256 ;;
+    gpqa_peer) step 300 $PY -m rollout_lab.cli sweep $PEER --no-progress --workloads gpqa_diamond_128 --paths hf_static \
+               --out $OUT/sweep_gpqa128_256_hf_static ;;
+    *) echo "unknown step $what (tests, step, rl, logits, grpo, gpqa, gpqa_peer)"; exit 2 ;;
   esac
 done
