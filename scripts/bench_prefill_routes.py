@@ -1,7 +1,7 @@
 """The three prefill routes side by side (measure.prefill_routes), written as a record.
 
     # GPU (H200): Qwen2.5-3B bf16, lognormal and bimodal batches of 32..512 prompts
-    PYTHONPATH=. python3 scripts/bench_prefill_routes.py --out data/results/prefill_routes_qwen2.5-3b_bfloat16_cuda
+    PYTHONPATH=. python3 scripts/bench_prefill_routes.py --prefill-graphs --out data/results/prefill_routes_qwen2.5-3b_bfloat16_cuda
     # CPU check in seconds
     PYTHONPATH=. python3 scripts/bench_prefill_routes.py --tiny qwen2 --batch-sizes 4 8 --out /tmp/prefill
 
@@ -16,8 +16,9 @@ import sys
 from rollout_lab.cli import positive_int, record_out
 from rollout_lab.measure.calibrate import load_calibration
 from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options
-from rollout_lab.measure.prefill_routes import prefill_route_rows
+from rollout_lab.measure.prefill_routes import longest_prompt, prefill_route_rows
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import write_record
 
 
@@ -29,18 +30,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[32, 64, 128, 256, 512])
     p.add_argument("--repetitions", type=positive_int, default=3, help="timed rounds after one warm-up")
     p.add_argument("--costs", default=None, help="a calibration for the bucketed plan (default: reference coefficients)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="CUDA: buckets at the shape-class ladder, each class's forward captured (as sweep --prefill-graphs)")
     args = p.parse_args(argv)
+    if args.prefill_graphs and args.tiny:
+        p.error("--prefill-graphs captures CUDA graphs: give a preset on a CUDA device, not --tiny")
     name = resolve_model_options(args)
     model, model_name = load_model(name, dtype=args.dtype, device=args.device)
     costs = load_calibration(args.costs, model=model, model_name=model_name) if args.costs else None
-    rows = prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs)
+    engine = {}
+    if args.prefill_graphs:  # the ladder over every batch this bench draws
+        engine = {"prefill_classes": ShapeClasses.ladder(max_width=longest_prompt(model), max_rows=max(args.batch_sizes)),
+                  "prefill_graphs": True}
+    rows = prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
+                              engine=engine)
     device = next(model.parameters()).device
     record = {
         "kind": "prefill_routes",
         "provenance": provenance(device=device, dtype=args.dtype, script="scripts/bench_prefill_routes.py",
                                  argv=sys.argv[1:]),
         "config": {"model": model_name, "batch_sizes": args.batch_sizes, "repetitions": args.repetitions,
-                   "costs": args.costs},
+                   "costs": args.costs, "prefill_graphs": args.prefill_graphs},
         "rows": rows,
     }
     print(write_record(args.out, record, rows), end="")

@@ -27,18 +27,26 @@ from rollout_lab.planner.cost import CostCoefficients
 PREFILL_ROUTES = ("nocb", "bucketed", "packed")
 
 
+def longest_prompt(model: torch.nn.Module) -> int:
+    """The longest prompt the crossing batches draw: the context less one token, at most 2048."""
+    config = model.config.get_text_config(decoder=True)
+    return min((getattr(config, "max_position_embeddings", None) or 2049) - 1, 2048)
+
+
 def prefill_route_rows(
     model: torch.nn.Module, *, batch_sizes: Sequence[int], repetitions: int = 3, costs: CostCoefficients | None = None,
-    seed: int = 0,
+    seed: int = 0, engine: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (distribution, batch size, route): the measured prefill call (module doc)."""
+    """One row per (distribution, batch size, route): the measured prefill call (module doc).
+    ``engine`` holds more ``RolloutConfig`` settings for every route (e.g. ``prefill_classes`` and
+    ``prefill_graphs``, as ``rollout-lab sweep --prefill-graphs`` runs)."""
     if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
     config = model.config.get_text_config(decoder=True)
-    limit = min((getattr(config, "max_position_embeddings", None) or 2049) - 1, 2048)  # room for a token
+    limit = longest_prompt(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     special = special_token_ids(config)
-    settings = dict(ignore_eos=True, **({} if costs is None else {"costs": costs}))
+    settings = dict(ignore_eos=True, **({} if costs is None else {"costs": costs}), **(engine or {}))
     rollouts = {route: Rollout(model, RolloutConfig(mode=route, profile=True, **settings)) for route in PREFILL_ROUTES}
     rows = []
     for n in batch_sizes:

@@ -21,7 +21,7 @@ if [ -n "${TINY:-}" ]; then
   PREFILL="--tiny qwen2 --batch-sizes 4 8 --repetitions 1"
 else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3 --prefill-graphs"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
-  PREFILL="--preset qwen2.5-3b"
+  PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 512 --repetitions 2"
 fi
 COSTS=$OUT/calibration.json
 $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
