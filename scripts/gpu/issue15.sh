@@ -23,7 +23,7 @@ else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3 --prefill-graphs"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
   PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 512 --repetitions 2"
 fi
-COSTS=$OUT/calibration.json
+COSTS=${COSTS:-$OUT/calibration.json}  # calibrate writes it; the other steps read it (COSTS=<file> from an earlier call)
 $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 for what in "$@"; do
   case $what in
