@@ -39,6 +39,7 @@ from rollout_lab.measure.models import (add_model_options, load_model,
                                         resolve_model_options,
                                         special_token_ids)
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.sweep import grpo_rows
 from rollout_lab.measure.workloads import (DATASETS, lengths_to_prompts,
                                            padding_share, sample_lengths,
                                            scale_lengths)
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {f"{p}_over_shared": results[p]["mean_ms"] / results["shared"]["mean_ms"]
               for p in args.paths if p != "shared" and "shared" in results}
     return {
+        "kind": "grpo",
         "provenance": provenance(device=device, dtype=args.dtype, script="scripts/bench_grpo.py",
                                  argv=sys.argv[1:]),
         "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model": model_name},
@@ -199,28 +201,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def rows_of(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per timed sample and one mean row per path."""
-    rows = []
-    tokens = record["workload"]["num_generated_tokens"]
-    for path, res in record["results"].items():
-        peak = res["peak_memory_bytes"]
-        common = {"peak_memory_mib": None if peak is None else round(peak / 2**20, 1),
-                  "num_prefill_rows": res["num_prefill_rows"], "num_replicated_rows": res["num_replicated_rows"],
-                  "route": res["route"]}
-        for rep, ms in enumerate(res["ms"], 1):
-            rows.append({"path": path, "statistic": "sample", "rep": rep, "ms": round(ms, 3),
-                         "tokens_per_s": round(tokens / (ms / 1e3), 1), **common})
-        rows.append({"path": path, "statistic": "mean", "rep": None, "ms": round(res["mean_ms"], 3),
-                     "tokens_per_s": round(res["tokens_per_s"], 1), **common})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     paths = args.out
     record = run(args)
-    print(write_record(paths, record, rows_of(record)), end="")
+    print(write_record(paths, record, grpo_rows(record)), end="")
     print(f"ratios: {record['ratios']}  checks: {record['checks']}")
     print(f"wrote {paths[0]} and {paths[1]}")
 

@@ -129,6 +129,13 @@ def test_grpo_ratios_follow_from_the_means(path):
     for key, ratio in record["ratios"].items():
         num, den = key.split("_over_")
         assert close(ratio, results[num]["mean_ms"] / results[den]["mean_ms"]), key
+    from rollout_lab.measure.sweep import grpo_rows, load_grpo_results
+
+    rows = grpo_rows(load_grpo_results(path))  # what notebook 03 renders
+    tokens = record["workload"]["num_generated_tokens"]
+    assert len(rows) == sum(len(r["ms"]) + 1 for r in results.values())
+    for row in rows:
+        assert row["tokens_per_s"] == pytest.approx(tokens / (row["ms"] / 1e3), rel=1e-3), row
 
 
 @pytest.mark.parametrize("path", CALIBRATIONS, ids=lambda p: p.name)
@@ -144,3 +151,11 @@ def test_calibration_fit_errors_follow_from_its_shapes(path):
         errors.append(abs(shape["rel_error"]))
     assert close(fit["worst_rel_error"], max(errors))
     assert 0.0 <= fit["r2"] <= 1.0
+
+
+def test_a_record_of_another_kind_is_not_read_as_grpo():
+    from rollout_lab.measure.sweep import load_grpo_results
+
+    other = next(p for p in RESULTS if load(p).get("kind") not in (None, "grpo"))
+    with pytest.raises(ValueError, match="is not a grpo record"):
+        load_grpo_results(other)

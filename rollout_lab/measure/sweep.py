@@ -546,6 +546,11 @@ def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
     return _load_record(Path(path), "decode_step")
 
 
+def load_grpo_results(path: str | os.PathLike) -> dict[str, Any]:
+    """A record written by ``scripts/bench_grpo.py`` (kind "grpo")."""
+    return _load_record(Path(path), "grpo")
+
+
 MAX_RECORD_BYTES = 256 * 2**20  # a sweep with every profile is ~100 KiB; refuse anything absurd
 
 
@@ -579,6 +584,24 @@ def decode_step_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
              "step_ms_stdev": r["step_ms_stdev"], "first_call_ms": r["first_call_ms"],
              "spans": r["spans"], "compiled": r["compiled"]}
             for case, variants in record["cases"].items() for variant, r in variants.items()]
+
+
+def grpo_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per timed sample and one mean row per path of a GRPO record: E2E ms, output tokens/s,
+    the peak memory over the weights and how many rows each path prefilled."""
+    rows = []
+    tokens = record["workload"]["num_generated_tokens"]
+    for path, res in record["results"].items():
+        peak = res["peak_memory_bytes"]
+        common = {"peak_memory_mib": None if peak is None else round(peak / 2**20, 1),
+                  "num_prefill_rows": res["num_prefill_rows"], "num_replicated_rows": res["num_replicated_rows"],
+                  "route": res["route"]}
+        for rep, ms in enumerate(res["ms"], 1):
+            rows.append({"path": path, "statistic": "sample", "rep": rep, "ms": round(ms, 3),
+                         "tokens_per_s": round(tokens / (ms / 1e3), 1), **common})
+        rows.append({"path": path, "statistic": "mean", "rep": None, "ms": round(res["mean_ms"], 3),
+                     "tokens_per_s": round(res["tokens_per_s"], 1), **common})
+    return rows
 
 
 # -- what make reproduce and notebook 03 call ------------------------------------------------------
