@@ -9,7 +9,8 @@
 # Every step has its own time limit; the sweeps write their record after every workload. The
 # calibration times prefill by graph replay (the sweep's prefill), and its decode probe pays the
 # first compile of the step (~4 min for the 3B): give it a call of its own. Measured 2026-12-03:
-# tests 83 s, calibrate (eager prefill) 296 s, sweep 352 s, peer 233 s.
+# tests 83 s, calibrate (eager prefill) 296 s, sweep 352 s, peer 233 s; compiled prefill graphs add
+# their compile and captures to calibrate (limit 480 s).
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,7 +29,7 @@ $PY -c "import torch, transformers; print(torch.__version__, transformers.__vers
 for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_shape_classes.py tests/test_packing.py tests/test_span_attention.py ;;
-    calibrate) step 420 $PY -m rollout_lab.cli calibrate $M $CAL --no-progress --out $COSTS ;;
+    calibrate) step 480 $PY -m rollout_lab.cli calibrate $M $CAL --no-progress --out $COSTS ;;
     sweep) step 540 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
                --workloads $WORKLOADS --paths nocb bucketed packed auto --out $OUT/sweep_ours ;;
     prefill) step 400 $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
