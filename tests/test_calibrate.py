@@ -1,5 +1,6 @@
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ from rollout_lab.measure.calibrate import CalibrationGrid, CalibrationResult, ca
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, attention_gflops, kv_mib
 from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
+
+ROOT = Path(__file__).resolve().parents[1]
 
 QWEN3B_BF16 = ModelGeometry.qwen25_3b(2)
 
@@ -192,19 +195,35 @@ def test_decode_costs_keep_the_reference_form_or_give_both():
     assert decode_costs([]) == (0.0, 0.0)
 
 
-def test_fit_packed_prompt_cost_recovers_a_known_cost():
-    from rollout_lab.measure.calibrate import fit_packed_prompt_cost
+@pytest.mark.parametrize("fixed", [0.0, 20.0])
+def test_fit_packed_costs_recovers_known_costs(fixed):
+    from rollout_lab.measure.calibrate import fit_packed_costs
     from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms
 
     geometry, coeffs = ModelGeometry.qwen25_3b(2), CostCoefficients()
-    truth = CostCoefficients(packed_prompt_cost_ms=0.8)
+    truth = CostCoefficients(packed_prompt_cost_ms=0.8, packed_fixed_cost_ms=fixed)
     packed = [{"prompts": b, "width": w, "measured_ms": packed_prefill_cost_ms([w] * b, geometry, truth)}
               for b, w in [(2, 16), (8, 64), (32, 128)]]
-    per_prompt, records = fit_packed_prompt_cost(packed, geometry, coeffs)
-    assert per_prompt == pytest.approx(0.8)
+    got_fixed, per_prompt, records = fit_packed_costs(packed, geometry, coeffs)
+    assert got_fixed == pytest.approx(fixed, abs=1e-6) and per_prompt == pytest.approx(0.8)
     assert all(abs(r["rel_error"]) < 1e-9 for r in records)
     cheaper = [dict(r, measured_ms=r["measured_ms"] - 100.0) for r in packed]  # faster than shared terms
-    assert fit_packed_prompt_cost(cheaper, geometry, coeffs)[0] == 0.0  # clipped at zero
+    assert fit_packed_costs(cheaper, geometry, coeffs)[:2] == (0.0, 0.0)  # clipped at zero
+
+
+def test_the_packed_fixed_cost_prices_every_packed_forward():
+    from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms
+
+    geometry = ModelGeometry.qwen25_3b(2)
+    base = CostCoefficients(packed_prompt_cost_ms=0.5)
+    dearer = CostCoefficients(packed_prompt_cost_ms=0.5, packed_fixed_cost_ms=20.0)
+    assert packed_prefill_cost_ms([30, 40], geometry, dearer) == pytest.approx(
+        packed_prefill_cost_ms([30, 40], geometry, base) + 20.0)
+    assert packed_prefill_cost_ms([], geometry, dearer) == 0.0
+    assert CostCoefficients.from_dict({k: v for k, v in dearer.to_dict().items()
+                                       if k != "packed_fixed_cost_ms"}).packed_fixed_cost_ms == 0.0  # older files
+    with pytest.raises(ValueError, match="packed_fixed_cost_ms must be finite and >= 0"):
+        CostCoefficients(packed_fixed_cost_ms=-1.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="prefill graphs are CUDA graphs")
@@ -252,3 +271,31 @@ def test_a_second_calibration_to_one_cost_file_is_refused(tmp_path, monkeypatch,
     with output_lock(out):  # as a running calibration holds it
         assert cli_main(["calibrate", "--tiny", "qwen2", "--device", "cpu", "--out", str(out)]) == 2
     assert "is being written by pid" in capsys.readouterr().err and not out.exists()
+
+
+def test_refit_packed_fits_a_saved_calibration_again(tmp_path, capsys):
+    import dataclasses
+    import importlib.util
+
+    from rollout_lab.measure.calibrate import refit_packed
+    from rollout_lab.planner.cost import packed_prefill_cost_ms
+
+    geometry = ModelGeometry.qwen25_3b(2)
+    truth = CostCoefficients(packed_prompt_cost_ms=0.8, packed_fixed_cost_ms=20.0)
+    packed = tuple({"prompts": b, "width": w, "measured_ms": packed_prefill_cost_ms([w] * b, geometry, truth)}
+                   for b, w in [(2, 16), (8, 64), (32, 128)])
+    old = CalibrationResult(CostCoefficients(packed_prompt_cost_ms=2.2), {"geometry": dataclasses.asdict(geometry)},
+                            fit=({"batch": 1, "width": 16, "rel_error": 0.0},), r2=0.99, packed=packed)
+    src = old.save(tmp_path / "old.json")
+    spec = importlib.util.spec_from_file_location("refit_packed", ROOT / "scripts" / "refit_packed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([str(src), "--out", str(tmp_path / "new.json")])
+    assert "fixed 0.000 -> 20.000 ms, per prompt 2.200 -> 0.800 ms" in capsys.readouterr().out
+    new = CostFile.read(tmp_path / "new.json")
+    assert new.coeffs.packed_fixed_cost_ms == pytest.approx(20.0) and new.coeffs.packed_prompt_cost_ms == pytest.approx(0.8)
+    assert new.metadata["refit"]["previous"]["packed_prompt_cost_ms"] == 2.2 and new.metadata["fit"]["packed"]
+    with pytest.raises(SystemExit):  # never overwritten
+        script.main([str(src), "--out", str(tmp_path / "new.json")])
+    with pytest.raises(ValueError, match="no packed measurements"):
+        refit_packed(dataclasses.replace(old, packed=()))

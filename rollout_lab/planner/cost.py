@@ -4,7 +4,7 @@
 
 and for a packed forward of prompts L_1..L_n (``packed_prefill_cost_ms``):
 
-    P(L_1..L_n) = fixed + sum_i [C(1, L_i) - fixed] + packed_prompt * n
+    P(L_1..L_n) = fixed + packed_fixed + sum_i [C(1, L_i) - fixed] + packed_prompt * n
 
 Every term is linear in the batch B, so C(B, L) = fixed + B * per_row_cost_ms(L); the planner
 relies on that. Pure Python: no torch import (``ModelGeometry.from_config`` takes any dtype-like).
@@ -52,6 +52,9 @@ class CostCoefficients:
     # terms (its own attention call, its KV scatter). None = not calibrated: Auto does not consider
     # packed (mode="packed" still runs, priced with 0); a calibration measures and fits it
     packed_prompt_cost_ms: float | None = None
+    # what a packed forward adds to the fixed cost: the padded forwards' fixed cost may be a graph
+    # replay's while the packed forward runs eagerly (on the H200, 3B: ~20 ms over a replay's 6)
+    packed_fixed_cost_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -80,7 +83,7 @@ class CostCoefficients:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostCoefficients":
         names = {f.name for f in fields(cls)}
-        optional = {"packed_prompt_cost_ms"}  # added later: files written before it lack it
+        optional = {"packed_prompt_cost_ms", "packed_fixed_cost_ms"}  # added later: older files lack them
         unknown = sorted(set(data) - names)
         missing = sorted(names - set(data) - optional)
         if unknown or missing:
@@ -278,12 +281,12 @@ def packed_prefill_cost_ms(
     lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
 ) -> float:
     """Estimated time of one packed forward of ``lengths`` (one row of sum(lengths) tokens, each
-    prompt attending to itself): fixed + token * sum(L) + attention * sum attn(1, L_i)
+    prompt attending to itself): fixed + packed_fixed + token * sum(L) + attention * sum attn(1, L_i)
     + kv * sum KV(1, L_i) + packed_prompt * n."""
     if not lengths:
         return 0.0
     per_prompt = coeffs.packed_prompt_cost_ms or 0.0
-    return coeffs.prefill_fixed_cost_ms + sum(
+    return coeffs.prefill_fixed_cost_ms + coeffs.packed_fixed_cost_ms + sum(
         per_row_cost_ms(length, geometry, coeffs) + per_prompt for length in lengths)
 
 
