@@ -9,8 +9,9 @@
 # Every step has its own time limit; the sweeps write their record after every workload. The
 # calibration times prefill by graph replay (the sweep's prefill), and its decode probe pays the
 # first compile of the step (~4 min for the 3B): give it a call of its own. Measured 2026-12-03:
-# tests 83 s, calibrate (eager prefill) 296 s, sweep 352 s, peer 233 s; compiled prefill graphs add
-# their compile and captures to calibrate (limit 480 s).
+# tests 83 s, calibrate (eager prefill) 296 s, sweep 352 s, peer 233 s; with compiled prefill graphs
+# (289680a, a cold machine): tests 71 s, calibrate ~470 s, and the sweep ran 7 of its 8 workloads in
+# 540 s (its first compile included): give gpqa_diamond_128 a second call with RESUME.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -24,14 +25,17 @@ else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3 --prefill-graphs"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
   PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 512 --repetitions 2"
 fi
+# RESUME=<dir> holding sweep_ours.json/.csv from an earlier call: the sweep keeps its workloads
+# (rollout-lab sweep --resume) and runs the rest, so a sweep longer than one call spans two.
 COSTS=${COSTS:-$OUT/calibration.json}  # calibrate writes it; the other steps read it (COSTS=<file> from an earlier call)
 $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_shape_classes.py tests/test_packing.py tests/test_span_attention.py ;;
     calibrate) step 480 $PY -m rollout_lab.cli calibrate $M $CAL --no-progress --out $COSTS ;;
-    sweep) step 540 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
-               --workloads $WORKLOADS --paths nocb bucketed packed auto --out $OUT/sweep_ours ;;
+    sweep) if [ -n "${RESUME:-}" ]; then cp "$RESUME"/sweep_ours.json "$RESUME"/sweep_ours.csv "$OUT"/ || exit 1; fi
+           step 540 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
+               --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_ours ;;
     prefill) step 400 $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
