@@ -318,3 +318,13 @@ def test_join_sweeps_puts_separate_processes_paths_in_one_record():
         join_sweeps([ours, record({"hf_static": (1.0,)}, lengths=(3, 8))], ["ours.json", "other.json"])
     with pytest.raises(ValueError, match="'auto' of 'w' is in again.json"):
         join_sweeps([ours, record({"auto": (1.0,)})], ["ours.json", "again.json"])
+    assert joined["dropped_workloads"] == {}
+    longer = record({"hf_static": (40.0,)}, sha="b")
+    longer["workloads"]["v"] = longer["workloads"]["w"]  # a workload that the cut sweep lacks
+    with pytest.warns(UserWarning, match=r"left out: \['v'\] of peer.json"):
+        cut = join_sweeps([ours, longer], ["ours.json", "peer.json"])
+    assert list(cut["workloads"]) == ["w"] and cut["dropped_workloads"] == {"peer.json": ["v"]}
+    other = record({"hf_static": (40.0,)})
+    other["workloads"] = {"v": other["workloads"]["w"]}
+    with pytest.raises(ValueError, match="share no workload"):
+        join_sweeps([ours, other], ["ours.json", "other.json"])

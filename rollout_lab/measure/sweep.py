@@ -45,6 +45,7 @@ import gc
 import json
 import os
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -498,19 +499,29 @@ def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> d
     """One record from sweeps of the same workloads run in separate processes (HF's compiled peer
     runs in its own: its CUDA-graph trees must not share a process with our captures).
 
-    Every record must hold the same workloads with the same prompt lengths, and no path twice.
-    Entries without a median (records before the medians) get it from their samples; each
-    workload's summary is recomputed over the joined paths. ``provenance`` is the first record's;
-    ``joined`` names every source (``names``) with its git sha, date and paths."""
+    The joined record holds the workloads that every record holds (a sweep cut by a time limit
+    lacks its last ones), in the first record's order; ``dropped_workloads`` names the others per
+    record, with a warning. A shared workload must have the same prompt lengths in every record, and
+    no path may come twice. Entries without a median (records before the medians) get it from
+    their samples; each workload's summary is recomputed over the joined paths. ``provenance`` is
+    the first record's; ``joined`` names every source (``names``) with its git sha, date and paths."""
     if not records or len(records) != len(names):
         raise ValueError(f"join_sweeps needs one name per record, got {len(records)} records and {len(names)} names")
     first = records[0]
+    common = [w for w in first["workloads"] if all(w in r["workloads"] for r in records)]
+    if not common:
+        raise ValueError("the records share no workload: " + "; ".join(
+            f"{name} has {list(r['workloads'])}" for r, name in zip(records, names)))
+    dropped = {name: [w for w in r["workloads"] if w not in common] for r, name in zip(records, names)}
+    dropped = {name: ws for name, ws in dropped.items() if ws}
+    if dropped:
+        warnings.warn("join_sweeps keeps the workloads every record holds; left out: " + "; ".join(
+            f"{ws} of {name}" for name, ws in dropped.items()), stacklevel=2)
     joined = {"kind": "sweep", "provenance": dict(first["provenance"]), "config": dict(first["config"]),
-              "workloads": {}, "joined": []}
+              "workloads": {}, "joined": [], "dropped_workloads": dropped}
     for record, name in zip(records, names):
-        if list(record["workloads"]) != list(first["workloads"]):
-            raise ValueError(f"{name} has workloads {list(record['workloads'])}, {names[0]} has {list(first['workloads'])}")
-        for workload, entry in record["workloads"].items():
+        for workload in common:
+            entry = record["workloads"][workload]
             if entry["lengths"] != first["workloads"][workload]["lengths"]:
                 raise ValueError(f"{name} ran other prompt lengths for {workload!r} than {names[0]}")
             target = joined["workloads"].setdefault(workload, {k: v for k, v in entry.items() if k != "summary"}
