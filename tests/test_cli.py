@@ -328,7 +328,10 @@ def test_reproduce_renders_the_committed_gpu_records_without_a_gpu(tmp_path, mon
     ours = load_results(COMMITTED_GPU_SWEEPS[0])
     assert [r["workload"] for r in rows] == list(ours["workloads"])
     assert all(float(r["hf_static_ms"]) > 0 and r["auto_route"] in ("bucketed", "packed", "nocb") for r in rows)
-    assert "NVIDIA H200" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NVIDIA H200" in out
+    for name in load_results(COMMITTED_GPU_SWEEPS[1])["workloads"]:
+        assert (name in ours["workloads"]) or (name in out.split("not in every record")[1])  # said, not dropped silently
     monkeypatch.chdir(tmp_path)  # an installed package, away from a checkout: said, not an error
     _committed_gpu_table(Workspace.resolve(tmp_path / "elsewhere"))
     assert "not in this folder" in capsys.readouterr().out
