@@ -136,3 +136,19 @@ def test_packed_crossing_is_where_the_two_prices_meet():
         plan_buckets(lengths, geometry, CostCoefficients()).cost_ms)
     cheap = packed_crossing_rows(geometry, CostCoefficients(packed_prompt_cost_ms=0.01), batch_sizes=(32,), seeds=(0,))
     assert all(r["packed_wins"] for r in cheap)
+
+
+def test_plan_comparison_prices_the_reference_plan_on_the_calibrated_device():
+    from rollout_lab.measure.bucket_choices import plan_comparison_rows
+    geometry = geometry_for("qwen2.5-3b", "bfloat16")
+    dists = resolve_distributions([{"kind": "real", "dataset": "gsm8k"}, {"kind": "seed", "name": "spread"}],
+                                  batch_size=32, seeds=[0, 1])
+    cheap_forwards = CostCoefficients(prefill_fixed_cost_ms=1.0, packed_prompt_cost_ms=0.5)
+    rows = plan_comparison_rows(dists, geometry, cheap_forwards, max_new_tokens=16)
+    assert len(rows) == sum(len(d.samples) for d in dists)
+    for row in rows:
+        assert row["regret"] >= 1 - 1e-9  # the DP is optimal for the calibrated costs
+        assert row["calibrated_num_buckets"] >= row["reference_num_buckets"]  # a cheaper forward buys more buckets
+    assert any(row["regret"] > 1.001 for row in rows)  # and the reference plan pays for it somewhere
+    same = plan_comparison_rows(dists, geometry, CostCoefficients(), max_new_tokens=16)
+    assert all(r["regret"] == pytest.approx(1.0) and r["reference_widths"] == r["calibrated_widths"] for r in same)

@@ -111,6 +111,32 @@ def summary_rows(
     return rows
 
 
+def plan_comparison_rows(
+    distributions: Sequence[Distribution], geometry: ModelGeometry, calibrated: CostCoefficients,
+    reference: CostCoefficients | None = None, *, max_new_tokens: int,
+) -> list[dict[str, Any]]:
+    """One row per distribution and seed: the DP's plan and Auto's route under the reference
+    coefficients and under a calibration, and what the reference plan would cost on the calibrated
+    device (``regret``: that cost over the calibrated plan's, >= 1 since the DP is optimal there)."""
+    reference = CostCoefficients() if reference is None else reference
+    rows = []
+    for dist, seed, lengths in _samples(distributions):
+        row: dict[str, Any] = {"distribution": dist.label, "kind": dist.kind, "seed": seed, "num_prompts": len(lengths)}
+        plans = {}
+        for name, coeffs in (("reference", reference), ("calibrated", calibrated)):
+            plan = plans[name] = plan_buckets(lengths, geometry, coeffs)
+            route = choose_route(lengths, max_new_tokens=max_new_tokens, continuous_batch_size=None,
+                                 geometry=geometry, coeffs=coeffs)
+            row |= {f"{name}_num_buckets": plan.num_buckets, f"{name}_widths": ";".join(map(str, plan.widths)),
+                    f"{name}_padding_share": plan_padding_share(lengths, plan), f"{name}_route": route.route}
+        on_device = sum(prefill_cost_ms(len(bucket), width, geometry, calibrated)
+                        for bucket, width in zip(plans["reference"].buckets, plans["reference"].widths))
+        row |= {"calibrated_cost_ms": plans["calibrated"].cost_ms, "reference_plan_on_calibrated_ms": on_device,
+                "regret": on_device / plans["calibrated"].cost_ms}
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class RouteMap:
     """nocb against bucketed CB over rescaled prompt lengths (columns) and generation budgets (rows)."""
