@@ -159,12 +159,16 @@ def test_01_calibration_outputs(executed):
                       for o in c.get("outputs", []))
     assert all(f"WARNING: {w}" in printed for w in fit_quality["warnings"])
     assert fit_quality["warnings"] or "fit quality: R² >= 0.9" in printed
-    fit = read_csv(out / "data" / "tables" / "01_calibration_fit_tiny_qwen2.csv")
+    fit = read_csv(out / "data" / "tables" / "01_calibration_fit_tiny_qwen2_float32_cpu.csv")
     assert len(fit) == 4  # smoke grid: 2 batches x 2 widths
     for r in fit:
         assert float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) >= 0
         assert math.isfinite(float(r["rel_error"]))
-    assert_figure(out / "figures", "01_calibration_tiny_qwen2")
+    assert_figure(out / "figures", "01_calibration_tiny_qwen2_float32_cpu")
+    packed = read_csv(out / "data" / "tables" / "01_calibration_packed_tiny_qwen2_float32_cpu.csv")
+    assert len(packed) == len(data["metadata"]["fit"]["packed"]) > 0  # the packed fit, shown
+    assert all(int(r["prompts"]) >= 2 and math.isfinite(float(r["rel_error"])) for r in packed)
+    assert_figure(out / "figures", "01_calibration_packed_tiny_qwen2_float32_cpu")
 
 
 # ---------------------------------------------------------------- 03: latency tables
