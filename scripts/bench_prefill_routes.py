@@ -42,8 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill_graphs:  # the ladder over every batch this bench draws
         engine = {"prefill_classes": ShapeClasses.ladder(max_width=longest_prompt(model), max_rows=max(args.batch_sizes)),
                   "prefill_graphs": True}
-    rows = prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
-                              engine=engine)
     device = next(model.parameters()).device
     record = {
         "kind": "prefill_routes",
@@ -51,9 +49,16 @@ def main(argv: list[str] | None = None) -> None:
                                  argv=sys.argv[1:]),
         "config": {"model": model_name, "batch_sizes": args.batch_sizes, "repetitions": args.repetitions,
                    "costs": args.costs, "prefill_graphs": args.prefill_graphs},
-        "rows": rows,
     }
-    print(write_record(args.out, record, rows), end="")
+
+    def write(rows: list[dict], complete: bool) -> None:  # after every batch size: a cut run keeps them
+        done = sorted({r["batch_size"] for r in rows})
+        write_record(args.out, record | {"rows": rows, "complete": complete, "batch_sizes_done": done}, rows)
+        print(f"batch sizes {done} written to {args.out[0]}", file=sys.stderr)
+
+    rows = prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
+                              engine=engine, on_batch_size=lambda so_far: write(so_far, complete=False))
+    write(rows, complete=True)
     print(f"wrote {args.out[0]} and {args.out[1]}")
 
 

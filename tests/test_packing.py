@@ -126,8 +126,10 @@ def test_packed_shared_prefill_and_sampling_equal_bucketed():
 def test_prefill_routes_are_measured_side_by_side():
     from rollout_lab.measure.prefill_routes import PREFILL_ROUTES, prefill_route_rows
 
-    rows = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4, 8), repetitions=1)
+    seen = []
+    rows = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4, 8), repetitions=1, on_batch_size=seen.append)
     assert len(rows) == 2 * 2 * len(PREFILL_ROUTES)  # sizes x distributions x routes
+    assert [len(s) for s in seen] == [len(rows) // 2, len(rows)] and seen[-1] == rows  # after each batch size
     for r in rows:
         assert r["mean_ms"] > 0 and r["num_tokens"] >= r["batch_size"]
         assert r["num_forwards"] == 1 or r["route"] == "bucketed"

@@ -12,7 +12,7 @@ so a call is its prefill (plus the first token's choice), interleaved, after one
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,10 +36,12 @@ def longest_prompt(model: torch.nn.Module) -> int:
 def prefill_route_rows(
     model: torch.nn.Module, *, batch_sizes: Sequence[int], repetitions: int = 3, costs: CostCoefficients | None = None,
     seed: int = 0, engine: dict[str, Any] | None = None,
+    on_batch_size: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (distribution, batch size, route): the measured prefill call (module doc).
     ``engine`` holds more ``RolloutConfig`` settings for every route (e.g. ``prefill_classes`` and
-    ``prefill_graphs``, as ``rollout-lab sweep --prefill-graphs`` runs)."""
+    ``prefill_graphs``, as ``rollout-lab sweep --prefill-graphs`` runs); ``on_batch_size`` gets the
+    rows so far after each batch size (a caller writes its record there, so a cut run keeps them)."""
     if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
     config = model.config.get_text_config(decoder=True)
@@ -69,6 +71,8 @@ def prefill_route_rows(
                     **sample_spread(samples[route]), "samples_ms": ";".join(f"{x:.3f}" for x in samples[route]),
                     "num_forwards": profile.num_prefill_forwards, "backend": profile.prefill_backend,
                 })
+        if on_batch_size is not None:
+            on_batch_size(list(rows))
     for rollout in rollouts.values():
         rollout.close()
     return rows
