@@ -231,6 +231,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         rows = max(len(v) for v in lengths.values())
         engine["prefill_classes"] = ShapeClasses.ladder(max_width=longest, max_rows=rows)
         engine["prefill_graphs"] = bool(args.prefill_graphs)
+    if args.no_compile:  # graphs capture the eager model: no compile (minutes for a large model)
+        engine["compile"] = False
     workspace = _workspace(args)
     out = Path(args.out) if args.out else workspace.results / f"sweep_{name}_{args.dtype}_{device_type(args.device)}"
     check_writable(out.parent, what="the --out folder")
@@ -483,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="our bucketed prefill at the shape-class ladder of these workloads (planner.shape_classes)")
     sweep.add_argument("--prefill-graphs", action="store_true",
                        help="CUDA: capture each class's prefill forward (implies --prefill-classes)")
+    sweep.add_argument("--no-compile", action="store_true",
+                       help="our decode step and prefill graphs capture the eager model (RolloutConfig(compile=False)): "
+                            "no first-call compile, which takes minutes for a large model, for a slower step")
     sweep.add_argument("--out", help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
     sweep.set_defaults(func=cmd_sweep)
 

@@ -251,6 +251,10 @@ def test_sweep_uses_the_workspace_calibration_of_its_model_and_says_so(tmp_path,
     assert main(argv) == 0
     assert f"costs: {cost_file} (this model's calibration in the workspace)" in capsys.readouterr().out
     assert json.loads(out.with_suffix(".json").read_text())["config"]["costs_source"] == str(cost_file)
+    assert "compile" not in json.loads(out.with_suffix(".json").read_text())["config"]["engine"]
+    assert main([*argv[:-2], "--no-compile", "--out", str(tmp_path / "eager")]) == 0
+    assert json.loads((tmp_path / "eager.json").read_text())["config"]["engine"] == {"compile": False}
+    capsys.readouterr()
     data = json.loads(cost_file.read_text())
     data["metadata"]["geometry"]["num_layers"] = 36  # the file no longer describes this model
     cost_file.write_text(json.dumps(data))
