@@ -10,11 +10,7 @@
 # Each step has its own time limit, sized from measured times (the device tool allows 600 s a call),
 # and every script writes its record after each case or path, so a step that runs out loses nothing
 # it finished.
-set -u
-OUT=${OUT:?set OUT}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PY:-python3}
-step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"; GRPO="--tiny qwen2 --scale 0.1 --max-new-tokens 16"
@@ -25,7 +21,7 @@ else
   GPQA="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256 --prefill-graphs"
   PEER="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256"
 fi
-$PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+versions
 for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_span_attention.py tests/test_steppers.py ;;

@@ -12,11 +12,7 @@
 # tests 83 s, calibrate (eager prefill) 296 s, sweep 352 s, peer 233 s; with compiled prefill graphs
 # (289680a, a cold machine): tests 71 s, calibrate ~470 s, and the sweep ran 7 of its 8 workloads in
 # 540 s (its first compile included): give gpqa_diamond_128 a second call with RESUME.
-set -u
-OUT=${OUT:?set OUT}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PY:-python3}
-step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 WORKLOADS="short_similar long_tail short_tail moderate_tail spread gsm8k_32 gpqa_diamond_32 gpqa_diamond_128"
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
@@ -28,7 +24,7 @@ fi
 # RESUME=<dir> holding sweep_ours.json/.csv from an earlier call: the sweep keeps its workloads
 # (rollout-lab sweep --resume) and runs the rest, so a sweep longer than one call spans two.
 COSTS=${COSTS:-$OUT/calibration.json}  # calibrate writes it; the other steps read it (COSTS=<file> from an earlier call)
-$PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+versions
 for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_shape_classes.py tests/test_packing.py tests/test_span_attention.py ;;

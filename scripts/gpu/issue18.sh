@@ -11,18 +11,14 @@
 # coefficients, whose 25 ms fixed cost came from its own 32B runs. The sweep writes its record after
 # each workload; RESUME=<dir> holding sweep_32b.json/.csv continues one that a call's limit cut.
 # Not yet run on the GPU: the limits below are guesses, to be replaced by measured times.
-set -u
-OUT=${OUT:?set OUT}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PY:-python3}
-step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 WORKLOADS="short_similar long_tail short_tail moderate_tail spread"
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen3"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
 else
   M="--preset qwen3-32b --dtype bfloat16"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
 fi
-$PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+versions
 for what in "$@"; do
   case $what in
     qwen3_32b) if [ -n "${RESUME:-}" ]; then cp "$RESUME"/sweep_32b.json "$RESUME"/sweep_32b.csv "$OUT"/ || exit 1; fi

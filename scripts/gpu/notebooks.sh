@@ -17,12 +17,9 @@
 #   PARAMS_03="--param \"03:workloads=['long_tail', 'spread']\" --param 03:repetitions=2"
 # PRESET=qwen3-0.6b runs the RL-shape model instead. TINY CPU times, 2026-12-03 (2 busy cores, Python
 # 3.12 with the carried wheels only): install 3 s, 01 11-34 s, 02 12 s, 03 45-65 s, 04 12 s.
-set -u
-OUT=${OUT:?set OUT}
-PY=${PY:-python3}
+source "$(dirname "$0")/common.sh"  # set -u, OUT, PY, step (PYTHONPATH is set below)
 SITE=${SITE:-/tmp/site}
 WS=${WS:-/tmp/nb_ws}
-step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
 
 # The carried wheels, then a python3 kernelspec for this very interpreter, first on JUPYTER_PATH (so
 # no other python3 kernel on the machine can be picked); the kernel inherits PYTHONPATH.
