@@ -51,14 +51,14 @@ def main(argv: list[str] | None = None) -> None:
                    "costs": args.costs, "prefill_graphs": args.prefill_graphs},
     }
 
-    def write(rows: list[dict], complete: bool) -> None:  # after every batch size: a cut run keeps them
+    def write(rows: list[dict]) -> None:  # after every batch size: a cut run keeps them
         done = sorted({r["batch_size"] for r in rows})
+        complete = set(done) == set(args.batch_sizes)
         write_record(args.out, record | {"rows": rows, "complete": complete, "batch_sizes_done": done}, rows)
         print(f"batch sizes {done} written to {args.out[0]}", file=sys.stderr)
 
-    rows = prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
-                              engine=engine, on_batch_size=lambda so_far: write(so_far, complete=False))
-    write(rows, complete=True)
+    prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
+                       engine=engine, on_batch_size=write)
     print(f"wrote {args.out[0]} and {args.out[1]}")
 
 
