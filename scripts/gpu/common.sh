@@ -1,9 +1,20 @@
 # What every scripts/gpu/*.sh step runner shares; sourced, not run. It needs OUT (the device tool's
 # output folder) and takes PY (default python3). step LIMIT CMD... runs CMD under a time limit,
 # showing its last 30 lines and its status; versions prints torch, transformers and the device.
+# Inductor's compile cache (its Triton kernels included) lives in one folder. A fresh machine starts
+# it empty and pays minutes of compiles again, so KEEP_INDUCTOR_CACHE=1 packs it into $OUT on exit as
+# parts of at most 15 MiB (the tool brings back 8 files of 16 MiB), and INDUCTOR_CACHE=<folder of
+# those parts>, carried in, unpacks them before the steps run.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/rollout_lab_inductor}
+if [ -n "${INDUCTOR_CACHE:-}" ]; then
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat "$INDUCTOR_CACHE"/inductor.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR" \
+    && echo "inductor cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) from $INDUCTOR_CACHE"
+fi
+keep_inductor_cache() { tar czf - -C "$TORCHINDUCTOR_CACHE_DIR" . | split -b 15m -d - "$OUT"/inductor.tgz.; ls -l "$OUT"/inductor.tgz.*; }
+if [ -n "${KEEP_INDUCTOR_CACHE:-}" ]; then trap keep_inductor_cache EXIT; fi
 versions() { $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"; }
