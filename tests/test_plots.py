@@ -25,7 +25,7 @@ from rollout_lab.plots.buckets import (
 from rollout_lab.plots.calibration import plot_calibration_fit
 from rollout_lab.plots.explorer import KINDS, Settings, explorer_widget, show
 from rollout_lab.plots.latency import plot_breakdown, plot_e2e, plot_throughput_memory
-from rollout_lab.plots.style import save_figure, slug
+from rollout_lab.plots.style import output_tag, save_figure, slug
 
 GEO = geometry_for("qwen2.5-3b")
 COEFFS = CostCoefficients()
@@ -45,6 +45,11 @@ def dists():
 
 def test_slug():
     assert slug("lognormal(med 120, σ 0.6)") == "lognormal_med_120_0_6"
+
+
+def test_output_tag_names_model_dtype_and_device_kind():
+    assert output_tag("qwen2.5-3b", "bfloat16", "cuda:0") == "qwen2_5_3b_bfloat16_cuda"
+    assert output_tag("tiny-qwen2", "float32", "cpu") == "tiny_qwen2_float32_cpu"
 
 
 def test_bucket_figures_save(tmp_path, dists):

@@ -25,6 +25,12 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower() or "x"
 
 
+def output_tag(model: Any, dtype: Any, device: Any) -> str:
+    """The model-dtype-device part of an output's name: ``output_tag("qwen2.5-3b", "bfloat16", "cuda:0")``
+    is ``qwen2_5_3b_bfloat16_cuda`` (a device index is dropped: the name says what ran, not on which card)."""
+    return slug(f"{model}_{dtype}_{str(device).split(':')[0]}")
+
+
 def save_figure(fig: Figure, directory: str | Path, stem: str, *, svg: bool = True, dpi: int = 130) -> list[Path]:
     """Write ``stem.png`` (and ``stem.svg``) into ``directory``; returns the paths."""
     directory = Path(directory)
