@@ -56,22 +56,6 @@ def test_admit_in_one_stacked_copy_equals_layer_by_layer(monkeypatch, source_row
     assert all(k.data_ptr() == caches["stacked"].kv[i].data_ptr() for i, k in enumerate(caches["stacked"].keys))
 
 
-def test_packed_admission_in_one_scatter_equals_layer_by_layer(monkeypatch):
-    from rollout_lab.engine import cache as cache_module
-
-    g = torch.Generator().manual_seed(2)
-    packed = [(torch.randn(1, 1, 9, 2, generator=g), torch.randn(1, 1, 9, 2, generator=g)) for _ in range(2)]
-    caches = []
-    for limit in (2**40, 0):
-        monkeypatch.setattr(cache_module, "ADMIT_BATCH_BYTES", limit)
-        cache = small_cache()
-        cache.set_front(6)
-        cache.admit_packed([1, 2, 0], packed, offsets=[0, 4, 4], lengths=[4, 5, 5])  # slots 2 and 0 share a prompt
-        caches.append(cache)
-    assert torch.equal(caches[0].kv, caches[1].kv) and torch.equal(caches[0].mask, caches[1].mask)
-    assert torch.equal(caches[0].keys[1][1, :, 2:6], packed[1][0][0, :, 0:4])
-
-
 def test_admit_needs_room_left_of_front():
     cache = small_cache()
     cache.set_front(3)

@@ -214,8 +214,7 @@ class AlignedKVCache:
 
         ``layer_kv[i]`` is layer i's (keys, values) of a packed forward, ``[1, kv_heads, T, head_dim]``;
         slot ``slots[j]`` gets the ``lengths[j]`` tokens from ``offsets[j]`` (several slots may take
-        the same prompt: shared prefill). One scatter for every layer (layer by layer past
-        ``ADMIT_BATCH_BYTES``).
+        the same prompt: shared prefill). One indexed copy per layer and tensor.
         """
         front, device = self.front_int, self.mask.device
         if max(lengths) > front:
@@ -226,12 +225,8 @@ class AlignedKVCache:
             torch.cumsum(sizes, 0) - sizes, sizes)  # position inside its prompt
         token_idx = torch.repeat_interleave(torch.tensor(list(offsets), device=device), sizes) + within
         col_idx = front - torch.repeat_interleave(sizes, sizes) + within
-        sources = [k for k, _ in layer_kv] + [v for _, v in layer_kv]  # kv's order
-        if len(slot_idx) * self.column_bytes <= ADMIT_BATCH_BYTES:  # every layer in one scatter
-            values = torch.stack([src[0] for src in sources]).index_select(2, token_idx)  # [2L, kv_heads, sum, head_dim]
-            self.kv.permute(0, 1, 3, 2, 4)[:, slot_idx, col_idx] = values.transpose(1, 2).to(self.kv.dtype)
-        else:
-            for dst, src in zip(self.kv.unbind(0), sources):
+        for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
+            for dst, src in ((dst_k, src_k), (dst_v, src_v)):
                 values = src[0].index_select(1, token_idx).transpose(0, 1)  # [sum, kv_heads, head_dim]
                 dst.permute(0, 2, 1, 3)[slot_idx, col_idx] = values.to(dst.dtype)
         self.open_rows(slots, lengths)
