@@ -39,23 +39,6 @@ def test_admit_copies_effective_spans_right_aligned():
     assert cache.row_starts[2] == 2 and cache.row_starts[0] == 4
 
 
-@pytest.mark.parametrize("source_rows", [None, [1, 1, 0]])
-def test_admit_in_one_stacked_copy_equals_layer_by_layer(monkeypatch, source_rows):
-    from rollout_lab.engine import cache as cache_module
-
-    caches = {}
-    for name, limit in (("stacked", 2**40), ("layered", 0)):
-        monkeypatch.setattr(cache_module, "ADMIT_BATCH_BYTES", limit)
-        cache = small_cache()
-        cache.kv.normal_(generator=torch.Generator().manual_seed(1))  # stale KV that the padding must not hide
-        cache.set_front(7)
-        cache.admit([2, 0, 1], bucket_kv(3, 5), [5, 3, 1], source_rows=source_rows)
-        caches[name] = cache
-    assert torch.equal(caches["stacked"].kv, caches["layered"].kv)
-    assert torch.equal(caches["stacked"].mask, caches["layered"].mask)
-    assert all(k.data_ptr() == caches["stacked"].kv[i].data_ptr() for i, k in enumerate(caches["stacked"].keys))
-
-
 def test_admit_needs_room_left_of_front():
     cache = small_cache()
     cache.set_front(3)

@@ -62,9 +62,6 @@ class AlignedLayer(StaticLayer):
         raise RuntimeError("the aligned cache is trimmed with AlignedKVCache.shift_columns")
 
 
-ADMIT_BATCH_BYTES = 256 * 2**20  # buckets up to this much KV are admitted in one stacked copy (transient: 3x)
-
-
 class AlignedKVCache:
     """Static per-layer KV buffers, the shared front column and the additive mask."""
 
@@ -82,11 +79,8 @@ class AlignedKVCache:
         if capacity < 1 or num_slots < 1:
             raise ValueError(f"capacity and num_slots must be >= 1, got {capacity}, {num_slots}")
         shape = (num_slots, num_kv_heads, capacity, head_dim)
-        # one allocation: every layer's keys, then every layer's values, so that a write to all
-        # layers (admission, compaction, trimming) is a few kernels instead of a few per layer
-        self.kv = torch.zeros((2 * num_layers, *shape), dtype=dtype, device=device)
-        self.keys = list(self.kv[:num_layers].unbind(0))  # views of kv: [slots, kv_heads, capacity, head_dim]
-        self.values = list(self.kv[num_layers:].unbind(0))
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.masked_value = torch.finfo(dtype).min
         self.mask = torch.full(
             (num_slots, 1, 1, capacity), self.masked_value, dtype=dtype, device=device
@@ -183,18 +177,8 @@ class AlignedKVCache:
         source = None
         if source_rows is not None and list(source_rows) != list(range(len(slots))):
             source = torch.tensor(list(source_rows), dtype=torch.long, device=device)
-        sources = [k for k, _ in layer_kv] + [v for _, v in layer_kv]  # kv's order
-        rows = max(layer_kv[0][0].shape[0], len(slots))  # replicated rows are copied too
-        if rows * width * self.column_bytes <= ADMIT_BATCH_BYTES:
-            # a small bucket: its copy is launch-bound, so every layer at once (~5 kernels, not ~300)
-            src = torch.stack(sources)  # [2 * layers, rows, kv_heads, width, head_dim]
-            if source is not None:
-                src = src.index_select(1, source.to(src.device))
-            window = self.kv[:, :, :, front - width : front]  # [2 * layers, slots, kv_heads, width, head_dim]
-            old = window.index_select(1, index)
-            window.index_copy_(1, index, torch.where(keep[None], src.to(self.kv.dtype), old))
-        else:  # a large one is bandwidth-bound: layer by layer, without the stacked copy
-            for dst, src in zip(self.kv.unbind(0), sources):
+        for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
+            for dst, src in ((dst_k, src_k), (dst_v, src_v)):
                 if source is not None:
                     src = src.index_select(0, source.to(src.device))  # [slots, kv_heads, width, head_dim]
                 window = dst[:, :, front - width : front]  # [slots, kv_heads, width, head_dim]
@@ -256,8 +240,9 @@ class AlignedKVCache:
         src_t = torch.tensor(list(src), dtype=torch.long, device=device)
         dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
         lo = min(self.row_starts[s] for s in src)
-        window = self.kv[:, :, :, lo : self.front_int]  # every layer's keys and values
-        window.index_copy_(1, dst_t, window.index_select(1, src_t))
+        for tensor in (*self.keys, *self.values):
+            window = tensor[:, :, lo : self.front_int]
+            window.index_copy_(0, dst_t, window.index_select(0, src_t))
         self.mask.index_copy_(0, dst_t, self.mask.index_select(0, src_t))
         for s, d in zip(src, dst):
             self.row_starts[d] = self.row_starts[s]
@@ -278,8 +263,9 @@ class AlignedKVCache:
             raise RuntimeError(
                 f"cannot shift columns [{lo}, {hi}) by {delta} within capacity {self.capacity}"
             )
-        rows = self.kv[:, :num_rows]  # every layer's keys and values
-        rows[:, :, :, lo + delta : hi + delta] = rows[:, :, :, lo:hi].clone()
+        for tensor in (*self.keys, *self.values):
+            rows = tensor[:num_rows]
+            rows[:, :, lo + delta : hi + delta] = rows[:, :, lo:hi].clone()
         mask = self.mask[:num_rows]
         span = mask[..., lo:hi].clone()
         mask.fill_(self.masked_value)
