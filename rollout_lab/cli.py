@@ -231,8 +231,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         rows = max(len(v) for v in lengths.values())
         engine["prefill_classes"] = ShapeClasses.ladder(max_width=longest, max_rows=rows)
         engine["prefill_graphs"] = bool(args.prefill_graphs)
+    if args.no_compile and args.compile_layers:
+        raise ValueError("--no-compile and --compile-layers contradict each other: give one of them")
     if args.no_compile:  # graphs capture the eager model: no compile (minutes for a large model)
         engine["compile"] = False
+    if args.compile_layers:  # each decoder layer compiled: a shorter first compile (engine.compiling)
+        if device_type(args.device) != "cuda":
+            raise ValueError(f"--compile-layers compiles the CUDA-graph decode step; --device is {args.device}")
+        engine["compile"] = "layers"
     workspace = _workspace(args)
     out = Path(args.out) if args.out else workspace.results / f"sweep_{name}_{args.dtype}_{device_type(args.device)}"
     check_writable(out.parent, what="the --out folder")
@@ -488,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-compile", action="store_true",
                        help="our decode step and prefill graphs capture the eager model (RolloutConfig(compile=False)): "
                             "no first-call compile, which takes minutes for a large model, for a slower step")
+    sweep.add_argument("--compile-layers", action="store_true",
+                       help="compile each decoder layer instead of the whole model (RolloutConfig(compile='layers')): "
+                            "a shorter first compile, fusions stopping at layer boundaries")
     sweep.add_argument("--out", help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
     sweep.set_defaults(func=cmd_sweep)
 

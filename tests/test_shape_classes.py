@@ -167,7 +167,7 @@ cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="n
 
 
 @cuda
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, True, "layers"])
 @pytest.mark.parametrize("family", ["qwen2", "opt"])
 def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
     """fp32: class-shape prefill by graph replay gives eager's tokens (and the oracle's), with refill,
@@ -198,7 +198,7 @@ def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
         assert rollout._prefill_graphs is not graphs
-    assert graph.profile.prefill_backend == "graph" and graphs.compiled is compile
+    assert graph.profile.prefill_backend == "graph" and graphs.compiled == compile
     assert graph.sequences == eager.sequences == expected
     capped = Rollout(model, RolloutConfig(prefill_graphs=True, max_prefill_graphs=1, **common))
     assert capped.generate(prompts, max_new_tokens=budgets).sequences == expected

@@ -89,9 +89,13 @@ def test_resolution_on_cpu():
     assert resolve_compile("auto", "eager") is False
     with pytest.raises(ValueError, match="compile=True compiles the graph-captured step"):
         resolve_compile(True, "eager")
+    with pytest.raises(ValueError, match="compile='layers' compiles the graph-captured step"):
+        resolve_compile("layers", "eager")
+    assert resolve_compile("auto", "graph") is True and resolve_compile("layers", "graph") == "layers"
+    assert resolve_compile(False, "graph") is False and RolloutConfig(compile="layers").compile == "layers"
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         RolloutConfig(decode_attention="flash")
-    with pytest.raises(ValueError, match="compile must be 'auto', True or False"):
+    with pytest.raises(ValueError, match="compile must be 'auto', 'layers', True or False"):
         RolloutConfig(compile="yes")
 
 
@@ -223,10 +227,12 @@ def test_cuda_kernel_equals_reference():
 
 
 @cuda
+@pytest.mark.parametrize("compile", ["auto", "layers"])
 @pytest.mark.parametrize("family", ["qwen3", "opt"])
-def test_cuda_compiled_span_graph_equals_eager_and_oracle(family, oracle):
-    """fp32: the compiled, laddered, span-attention graph step gives the tokens of the eager masked
-    step and of the one-request oracle, with refill, per-request budgets and EOS."""
+def test_cuda_compiled_span_graph_equals_eager_and_oracle(family, compile, oracle):
+    """fp32: the compiled (whole, or layer by layer), laddered, span-attention graph step gives the
+    tokens of the eager masked step and of the one-request oracle, with refill, per-request budgets
+    and EOS."""
     from rollout_lab.measure.models import tiny_model
 
     model = tiny_model(family, seed=0).to("cuda")
@@ -238,8 +244,8 @@ def test_cuda_compiled_span_graph_equals_eager_and_oracle(family, oracle):
         common = dict(mode="bucketed", costs=SPLIT_COSTS, continuous_batch_size=slots)
         eager = Rollout(model, RolloutConfig(decode="eager", decode_attention="masked", **common)) \
             .generate(prompts, max_new_tokens=budgets)
-        with Rollout(model, RolloutConfig(decode="graph", **common)) as rollout:
-            assert rollout.spans and rollout.compiled  # the CUDA defaults
+        with Rollout(model, RolloutConfig(decode="graph", compile=compile, **common)) as rollout:
+            assert rollout.spans and rollout.compiled == (True if compile == "auto" else compile)
             graph = rollout.generate(prompts, max_new_tokens=budgets, profile=True)
             info = rollout.stepper_info
         assert graph.sequences == eager.sequences == expected, (family, slots)

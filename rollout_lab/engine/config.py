@@ -58,7 +58,9 @@ class RolloutConfig:
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
     decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
     decode_attention: str = "auto"  # "span", "masked" or "auto" (DECODE_ATTENTIONS)
-    compile: bool | str = "auto"  # torch.compile the graph-captured decode step and prefill graphs; False to debug
+    # torch.compile the graph-captured decode step and prefill graphs: "auto"/True the whole model,
+    # "layers" each decoder layer (a shorter first compile, engine.compiling), False to debug
+    compile: bool | str = "auto"
     # bucketed prefill at a bounded set of shapes (planner.shape_classes), planned and priced there;
     # None: every bucket at its own shape
     prefill_classes: ShapeClasses | None = None
@@ -79,8 +81,8 @@ class RolloutConfig:
         if self.decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(
                 f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {self.decode_attention!r}")
-        if not any(self.compile is c for c in (True, False)) and self.compile != "auto":  # 1 is not True
-            raise ValueError(f"compile must be 'auto', True or False, got {self.compile!r}")
+        if not any(self.compile is c for c in (True, False)) and self.compile not in ("auto", "layers"):  # 1 is not True
+            raise ValueError(f"compile must be 'auto', 'layers', True or False, got {self.compile!r}")
         if self.prefill_classes is not None and not isinstance(self.prefill_classes, ShapeClasses):
             raise ValueError(f"prefill_classes must be a ShapeClasses or None, got {self.prefill_classes!r}")
         if self.prefill_graphs and self.prefill_classes is None:

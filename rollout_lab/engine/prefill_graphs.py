@@ -11,7 +11,8 @@ class is captured once, on first use, into a CUDA graph that later buckets of th
   graph's memory and are read (copied into the aligned cache) before the next replay;
 - all classes share one memory pool; ``max_graphs`` bounds how many are captured (a class past it
   runs eagerly); ``capture_ms`` and ``num_captures`` report what capturing cost;
-- ``compiled=True`` captures ``torch.compile(model, dynamic=True)`` instead of the model. A replay
+- ``compiled=True`` captures ``torch.compile(model, dynamic=True)`` instead of the model
+  (``compiled="layers"``: each decoder layer compiled, ``engine.compiling``). A replay
   removes the launches but not the GPU time of ~1,000 small unfused kernels: on the H200 a 1×16
   replay of Qwen2.5-3B took 6.9 ms against ~1.5 ms of weight streaming, as the uncompiled decode
   step did (5.8 ms, 3.5 ms compiled). Symbolic sizes let one compile serve the classes.
@@ -29,6 +30,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from rollout_lab.engine.compiling import compile_forward
 from rollout_lab.engine.prefill import check_class_shape, class_batch, prefill_bucket
 
 
@@ -46,7 +48,7 @@ class PrefillGraphs:
     """Captured prefill forwards by class shape (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, cache_kwarg: str, max_graphs: int = 32, num_warmups: int = 2,
-                 compiled: bool = False):
+                 compiled: bool | str = False):
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         param = next(model.parameters())
@@ -54,7 +56,7 @@ class PrefillGraphs:
             raise ValueError(f"prefill graphs need a CUDA model, this one is on {param.device}")
         self.model, self.cache_kwarg = model, cache_kwarg
         self.compiled = compiled
-        self.forward = torch.compile(model, dynamic=True) if compiled else model  # what the graphs capture
+        self.forward = compile_forward(model, compiled) if compiled else model  # what the graphs capture
         self.max_graphs, self.num_warmups = max_graphs, num_warmups
         self.device, self.dtype = param.device, param.dtype
         self.shapes: dict[tuple[int, int], _Captured] = {}

@@ -15,8 +15,8 @@ windows, so they compute the same thing; the graph ladder is row counts x widths
 attention (``key.spans``, ``engine.span_attention``) each row reads only its live columns, so there
 is one window, the capacity, and the ladder is row counts only.
 
-With ``key.compiled`` the graph stepper runs ``torch.compile(model, dynamic=True)`` inside each
-captured step: inductor fuses the norms, rotary and activations, and symbolic sizes let one compile
+With ``key.compiled`` the graph stepper runs the compiled model (``engine.compiling``: whole, or
+``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms, rotary and activations, and symbolic sizes let one compile
 serve every rung. Every shape runs once before any capture, so compiling never happens while a
 graph records; ``build_ms`` is that first-call cost, paid once per stepper.
 
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.compiling import compile_forward
 from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
 from rollout_lab.engine.sampling import SamplingParams
@@ -72,12 +73,15 @@ def resolve_spans(choice: str, model: torch.nn.Module, device: torch.device | st
     return choice == "span"
 
 
-def resolve_compile(choice: bool | str, decode_mode: str) -> bool:
-    """Whether the captured step is compiled: "auto" wherever graphs run; the eager step never is."""
-    if choice is True and decode_mode != "graph":
-        raise ValueError("compile=True compiles the graph-captured step, which needs decode='graph' "
+def resolve_compile(choice: bool | str, decode_mode: str) -> bool | str:
+    """How the captured step is compiled: True (the whole model) for "auto" wherever graphs run,
+    "layers" layer by layer (engine.compiling), False for the eager step, which never is."""
+    if (choice is True or choice == "layers") and decode_mode != "graph":
+        raise ValueError(f"compile={choice!r} compiles the graph-captured step, which needs decode='graph' "
                          f"on a CUDA device (decode is {decode_mode!r}); use compile='auto' or False")
-    return decode_mode == "graph" and choice is not False
+    if decode_mode != "graph" or choice is False:
+        return False
+    return "layers" if choice == "layers" else True
 
 
 def weights_signature(model: torch.nn.Module) -> tuple:
@@ -102,7 +106,7 @@ class StepperKey:
     max_graphs: int = 1  # row counts captured (graph decode only)
     num_widths: int = 1  # masked attention: windows over the capacity
     spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
-    compiled: bool = False  # torch.compile the forward inside the captured step (graph decode only)
+    compiled: bool | str = False  # compile the forward inside the captured step: True, "layers" (graph decode only)
     keep_logits: bool = False  # the step leaves its logits in state.logits (teacher-forced checks)
     logprobs_mode: str | None = None  # the step leaves each token's log-probability in state.logprobs
 
@@ -175,7 +179,7 @@ class GraphStepper(EagerStepper):
         super().__init__(model, key)
         started = time.perf_counter()
         if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder
-            self.forward = torch.compile(model, dynamic=True)
+            self.forward = compile_forward(model, key.compiled)
         self.signature = weights_signature(model)
         self.ladder = graph_ladder(key.num_slots, key.max_graphs)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, width) -> graph

@@ -84,6 +84,9 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "ours_full_width": {"compile": False, "decode_attention": "masked", "decode_widths": 1},
     "ours_one_graph": {"compile": False, "decode_attention": "masked", "decode_widths": 1,
                        "max_decode_graphs": 1},
+    # not an ablation: "ours" with each decoder layer compiled instead of the whole model (a shorter
+    # first compile, engine.compiling), to weigh its step against the whole model's
+    "ours_compile_layers": {"compile": "layers"},
 }
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
 DEFAULT_REPETITIONS = 5  # timed rounds after the warm-up: enough for a median and an IQR on a CPU

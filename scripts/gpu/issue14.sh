@@ -15,17 +15,20 @@ if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"; GRPO="--tiny qwen2 --scale 0.1 --max-new-tokens 16"
   GPQA="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8 --prefill-classes"; PEER="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8"
+  VARIANTS="ours ours_no_compile ours_masked"
 else
   STEP="--preset qwen2.5-3b"; RL="--preset qwen3-0.6b"
   LOGITS="--preset qwen2.5-3b --steps 32"; GRPO="--preset qwen2.5-3b --max-new-tokens 512"
   GPQA="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256 --prefill-graphs"
   PEER="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256"
+  # ours_compile_layers: each decoder layer compiled (CUDA only), its step and first-call cost beside the whole model's
+  VARIANTS="ours ours_compile_layers ours_no_compile ours_masked"
 fi
 versions
 for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_span_attention.py tests/test_steppers.py ;;
-    step)  step 300 $PY scripts/bench_decode_step.py $STEP --variants ours ours_no_compile ours_masked \
+    step)  step 300 $PY scripts/bench_decode_step.py $STEP --variants $VARIANTS \
                --out $OUT/decode_step ;;
     rl)    step 420 $PY scripts/bench_rl.py $RL --paths ours ours_no_compile ours_masked --out $OUT/rl ;;
     # the same model as the next step: its compile finds inductor's cache warm

@@ -1,0 +1,73 @@
+"""``torch.compile`` of a causal LM's forward, whole or one decoder layer at a time.
+
+The captured decode step and the prefill graphs replay compiled code (``RolloutConfig(compile=...)``):
+
+- ``"model"`` compiles the whole forward as one graph with symbolic sizes. Inductor fuses across
+  layer boundaries, but its first compile grows with the depth: ~245 s for Qwen2.5-3B (36 layers)
+  on the H200, paid again on every fresh machine.
+- ``"layers"`` compiles each decoder layer instead and runs the rest (embedding, final norm, head)
+  eagerly inside the same captured graph. The layers share one code object: dynamo traces each
+  (their ``layer_idx`` differs, so each has its own guard), and inductor's graph cache serves the
+  other 35 from the first one's code. On this repository's 2-core CPU a 36-layer tiny qwen2 step
+  compiled in 52.7 s against 93 s whole. Fusions stop at layer boundaries (a residual add and the
+  next norm), so the step may cost a little more: measure before choosing it on a GPU.
+
+The model itself is left alone (its other callers, HF's peers among them, stay eager): ``"layers"``
+returns a shallow copy of the path from the model to its layer list, sharing every parameter, whose
+list holds the compiled layers.
+
+    forward = compile_forward(model, "layers")      # call it like the model
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+
+COMPILE_MODES = ("model", "layers")
+
+
+def decoder_layers(model: torch.nn.Module) -> str:
+    """The dotted name of the model's decoder-layer list: the longest ``ModuleList`` whose items are
+    all of one class (``model.layers`` for qwen2/qwen3/llama, ``model.decoder.layers`` for opt)."""
+    best, best_len = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > best_len \
+                and len({type(m) for m in module}) == 1:
+            best, best_len = name, len(module)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile one by one; "
+                         "use compile='auto' (the whole model) or False")
+    return best
+
+
+def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = "inductor") -> Callable[..., Any]:
+    """A callable like ``model`` whose forward is compiled (``mode``: one of ``COMPILE_MODES``; True
+    is ``"model"``, as ``resolve_compile`` gives it)."""
+    mode = "model" if mode is True else mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {list(COMPILE_MODES)}, got {mode!r}")
+    if mode == "model":
+        return torch.compile(model, dynamic=True, backend=backend)
+    *path, last = decoder_layers(model).split(".")
+    layers = model.get_submodule(".".join(path)).get_submodule(last) if path else model.get_submodule(last)
+    # every layer is one code object with its own guards: let each have its entries (default 8 in all)
+    limit = 4 * len(layers)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    root = _shallow(model)
+    parent = root
+    for part in path:  # copy the path down to the list's owner; the originals keep their modules
+        child = _shallow(parent._modules[part])
+        parent._modules[part] = child
+        parent = child
+    parent._modules[last] = torch.nn.ModuleList(
+        [torch.compile(layer, dynamic=True, backend=backend) for layer in layers])
+    return root
+
+
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy sharing parameters, buffers and hooks, with its own table of submodules."""
+    twin = copy.copy(module)
+    twin._modules = dict(module._modules)
+    return twin

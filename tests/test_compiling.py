@@ -1,0 +1,51 @@
+"""engine.compiling: the forward compiled whole or layer by layer, on the CPU with the aot_eager
+backend (inductor's code generation is the GPU tests' business; this checks what is compiled)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import get_tiny
+
+from rollout_lab.cli import main
+from rollout_lab.engine.compiling import compile_forward, decoder_layers
+
+
+@pytest.mark.parametrize("family, name", [("qwen2", "model.layers"), ("qwen3", "model.layers"),
+                                          ("llama", "model.layers"), ("opt", "model.decoder.layers")])
+def test_decoder_layers_finds_each_familys_layer_list(family, name):
+    assert decoder_layers(get_tiny(family)) == name
+
+
+def test_a_model_without_a_layer_list_is_refused():
+    with pytest.raises(ValueError, match="no list of decoder layers"):
+        decoder_layers(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"compile mode must be one of \['model', 'layers'\], got 'blocks'"):
+        compile_forward(torch.nn.Linear(2, 2), "blocks")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "opt"])
+def test_layerwise_forward_equals_the_model_and_leaves_it_alone(family):
+    torch._dynamo.reset()
+    model = get_tiny(family)
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        forward = compile_forward(model, "layers", backend="aot_eager")
+        got = forward(input_ids=ids).logits
+    assert torch.equal(got, want)
+    name = decoder_layers(model)
+    originals, compiled = model.get_submodule(name), forward.get_submodule(name)
+    assert all(type(layer) is not torch._dynamo.eval_frame.OptimizedModule for layer in originals)
+    assert all(isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) for layer in compiled)
+    assert all(c._orig_mod is o for c, o in zip(compiled, originals))  # the same layers, not copies
+    assert forward.get_output_embeddings() is model.get_output_embeddings()
+    assert torch._dynamo.config.recompile_limit >= 4 * len(originals)
+
+
+def test_sweep_compile_layers_is_checked_before_the_model(tmp_path, capsys):
+    argv = ["sweep", "--tiny", "qwen2", "--device", "cpu", "--workloads", "short_tail", "--out", str(tmp_path / "s")]
+    assert main([*argv, "--compile-layers"]) == 2
+    assert "--compile-layers compiles the CUDA-graph decode step; --device is cpu" in capsys.readouterr().err
+    assert main([*argv, "--compile-layers", "--no-compile"]) == 2
+    assert "--no-compile and --compile-layers contradict each other" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
