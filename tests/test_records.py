@@ -159,3 +159,17 @@ def test_a_record_of_another_kind_is_not_read_as_grpo():
     other = next(p for p in RESULTS if load(p).get("kind") not in (None, "grpo"))
     with pytest.raises(ValueError, match="is not a grpo record"):
         load_grpo_results(other)
+
+
+COMPILE_COSTS = [p for p in RESULTS if load(p).get("kind") == "compile_cost"]
+
+
+@pytest.mark.parametrize("path", COMPILE_COSTS, ids=lambda p: p.name)
+def test_compile_cost_totals_follow_from_the_calls(path):
+    record = load(path)
+    assert set(record["total_seconds"]) == {r["mode"] for r in record["rows"]}
+    for mode, total in record["total_seconds"].items():
+        calls = [r for r in record["rows"] if r["mode"] == mode]
+        assert [r["rows"] for r in calls] == record["config"]["rows"], f"{path.name}: {mode} lacks calls"
+        assert close(total, sum(r["seconds"] for r in calls)), f"{path.name}: {mode}'s total is not its calls' sum"
+        assert all(r["equal_to_eager"] for r in calls), f"{path.name}: {mode} changed a token"

@@ -52,9 +52,12 @@ def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = 
         return torch.compile(model, dynamic=True, backend=backend)
     *path, last = decoder_layers(model).split(".")
     layers = model.get_submodule(".".join(path)).get_submodule(last) if path else model.get_submodule(last)
-    # every layer is one code object with its own guards: let each have its entries (default 8 in all)
-    limit = 4 * len(layers)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    # the layers are one code object, each with its own guards, and every specialised size (a row
+    # count of 1, the prefill classes) adds an entry per layer: raise dynamo's caps (8 entries per
+    # code object, 256 in all) past what a depth of layers needs, or the last layers run eagerly
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 8 * len(layers))
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * len(layers))
     root = _shallow(model)
     parent = root
     for part in path:  # copy the path down to the list's owner; the originals keep their modules

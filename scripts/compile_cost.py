@@ -1,0 +1,128 @@
+"""First-call cost of the compiled decode step, the whole model against one decoder layer at a time.
+
+    # the record in data/results: a 36-layer tiny qwen2 (Qwen2.5-3B's depth), inductor, this CPU
+    PYTHONPATH=. python3 scripts/compile_cost.py --out data/results/compile_cost_tiny-qwen2-36l_float32_cpu
+    PYTHONPATH=. python3 scripts/compile_cost.py --layers 2 --rows 4 1 --out /tmp/cc   # seconds
+
+For each mode of ``engine.compiling`` (``model``, ``layers``) the decode step of a tiny model deepened
+to ``--layers`` runs once at each row count of ``--rows``, compiled with ``--backend``, in a process
+of its own with an empty inductor cache (so neither mode inherits the other's warm-up or cache);
+each call's seconds (a compile where dynamo specialises a new size, a cache hit
+otherwise) and whether its tokens equal the eager step's are recorded. What a GPU adds (CUDA-graph
+capture, the step's ms) is ``scripts/bench_decode_step.py``'s ``ours_compile_layers`` variant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout_lab.cli import positive_int, record_out
+from rollout_lab.engine.compiling import COMPILE_MODES, compile_forward
+from rollout_lab.engine.prefill import cache_kwarg_name
+from rollout_lab.engine.steppers import EagerStepper, StepperKey
+from rollout_lab.measure.models import TINY_FAMILIES, tiny_config
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.workspace import write_record
+
+CAPACITY = 64  # cache columns: the step's cost here is the compile, not the attention
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=record_out,
+                   help="output stem: writes <out>.json and <out>.csv (neither may exist)")
+    p.add_argument("--family", default="qwen2", choices=sorted(TINY_FAMILIES), help="tiny family (default qwen2)")
+    p.add_argument("--layers", type=positive_int, default=36, help="decoder layers (default 36, Qwen2.5-3B's)")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[16, 8, 4, 2, 1],
+                   help="row counts stepped in turn, the first one the slot count (default 16 8 4 2 1)")
+    p.add_argument("--modes", nargs="+", default=list(COMPILE_MODES), choices=COMPILE_MODES)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--child", choices=COMPILE_MODES, help=argparse.SUPPRESS)  # one mode, its rows on stdout
+    args = p.parse_args(argv)
+    if args.out is None and args.child is None:
+        p.error("the following arguments are required: --out")
+    if max(args.rows) != args.rows[0]:
+        p.error(f"--rows must start with the largest (the slot count), got {args.rows}")
+    return args
+
+
+def deep_tiny(family: str, layers: int) -> torch.nn.Module:
+    config = tiny_config(family)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[0]] * layers
+    if hasattr(config, "max_window_layers"):
+        config.max_window_layers = layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def run_mode(model: torch.nn.Module, mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch._dynamo.reset()
+    key = StepperKey(num_slots=args.rows[0], capacity=CAPACITY, repetition_penalty=1.0, track_seen=False,
+                     cache_kwarg=cache_kwarg_name(model), spans=False)
+    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
+    compiled.forward = compile_forward(model, mode, backend=args.backend)
+    rows_out = []
+    with torch.no_grad():
+        for rows in args.rows:
+            eager.reset()
+            want = eager.step(rows, 0).clone()
+            compiled.reset()
+            started = time.perf_counter()
+            got = compiled.step(rows, 0).clone()
+            seconds = time.perf_counter() - started
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            rows_out.append({"mode": mode, "rows": rows, "seconds": seconds, "unique_graphs": graphs,
+                             "equal_to_eager": bool(torch.equal(got, want))})
+            print(f"{mode:7s} {rows:4d} rows {seconds:7.1f} s  graphs so far {graphs:4d}  "
+                  f"equal {rows_out[-1]['equal_to_eager']}", file=sys.stderr, flush=True)
+    return rows_out
+
+
+def in_own_process(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``run_mode`` in a fresh interpreter with an empty inductor cache; its rows."""
+    child = ["--family", args.family, "--layers", str(args.layers), "--rows", *map(str, args.rows),
+             "--backend", args.backend, "--child", mode]
+    with tempfile.TemporaryDirectory(prefix="compile_cost_") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        done = subprocess.run([sys.executable, __file__, *child], env=env, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the {mode} run failed with status {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(run_mode(deep_tiny(args.family, args.layers), args.child, args)))
+        return
+    record: dict[str, Any] = {
+        "kind": "compile_cost",
+        "provenance": provenance(device=torch.device("cpu"), dtype="float32", script="scripts/compile_cost.py",
+                                 argv=argv),
+        "config": {"model": f"tiny-{args.family}", "layers": args.layers, "rows": args.rows,
+                   "modes": args.modes, "backend": args.backend},
+        "rows": [], "total_seconds": {},
+    }
+    for mode in args.modes:
+        rows = in_own_process(mode, args)
+        record["rows"] += rows
+        record["total_seconds"][mode] = sum(r["seconds"] for r in rows)
+        write_record(args.out, record, record["rows"])  # after every mode: a cut run keeps the first
+        print(f"{mode}: {record['total_seconds'][mode]:.1f} s over {len(rows)} calls")
+    print(f"wrote {args.out[0]} and {args.out[1]}")
+
+
+if __name__ == "__main__":
+    main()
