@@ -8,9 +8,10 @@ The captured decode step and the prefill graphs replay compiled code (``RolloutC
 - ``"layers"`` compiles each decoder layer instead and runs the rest (embedding, final norm, head)
   eagerly inside the same captured graph. The layers share one code object: dynamo traces each
   (their ``layer_idx`` differs, so each has its own guard), and inductor's graph cache serves the
-  other 35 from the first one's code. On this repository's 2-core CPU a 36-layer tiny qwen2 step
-  compiled in 52.7 s against 93 s whole. Fusions stop at layer boundaries (a residual add and the
-  next norm), so the step may cost a little more: measure before choosing it on a GPU.
+  other 35 from the first one's code. On this repository's 2-core CPU the decode step of a 36-layer
+  tiny qwen2 compiled in 142 s against 257 s whole over a ladder of five row counts
+  (``scripts/compile_cost.py``). Fusions stop at layer boundaries (a residual add and the next
+  norm), so the step may cost a little more: measure before choosing it on a GPU.
 
 The model itself is left alone (its other callers, HF's peers among them, stay eager): ``"layers"``
 returns a shallow copy of the path from the model to its layer list, sharing every parameter, whose
