@@ -51,8 +51,9 @@ def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = 
         raise ValueError(f"compile mode must be one of {list(COMPILE_MODES)}, got {mode!r}")
     if mode == "model":
         return torch.compile(model, dynamic=True, backend=backend)
-    *path, last = decoder_layers(model).split(".")
-    layers = model.get_submodule(".".join(path)).get_submodule(last) if path else model.get_submodule(last)
+    name = decoder_layers(model)
+    layers = model.get_submodule(name)
+    *path, last = name.split(".")
     # the layers are one code object, each with its own guards, and every specialised size (a row
     # count of 1, the prefill classes) adds an entry per layer: raise dynamo's caps (8 entries per
     # code object, 256 in all) past what a depth of layers needs, or the last layers run eagerly

@@ -16,8 +16,8 @@ attention (``key.spans``, ``engine.span_attention``) each row reads only its liv
 is one window, the capacity, and the ladder is row counts only.
 
 With ``key.compiled`` the graph stepper runs the compiled model (``engine.compiling``: whole, or
-``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms, rotary and activations, and symbolic sizes let one compile
-serve every rung. Every shape runs once before any capture, so compiling never happens while a
+``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms,
+rotary and activations, and symbolic sizes let one compile serve every rung. Every shape runs once before any capture, so compiling never happens while a
 graph records; ``build_ms`` is that first-call cost, paid once per stepper.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
