@@ -152,8 +152,7 @@ def calibrate(
     packed = measure_packed(model, grid, progress=progress) if grid.packed else []
     packed_records: tuple[dict[str, Any], ...] = ()
     if packed:
-        fixed, per_prompt, packed_records = fit_packed_costs(packed, geometry, coeffs)
-        coeffs = replace(coeffs, packed_fixed_cost_ms=fixed, packed_prompt_cost_ms=per_prompt)
+        coeffs, packed_records = with_packed_costs(packed, geometry, coeffs)
     result = CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records)
     problems = fit_warnings(r2, result.worst_rel_error, num_shapes=len(fit))
     if problems:  # on the console too, not only in the record
@@ -377,6 +376,14 @@ def fit_packed_costs(
     return fixed, per_prompt, tuple(records)
 
 
+def with_packed_costs(
+    packed: list[dict[str, Any]], geometry: ModelGeometry, coeffs: CostCoefficients
+) -> tuple[CostCoefficients, tuple[dict[str, Any], ...]]:
+    """``coeffs`` with both packed terms from ``fit_packed_costs``, and the per-shape fit."""
+    fixed, per_prompt, records = fit_packed_costs(packed, geometry, coeffs)
+    return replace(coeffs, packed_fixed_cost_ms=fixed, packed_prompt_cost_ms=per_prompt), records
+
+
 def refit_packed(result: CalibrationResult) -> CalibrationResult:
     """``result`` with its packed terms fitted again from its own packed measurements by
     ``fit_packed_costs`` (a calibration saved before the packed fixed cost existed); the metadata
@@ -384,8 +391,7 @@ def refit_packed(result: CalibrationResult) -> CalibrationResult:
     if not result.packed:
         raise ValueError("the calibration holds no packed measurements (grid.packed was off): nothing to refit")
     geometry = ModelGeometry(**result.metadata["geometry"])
-    fixed, per_prompt, records = fit_packed_costs(list(result.packed), geometry, result.coeffs)
-    coeffs = replace(result.coeffs, packed_fixed_cost_ms=fixed, packed_prompt_cost_ms=per_prompt)
+    coeffs, records = with_packed_costs(list(result.packed), geometry, result.coeffs)
     metadata = dict(result.metadata, refit={"what": "packed_fixed_cost_ms, packed_prompt_cost_ms (fit_packed_costs)",
                                             "git_sha": git_sha(), "previous": result.coeffs.to_dict()})
     return replace(result, coeffs=coeffs, metadata=metadata, packed=records)
