@@ -65,6 +65,7 @@ def test_sweep_record_per_path(sweep):
             assert r["profile"]["num_generated_tokens"] == 3 * len(WORKLOADS[name])
             assert r["buckets"] and sum(b for b, _ in r["buckets"]) <= len(WORKLOADS[name])  # shared prefill dedups
             assert r["peak_mem_bytes"] is None  # CPU
+            assert r["first_call_ms"] > 0  # the warm-up call, timed apart from the samples
         assert w["paths"]["auto"]["route"] in ("nocb", "bucketed")
         assert all(rows == 1 for rows, _ in w["paths"]["aligned"]["buckets"])  # one forward per prompt
         for peer in PEER_PATHS:

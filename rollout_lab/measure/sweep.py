@@ -6,7 +6,8 @@
     from rollout_lab.measure.sweep import run_sweep, write_results, results_table
     record = run_sweep(model, workloads={"lt": get_workload("long_tail", scale=0.05)}, repetitions=2)
 
-Per workload: one warm-up call of every path, then ``repetitions`` interleaved rounds (each call
+Per workload: one warm-up call of every path (its time kept as ``first_call_ms``: the compiles and captures
+the workload is first to need), then ``repetitions`` interleaved rounds (each call
 timed whole, device synchronised before and after), then one profiling call per path. Every sample
 is recorded with its median and IQR (``measure.spread``); Auto / best is a ratio of medians, and
 each workload's summary says which paths differ from Auto by more than their spread. EOS is
@@ -263,9 +264,10 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
     outputs: dict[str, list[list[int]]] = {}
     for path in paths:  # warm-up (compiles, allocator); a failing peer is skipped with its reason
         try:
-            _, out, _ = timed_call(runners[path].call, device)
+            first_ms, out, _ = timed_call(runners[path].call, device)
             outputs[path] = output_sequences(out)
-            results[path] = {"samples_ms": [], "peak_mem_bytes": None, "skipped": None}
+            # the warm-up's time: compiles and captures of the shapes this workload is first to use
+            results[path] = {"samples_ms": [], "peak_mem_bytes": None, "skipped": None, "first_call_ms": first_ms}
         except Exception as err:  # noqa: BLE001 - recorded, and only for peers
             if path in MODES:
                 raise
@@ -297,7 +299,7 @@ def _run_workload(model, prompts, paths, runners, *, device, repetitions, max_ne
         entry = results[path]
         if entry.get("skipped") is not None:
             entry.update({"mean_ms": None, "median_ms": None, "q1_ms": None, "q3_ms": None, "iqr_ms": None,
-                          "samples_ms": [], "tokens_per_s": None, "peak_mem_bytes": None,
+                          "samples_ms": [], "tokens_per_s": None, "peak_mem_bytes": None, "first_call_ms": None,
                           "route": None, "buckets": None, "profile": None,
                           "matches_nocb": None, "matches_oracle": None})
             bar.update()
