@@ -322,7 +322,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 # The checkout's H200 sweep of today's engine: our routes, and HF's compiled peer in its own process
-COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda_compiled-graphs.json",
+COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda_compiled-graphs_refit.json",
                         "data/results/sweep_qwen2.5-3b_bfloat16_cuda_hf_static.json")
 
 
