@@ -70,3 +70,25 @@ def test_layerwise_prefill_into_a_dynamic_cache_equals_the_model():
     assert len(got_cache.layers) == len(want_cache.layers) == model.config.num_hidden_layers
     assert all(torch.equal(g.keys, w.keys) and torch.equal(g.values, w.values)
                for g, w in zip(got_cache.layers, want_cache.layers))
+
+
+@pytest.mark.parametrize("mode", ["model", "layers"])
+def test_one_compile_serves_every_row_count_past_one(mode):
+    """The decode step first traced with as many rows as slots must not pin rows == slots: 8, 4 and
+    2 rows reuse the 16-row graph (no duck shapes), and tokens equal the eager step's."""
+    from rollout_lab.engine.steppers import EagerStepper, StepperKey
+
+    torch._dynamo.reset()
+    model = get_tiny("qwen2")
+    key = StepperKey(num_slots=16, capacity=32, repetition_penalty=1.0, track_seen=False,
+                     cache_kwarg=cache_kwarg_name(model), spans=False)
+    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
+    compiled.forward = compile_forward(model, mode, backend="aot_eager")
+    counts = []
+    with torch.no_grad():
+        for rows in (16, 8, 4, 2):
+            eager.reset()
+            compiled.reset()
+            assert torch.equal(compiled.step(rows, 0), eager.step(rows, 0)), rows
+            counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert counts[1:] == counts[:1] * 3, counts  # no graph after the first row count's

@@ -130,6 +130,8 @@ def test_graph_ladder_rungs():
 
     assert graph_ladder(256, 24) == (1, 2, 4, 8, *range(16, 257, 16))
     assert graph_ladder(256, 1) == (256,)
+    assert graph_ladder(256, 24, smallest=2) == (2, 4, 8, *range(16, 257, 16))  # compiled: no 1-row rung
+    assert graph_ladder(1, 5, smallest=2) == (1,) and graph_ladder(2, 5, smallest=2) == (2,)
     assert graph_ladder(3, 24) == (1, 2, 3) and graph_ladder(1, 5) == (1,) and graph_ladder(17, 24)[-2:] == (16, 17)
     thinned = graph_ladder(256, 8)
     assert len(thinned) == 8 and thinned[-1] == 256 and list(thinned) == sorted(set(thinned))

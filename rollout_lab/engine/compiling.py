@@ -13,6 +13,13 @@ The captured decode step and the prefill graphs replay compiled code (``RolloutC
   (``scripts/compile_cost.py``). Fusions stop at layer boundaries (a residual add and the next
   norm), so the step may cost a little more: measure before choosing it on a GPU.
 
+Both modes trace without duck shapes (``torch.fx.experimental._config.use_duck_shape``): by
+default dynamo gives two sizes that are equal at the first trace one symbol, so a step first traced
+with as many rows as cache slots (16 and 16) holds only while they stay equal, and 8 rows compile
+again. With a symbol per size one graph serves every row count past 1 (a size of 1 still
+specialises; ``steppers.graph_ladder`` starts at 2 rows when the step is compiled). The setting is
+process-wide, as dynamo's recompile caps are.
+
 The model itself is left alone (its other callers, HF's peers among them, stay eager): ``"layers"``
 returns a shallow copy of the path from the model to its layer list, sharing every parameter, whose
 list holds the compiled layers.
@@ -25,6 +32,7 @@ import copy
 from typing import Any, Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 COMPILE_MODES = ("model", "layers")
 
@@ -49,6 +57,7 @@ def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = 
     mode = "model" if mode is True else mode
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {list(COMPILE_MODES)}, got {mode!r}")
+    fx_config.use_duck_shape = False  # a symbol per size: one graph for every row count > 1 (docstring)
     if mode == "model":
         return torch.compile(model, dynamic=True, backend=backend)
     name = decoder_layers(model)

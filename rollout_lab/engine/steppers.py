@@ -2,7 +2,7 @@
 
 A stepper owns the aligned cache, the decode buffers and (for the graph) a ladder of captured decode
 steps: one per row count of ``graph_ladder`` (1, 2, 4, 8, then every 16 up to the slot count, thinned
-to ``max_graphs``), all in one memory pool. Slots stay dense (compaction), so a step replays the
+to ``max_graphs``; from 2 when the step is compiled), all in one memory pool. Slots stay dense (compaction), so a step replays the
 smallest graph that covers the live rows: retired rows stop costing. ``Rollout`` keeps its stepper
 across calls: the graphs are captured once and replayed while the slot count, the capacity, the
 penalty and the weights' storage are unchanged; replacing a parameter or buffer (a new tensor, dtype,
@@ -17,7 +17,7 @@ is one window, the capacity, and the ladder is row counts only.
 
 With ``key.compiled`` the graph stepper runs the compiled model (``engine.compiling``: whole, or
 ``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms,
-rotary and activations, and symbolic sizes let one compile serve every rung. Every shape runs once before any capture, so compiling never happens while a
+rotary and activations, and symbolic sizes (a symbol per size, no 1-row rung) let one compile serve every rung. Every shape runs once before any capture, so compiling never happens while a
 graph records; ``build_ms`` is that first-call cost, paid once per stepper.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
@@ -178,10 +178,10 @@ class GraphStepper(EagerStepper):
     def __init__(self, model: torch.nn.Module, key: StepperKey, *, num_warmups: int = 2):
         super().__init__(model, key)
         started = time.perf_counter()
-        if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder
+        if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder (it has no 1-row rung)
             self.forward = compile_forward(model, key.compiled)
         self.signature = weights_signature(model)
-        self.ladder = graph_ladder(key.num_slots, key.max_graphs)
+        self.ladder = graph_ladder(key.num_slots, key.max_graphs, smallest=2 if key.compiled else 1)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, width) -> graph
         self.tokens: dict[tuple[int, int], torch.Tensor] = {}
         self.replays_by_rows: dict[int, int] = {}  # ladder row count -> replays
@@ -243,12 +243,16 @@ def width_ladder(capacity: int, num_widths: int) -> tuple[int, ...]:
     return tuple(sorted(parts | {capacity}))
 
 
-def graph_ladder(num_slots: int, max_graphs: int) -> tuple[int, ...]:
+def graph_ladder(num_slots: int, max_graphs: int, *, smallest: int = 1) -> tuple[int, ...]:
     """The row counts to capture, ascending, always ending at ``num_slots``: 1, 2, 4, 8, then every
-    16, thinned evenly to at most ``max_graphs`` (``max_graphs=1``: one graph over every slot)."""
+    16, thinned evenly to at most ``max_graphs`` (``max_graphs=1``: one graph over every slot).
+    ``smallest=2`` leaves out the 1-row rung (one live row replays the 2-row graph): a compiled step
+    specialises a size of 1, and that rung would cost a whole compile of its own."""
     if max_graphs < 1:
         raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-    rungs = [r for r in (1, 2, 4, 8) if r < num_slots] + list(range(16, num_slots, 16)) + [num_slots]
+    if smallest not in (1, 2):
+        raise ValueError(f"smallest must be 1 or 2, got {smallest}")
+    rungs = [r for r in (1, 2, 4, 8) if smallest <= r < num_slots] + list(range(16, num_slots, 16)) + [num_slots]
     if len(rungs) > max_graphs:
         stride = len(rungs) / max_graphs
         rungs = sorted({rungs[min(len(rungs) - 1, int(round((i + 1) * stride)) - 1)] for i in range(max_graphs)})
