@@ -2,8 +2,9 @@
 
 A stepper owns the aligned cache, the decode buffers and (for the graph) a ladder of captured decode
 steps: one per row count of ``graph_ladder`` (1, 2, 4, 8, then every 16 up to the slot count, thinned
-to ``max_graphs``; from 2 when the step is compiled), all in one memory pool. Slots stay dense (compaction), so a step replays the
-smallest graph that covers the live rows: retired rows stop costing. ``Rollout`` keeps its stepper
+to ``max_graphs``; from 2 when the step is compiled), all in one memory pool. Slots stay dense
+(compaction), so a step replays the smallest graph that covers the live rows: retired rows stop
+costing. ``Rollout`` keeps its stepper
 across calls: the graphs are captured once and replayed while the slot count, the capacity, the
 penalty and the weights' storage are unchanged; replacing a parameter or buffer (a new tensor, dtype,
 shape or layout) triggers a recapture. ``Rollout.close()`` releases them.
@@ -17,8 +18,9 @@ is one window, the capacity, and the ladder is row counts only.
 
 With ``key.compiled`` the graph stepper runs the compiled model (``engine.compiling``: whole, or
 ``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms,
-rotary and activations, and symbolic sizes (a symbol per size, no 1-row rung) let one compile serve every rung. Every shape runs once before any capture, so compiling never happens while a
-graph records; ``build_ms`` is that first-call cost, paid once per stepper.
+rotary and activations, and symbolic sizes (a symbol per size, no 1-row rung) let one compile serve
+every rung. Every shape runs once before any capture, so compiling never happens while a graph
+records; ``build_ms`` is that first-call cost, paid once per stepper.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
     tokens = stepper.step(num_rows, front)                    # [num_rows] ids, device tensor
