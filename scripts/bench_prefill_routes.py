@@ -51,14 +51,15 @@ def main(argv: list[str] | None = None) -> None:
                    "costs": args.costs, "prefill_graphs": args.prefill_graphs},
     }
 
-    def write(rows: list[dict]) -> None:  # after every batch size: a cut run keeps them
-        done = sorted({r["batch_size"] for r in rows})
+    def write(rows: list[dict]) -> None:  # after every batch: a cut run keeps them
+        done = sorted({r["batch_size"] for r in rows})  # a size is done when both its distributions are
+        done = [n for n in done if len({r["distribution"] for r in rows if r["batch_size"] == n}) == 2]
         complete = set(done) == set(args.batch_sizes)
         write_record(args.out, record | {"rows": rows, "complete": complete, "batch_sizes_done": done}, rows)
         print(f"batch sizes {done} written to {args.out[0]}", file=sys.stderr)
 
     prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
-                       engine=engine, on_batch_size=write)
+                       engine=engine, on_batch_size=write, log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {args.out[0]} and {args.out[1]}")
 
 

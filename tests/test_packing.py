@@ -126,12 +126,15 @@ def test_packed_shared_prefill_and_sampling_equal_bucketed():
 def test_prefill_routes_are_measured_side_by_side():
     from rollout_lab.measure.prefill_routes import PREFILL_ROUTES, prefill_route_rows
 
-    seen = []
-    rows = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4, 8), repetitions=1, on_batch_size=seen.append)
+    seen, lines = [], []
+    rows = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4, 8), repetitions=1, on_batch_size=seen.append,
+                              log=lines.append)
     assert len(rows) == 2 * 2 * len(PREFILL_ROUTES)  # sizes x distributions x routes
-    assert [len(s) for s in seen] == [len(rows) // 2, len(rows)] and seen[-1] == rows  # after each batch size
+    step = len(PREFILL_ROUTES)  # after each batch (size and distribution): a cut run keeps what it finished
+    assert [len(s) for s in seen] == [step, 2 * step, 3 * step, 4 * step] and seen[-1] == rows
+    assert len(lines) == len(rows) and all("warm-up" in line for line in lines)  # one per warm-up call
     for r in rows:
-        assert r["mean_ms"] > 0 and r["num_tokens"] >= r["batch_size"]
+        assert r["mean_ms"] > 0 and r["num_tokens"] >= r["batch_size"] and r["first_call_ms"] > 0
         assert r["num_forwards"] == 1 or r["route"] == "bucketed"
     with pytest.raises(ValueError, match="repetitions >= 1"):
         prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=0)

@@ -3,11 +3,12 @@
 Notebook 02 shows from the cost model where packed and bucketed prefill cross; this measures it. For
 the lognormal and bimodal batches of each size (``measure.workloads.crossing_batches``, as notebook
 02's), every route runs whole calls with one new token,
-so a call is its prefill (plus the first token's choice), interleaved, after one warm-up:
+so a call is its prefill (plus the first token's choice), interleaved, after one warm-up. The
+warm-up is kept as ``first_call_ms``: the compiles and captures that batch is first to need.
 
     rows = prefill_route_rows(model, batch_sizes=(32, 64, 128), repetitions=3)
     # distribution, batch_size, num_tokens, route, mean_ms, stdev_ms, median_ms, q1_ms, q3_ms, iqr_ms,
-    # samples_ms, num_forwards, backend
+    # samples_ms, first_call_ms, num_forwards, backend
 """
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ def prefill_route_rows(
     model: torch.nn.Module, *, batch_sizes: Sequence[int], repetitions: int = 3, costs: CostCoefficients | None = None,
     seed: int = 0, engine: dict[str, Any] | None = None,
     on_batch_size: Callable[[list[dict[str, Any]]], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (distribution, batch size, route): the measured prefill call (module doc).
     ``engine`` holds more ``RolloutConfig`` settings for every route (e.g. ``prefill_classes`` and
     ``prefill_graphs``, as ``rollout-lab sweep --prefill-graphs`` runs); ``on_batch_size`` gets the
-    rows so far after each batch size (a caller writes its record there, so a cut run keeps them)."""
+    rows so far after each batch of each size and distribution (a caller writes its record there, so a
+    cut run keeps them); ``log`` gets a line per warm-up call (where a long compile went)."""
     if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
     config = model.config.get_text_config(decoder=True)
@@ -55,12 +58,16 @@ def prefill_route_rows(
         for kind, lengths in crossing_batches(n, seed, max_len=limit).items():
             prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed + n, special_ids=special)
             samples: dict[str, list[float]] = {route: [] for route in PREFILL_ROUTES}
-            last = {}
+            first, last = {}, {}
             for rep in range(repetitions + 1):  # pass 0 is the warm-up
                 for route, rollout in rollouts.items():
                     ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=1), rollout.device)
                     if rep > 0:
                         samples[route].append(ms)
+                    else:
+                        first[route] = ms
+                        if log is not None:
+                            log(f"{kind} x{n} ({sum(lengths)} tokens) {route}: warm-up {ms / 1e3:.1f} s")
                     last[route] = result
             for route in PREFILL_ROUTES:
                 profile = last[route].profile
@@ -69,10 +76,10 @@ def prefill_route_rows(
                     "mean_ms": statistics.fmean(samples[route]),
                     "stdev_ms": statistics.stdev(samples[route]) if len(samples[route]) > 1 else 0.0,
                     **sample_spread(samples[route]), "samples_ms": ";".join(f"{x:.3f}" for x in samples[route]),
-                    "num_forwards": profile.num_prefill_forwards, "backend": profile.prefill_backend,
+                    "first_call_ms": first[route], "num_forwards": profile.num_prefill_forwards, "backend": profile.prefill_backend,
                 })
-        if on_batch_size is not None:
-            on_batch_size(list(rows))
+            if on_batch_size is not None:
+                on_batch_size(list(rows))
     for rollout in rollouts.values():
         rollout.close()
     return rows

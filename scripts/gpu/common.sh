@@ -9,7 +9,10 @@ set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
-step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$@" 2>&1 | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+# The whole output of each step is kept as $OUT/log_<script>_<n>.txt (the tool shows only the tail of a call).
+STEP_N=0
+step() { local limit=$1; shift; STEP_N=$((STEP_N + 1)); echo "== $* ($(date +%T))"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/log_$(basename "$0" .sh)_$STEP_N.txt" | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/rollout_lab_inductor}
 if [ -n "${INDUCTOR_CACHE:-}" ]; then
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat "$INDUCTOR_CACHE"/inductor.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR" \
