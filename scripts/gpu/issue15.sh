@@ -13,7 +13,8 @@
 # (289680a, a cold machine): tests 71 s, calibrate ~470 s, and the sweep ran 7 of its 8 workloads in
 # 540 s (its first compile included): give gpqa_diamond_128 a second call with RESUME.
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
-# WORKLOADS=... and SWEEP_LIMIT=<s> fit the sweep to what device time is left (the record keeps the finished ones)
+# WORKLOADS=... and SWEEP_LIMIT=<s> fit the sweep to what device time is left (the record keeps the finished ones);
+# PREFILL_LIMIT=<s> does the same for the crossing bench (its record is written after every batch)
 WORKLOADS=${WORKLOADS:-"short_similar long_tail short_tail moderate_tail spread gsm8k_32 gpqa_diamond_32 gpqa_diamond_128"}
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
@@ -33,7 +34,7 @@ for what in "$@"; do
     sweep) if [ -n "${RESUME:-}" ]; then cp "$RESUME"/sweep_ours.json "$RESUME"/sweep_ours.csv "$OUT"/ || exit 1; fi
            step ${SWEEP_LIMIT:-540} $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
                --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_ours ;;
-    prefill) step 400 $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
+    prefill) step ${PREFILL_LIMIT:-400} $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
     *) echo "unknown step $what (tests, calibrate, sweep, prefill, peer)"; exit 2 ;;
