@@ -16,7 +16,7 @@ import sys
 from rollout_lab.cli import positive_int, record_out
 from rollout_lab.measure.calibrate import load_calibration
 from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options
-from rollout_lab.measure.prefill_routes import longest_prompt, prefill_route_rows
+from rollout_lab.measure.prefill_routes import PREFILL_ROUTES, longest_prompt, prefill_route_rows
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import write_record
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     add_model_options(p, default_preset="qwen2.5-3b")
     p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[32, 64, 128, 256, 512])
     p.add_argument("--repetitions", type=positive_int, default=3, help="timed rounds after one warm-up")
+    p.add_argument("--routes", nargs="+", default=list(PREFILL_ROUTES), choices=PREFILL_ROUTES,
+                   help="prefill routes to run (default all three)")
     p.add_argument("--costs", default=None, help="a calibration for the bucketed plan (default: reference coefficients)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="CUDA: buckets at the shape-class ladder, each class's forward captured (as sweep --prefill-graphs)")
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         "provenance": provenance(device=device, dtype=args.dtype, script="scripts/bench_prefill_routes.py",
                                  argv=sys.argv[1:]),
         "config": {"model": model_name, "batch_sizes": args.batch_sizes, "repetitions": args.repetitions,
-                   "costs": args.costs, "prefill_graphs": args.prefill_graphs},
+                   "costs": args.costs, "routes": args.routes, "prefill_graphs": args.prefill_graphs},
     }
 
     def write(rows: list[dict]) -> None:  # after every batch: a cut run keeps them
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch sizes {done} written to {args.out[0]}", file=sys.stderr)
 
     prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
-                       engine=engine, on_batch_size=write, log=lambda line: print(line, file=sys.stderr))
+                       engine=engine, routes=args.routes, on_batch_size=write, log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {args.out[0]} and {args.out[1]}")
 
 

@@ -138,6 +138,10 @@ def test_prefill_routes_are_measured_side_by_side():
         assert r["num_forwards"] == 1 or r["route"] == "bucketed"
     with pytest.raises(ValueError, match="repetitions >= 1"):
         prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=0)
+    with pytest.raises(ValueError, match="routes must be some of"):
+        prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, routes=("nocb", "hf_static"))
+    some = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, routes=("packed",))
+    assert {r["route"] for r in some} == {"packed"} and len(some) == 2
     with pytest.raises(ValueError, match="give prefill_classes too"):  # engine settings reach every route
         prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, engine={"prefill_graphs": True})
 

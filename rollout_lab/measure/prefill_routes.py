@@ -36,7 +36,7 @@ def longest_prompt(model: torch.nn.Module) -> int:
 
 def prefill_route_rows(
     model: torch.nn.Module, *, batch_sizes: Sequence[int], repetitions: int = 3, costs: CostCoefficients | None = None,
-    seed: int = 0, engine: dict[str, Any] | None = None,
+    seed: int = 0, engine: dict[str, Any] | None = None, routes: Sequence[str] = PREFILL_ROUTES,
     on_batch_size: Callable[[list[dict[str, Any]]], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
@@ -44,20 +44,23 @@ def prefill_route_rows(
     ``engine`` holds more ``RolloutConfig`` settings for every route (e.g. ``prefill_classes`` and
     ``prefill_graphs``, as ``rollout-lab sweep --prefill-graphs`` runs); ``on_batch_size`` gets the
     rows so far after each batch of each size and distribution (a caller writes its record there, so a
-    cut run keeps them); ``log`` gets a line per warm-up call (where a long compile went)."""
+    cut run keeps them); ``routes`` picks some of ``PREFILL_ROUTES`` (a padded nocb forward of 512
+    prompts up to 2048 tokens does not fit an H200); ``log`` gets a line per warm-up call (where a long compile went)."""
     if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
+    if not routes or not set(routes) <= set(PREFILL_ROUTES):
+        raise ValueError(f"routes must be some of {list(PREFILL_ROUTES)}, got {list(routes)}")
     config = model.config.get_text_config(decoder=True)
     limit = longest_prompt(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     special = special_token_ids(config)
     settings = dict(ignore_eos=True, **({} if costs is None else {"costs": costs}), **(engine or {}))
-    rollouts = {route: Rollout(model, RolloutConfig(mode=route, profile=True, **settings)) for route in PREFILL_ROUTES}
+    rollouts = {route: Rollout(model, RolloutConfig(mode=route, profile=True, **settings)) for route in routes}
     rows = []
     for n in batch_sizes:
         for kind, lengths in crossing_batches(n, seed, max_len=limit).items():
             prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed + n, special_ids=special)
-            samples: dict[str, list[float]] = {route: [] for route in PREFILL_ROUTES}
+            samples: dict[str, list[float]] = {route: [] for route in routes}
             first, last = {}, {}
             for rep in range(repetitions + 1):  # pass 0 is the warm-up
                 for route, rollout in rollouts.items():
@@ -69,7 +72,7 @@ def prefill_route_rows(
                         if log is not None:
                             log(f"{kind} x{n} ({sum(lengths)} tokens) {route}: warm-up {ms / 1e3:.1f} s")
                     last[route] = result
-            for route in PREFILL_ROUTES:
+            for route in routes:
                 profile = last[route].profile
                 rows.append({
                     "distribution": kind, "batch_size": n, "num_tokens": sum(lengths), "route": route,

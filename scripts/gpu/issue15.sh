@@ -18,10 +18,11 @@ source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, version
 WORKLOADS=${WORKLOADS:-"short_similar long_tail short_tail moderate_tail spread gsm8k_32 gpqa_diamond_32 gpqa_diamond_128"}
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
-  PREFILL="--tiny qwen2 --batch-sizes 4 8 --repetitions 1"
+  PREFILL="--tiny qwen2 --batch-sizes 4 8 --repetitions 1"; PREFILL512="--tiny qwen2 --batch-sizes 16 --repetitions 1 --routes bucketed packed"
 else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3 --prefill-graphs"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
-  PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 512 --repetitions 2"
+  PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 --repetitions 2"
+  PREFILL512="--preset qwen2.5-3b --prefill-graphs --batch-sizes 512 --repetitions 2 --routes bucketed packed"
 fi
 # RESUME=<dir> holding sweep_ours.json/.csv from an earlier call: the sweep keeps its workloads
 # (rollout-lab sweep --resume) and runs the rest, so a sweep longer than one call spans two.
@@ -35,8 +36,10 @@ for what in "$@"; do
            step ${SWEEP_LIMIT:-540} $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
                --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_ours ;;
     prefill) step ${PREFILL_LIMIT:-400} $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
+    # 512 prompts without nocb: its padded forward of 512 x ~2048 tokens ran out of the H200's memory
+    prefill512) step ${PREFILL_LIMIT:-300} $PY scripts/bench_prefill_routes.py $PREFILL512 --costs $COSTS --out $OUT/prefill_routes_512 ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
-    *) echo "unknown step $what (tests, calibrate, sweep, prefill, peer)"; exit 2 ;;
+    *) echo "unknown step $what (tests, calibrate, sweep, prefill, prefill512, peer)"; exit 2 ;;
   esac
 done
