@@ -136,6 +136,15 @@ def test_packed_crossing_is_where_the_two_prices_meet():
         plan_buckets(lengths, geometry, CostCoefficients()).cost_ms)
     cheap = packed_crossing_rows(geometry, CostCoefficients(packed_prompt_cost_ms=0.01), batch_sizes=(32,), seeds=(0,))
     assert all(r["packed_wins"] for r in cheap)
+    # at the engine's class ladder the buckets pay the padding up to their class widths
+    from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
+    classes = ShapeClasses.ladder(max_width=2048, max_rows=32)
+    classed = packed_crossing_rows(geometry, CostCoefficients(), batch_sizes=(32,), seeds=(0,), classes=classes)
+    for plain, at_class in zip(rows, classed):
+        assert at_class["bucketed_ms"] >= plain["bucketed_ms"] - 1e-9
+        assert at_class["packed_zero_ms"] == plain["packed_zero_ms"]
+    assert next(r for r in classed if r["distribution"] == "lognormal")["bucketed_ms"] == pytest.approx(
+        plan_buckets_classed(lengths, geometry, CostCoefficients(), classes).cost_ms)
 
 
 def test_plan_comparison_prices_the_reference_plan_on_the_calibrated_device():

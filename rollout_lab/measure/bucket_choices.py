@@ -23,6 +23,7 @@ from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, plans_by_num
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import cb_decode_cost_ms, choose_route, nocb_cost_ms
+from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 
 def plan_padding_share(lengths: Sequence[int], plan: BucketPlan) -> float:
@@ -193,20 +194,23 @@ PACKED_BATCH_SIZES = (32, 64, 128, 256, 512)
 
 def packed_crossing_rows(
     geometry: ModelGeometry, coeffs: CostCoefficients, *, batch_sizes: Sequence[int] = PACKED_BATCH_SIZES,
-    seeds: Sequence[int] = (0, 1, 2),
+    seeds: Sequence[int] = (0, 1, 2), classes: ShapeClasses | None = None,
 ) -> list[dict[str, Any]]:
     """Where packed and bucketed prefill cross, from the cost model, on the lognormal and bimodal
     batches of each size (``measure.workloads.crossing_batches``; a row per distribution, size, seed).
 
     Packed costs ``packed_zero_ms + n * c`` with ``c`` = ``packed_prompt_cost_ms``, so it wins while
     ``c`` < ``crossing_ms_per_prompt`` = (bucketed - packed_zero) / n; ``packed_wins`` applies the
-    coefficients' own ``c`` (None when they have none: not calibrated)."""
+    coefficients' own ``c`` (None when they have none: not calibrated). With ``classes`` every bucket
+    is priced at its class shape (``plan_buckets_classed``), as the engine plans and runs it with
+    ``RolloutConfig(prefill_classes=...)``: the padding up to the class widths is in the price."""
     zero = replace(coeffs, packed_prompt_cost_ms=0.0)
     rows = []
     for n in batch_sizes:
         for seed in seeds:
             for kind, lengths in crossing_batches(n, seed).items():
-                bucketed = plan_buckets(lengths, geometry, coeffs)
+                bucketed = (plan_buckets(lengths, geometry, coeffs) if classes is None
+                            else plan_buckets_classed(lengths, geometry, coeffs, classes))
                 packed = plan_packed(lengths, geometry, zero)
                 crossing = (bucketed.cost_ms - packed.cost_ms) / n
                 c = coeffs.packed_prompt_cost_ms
