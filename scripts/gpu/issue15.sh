@@ -11,7 +11,10 @@
 # first compile of the step (~4 min for the 3B): give it a call of its own. Measured 2026-12-03:
 # tests 83 s, calibrate (eager prefill) 296 s, sweep 352 s, peer 233 s; with compiled prefill graphs
 # (289680a, a cold machine): tests 71 s, calibrate ~470 s, and the sweep ran 7 of its 8 workloads in
-# 540 s (its first compile included): give gpqa_diamond_128 a second call with RESUME.
+# 540 s (its first compile included): give gpqa_diamond_128 a second call with RESUME. The crossing
+# bench (2026-12-04): cold, 400 s were not enough for its first batch; with inductor's cache of that
+# call carried in, prefill (32 and 128 prompts) took ~200 s, its first bucketed call 103 s; prefill512's
+# bucketed warm-up alone took 161 s, so its bimodal batch needs a call of its own (or the cache).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 # WORKLOADS=... and SWEEP_LIMIT=<s> fit the sweep to what device time is left (the record keeps the finished ones);
 # PREFILL_LIMIT=<s> does the same for the crossing bench (its record is written after every batch)
