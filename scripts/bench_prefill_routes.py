@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch sizes {done} written to {args.out[0]}", file=sys.stderr)
 
     prefill_route_rows(model, batch_sizes=args.batch_sizes, repetitions=args.repetitions, costs=costs,
-                       engine=engine, routes=args.routes, on_batch_size=write, log=lambda line: print(line, file=sys.stderr))
+                       engine=engine, routes=args.routes, on_batch_size=write,
+                       log=lambda line: print(line, file=sys.stderr))
     print(f"wrote {args.out[0]} and {args.out[1]}")
 
 

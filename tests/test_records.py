@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_lab.measure.prefill_routes import PREFILL_ROUTES
 from rollout_lab.measure.sweep import MANUAL_ROUTES, PEER_PATHS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,10 +118,10 @@ def test_logit_errors_are_the_worst_step(path):
         assert 0.0 <= result["top1_agreement"] <= 1.0 and result["num_decided"] <= result["num_positions"]
 
 
-PREFILL_ROUTES = [p for p in RESULTS if load(p).get("kind") == "prefill_routes"]
+PREFILL_RECORDS = [p for p in RESULTS if load(p).get("kind") == "prefill_routes"]
 
 
-@pytest.mark.parametrize("path", PREFILL_ROUTES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PREFILL_RECORDS, ids=lambda p: p.name)
 def test_prefill_route_statistics_are_the_samples(path):
     record = load(path)
     assert record["rows"], path.name
@@ -131,7 +132,7 @@ def test_prefill_route_statistics_are_the_samples(path):
         assert row["mean_ms"] == pytest.approx(statistics.fmean(samples), abs=1e-3), name
         assert row["median_ms"] == pytest.approx(statistics.median(samples), abs=1e-3), name
         assert row["q1_ms"] <= row["median_ms"] <= row["q3_ms"], name
-        assert row["route"] in record["config"].get("routes", ["nocb", "bucketed", "packed"]), name
+        assert row["route"] in record["config"].get("routes", PREFILL_ROUTES), name
     done = {r["batch_size"] for r in record["rows"]}  # a size is done when both its batches are
     assert set(record["batch_sizes_done"]) <= done <= set(record["config"]["batch_sizes"]), path.name
 

@@ -45,7 +45,8 @@ def prefill_route_rows(
     ``prefill_graphs``, as ``rollout-lab sweep --prefill-graphs`` runs); ``on_batch_size`` gets the
     rows so far after each batch of each size and distribution (a caller writes its record there, so a
     cut run keeps them); ``routes`` picks some of ``PREFILL_ROUTES`` (a padded nocb forward of 512
-    prompts up to 2048 tokens does not fit an H200); ``log`` gets a line per warm-up call (where a long compile went)."""
+    prompts up to 2048 tokens does not fit an H200); ``log`` gets a line per warm-up call (where a
+    long compile went)."""
     if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
     if not routes or not set(routes) <= set(PREFILL_ROUTES):
@@ -79,7 +80,8 @@ def prefill_route_rows(
                     "mean_ms": statistics.fmean(samples[route]),
                     "stdev_ms": statistics.stdev(samples[route]) if len(samples[route]) > 1 else 0.0,
                     **sample_spread(samples[route]), "samples_ms": ";".join(f"{x:.3f}" for x in samples[route]),
-                    "first_call_ms": first[route], "num_forwards": profile.num_prefill_forwards, "backend": profile.prefill_backend,
+                    "first_call_ms": first[route], "num_forwards": profile.num_prefill_forwards,
+                    "backend": profile.prefill_backend,
                 })
             if on_batch_size is not None:
                 on_batch_size(list(rows))
