@@ -3,7 +3,8 @@
 # (Qwen3-0.6B), with span attention and the compiled step against their ablations; the bf16
 # teacher-forced logits check, GRPO 64 x 8 x 512 and 128 GPQA-like prompts x 256 tokens at 128 slots
 # (Qwen2.5-3B; `gpqa` runs our routes at the prefill-graph ladder, `gpqa_peer` HF static + compile in
-# its own process; COSTS=<calibration> prices Auto).
+# its own process; COSTS=<calibration> prices Auto). A cold 3B decode compile plus the prefill graphs
+# ran past 300 s for `gpqa`: it gets 540 s (GPQA_LIMIT) and wants INDUCTOR_CACHE carried in.
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/issue14.sh tests step rl    # the same steps on a tiny CPU model
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue14.sh tests step   # one device call
 #   ... bash scripts/gpu/issue14.sh rl                                           # the next
@@ -34,7 +35,7 @@ for what in "$@"; do
     # the same model as the next step: its compile finds inductor's cache warm
     logits) step 330 $PY scripts/check_logits.py $LOGITS --out $OUT/logits ;;
     grpo)  step 450 $PY scripts/bench_grpo.py $GRPO ${COSTS:+--costs $COSTS} --reps 1 --out $OUT/grpo ;;
-    gpqa)  step 300 $PY -m rollout_lab.cli sweep $GPQA ${COSTS:+--costs $COSTS} --no-progress --workloads gpqa_diamond_128 \
+    gpqa)  step ${GPQA_LIMIT:-540} $PY -m rollout_lab.cli sweep $GPQA ${COSTS:+--costs $COSTS} --no-progress --workloads gpqa_diamond_128 \
                --paths nocb bucketed packed auto --out $OUT/sweep_gpqa128_256 ;;
     gpqa_peer) step 300 $PY -m rollout_lab.cli sweep $PEER --no-progress --workloads gpqa_diamond_128 --paths hf_static \
                --out $OUT/sweep_gpqa128_256_hf_static ;;
