@@ -11,7 +11,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 # The whole output of each step is kept as $OUT/log_<script>_<n>.txt (the tool shows only the tail of a call).
 STEP_N=0
-step() { local limit=$1; shift; STEP_N=$((STEP_N + 1)); echo "== $* ($(date +%T))"
+# DEADLINE=<s> caps every step at the seconds left of the script's first DEADLINE seconds, and skips a
+# step with under 60 s left, so one device call can run steps back to back and still return its files.
+step() { local limit=$1; shift; STEP_N=$((STEP_N + 1))
+  if [ -n "${DEADLINE:-}" ]; then local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 60 ]; then echo "== skipped, ${left} s left of DEADLINE=$DEADLINE: $*"; return; fi; fi
+  echo "== $* ($(date +%T), limit ${limit} s)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/log_$(basename "$0" .sh)_$STEP_N.txt" | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/rollout_lab_inductor}
 if [ -n "${INDUCTOR_CACHE:-}" ]; then
