@@ -10,7 +10,7 @@
 #   ... bash scripts/gpu/issue14.sh rl                                           # the next
 # Each step has its own time limit, sized from measured times (the device tool allows 600 s a call),
 # and every script writes its record after each case or path, so a step that runs out loses nothing
-# it finished.
+# it finished. RL_PATHS picks bench_rl.py's paths (e.g. "ours hf_generate_batch" for the peer).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
@@ -31,7 +31,7 @@ for what in "$@"; do
     tests) step 300 $PY -m pytest -q -x tests/test_span_attention.py tests/test_steppers.py ;;
     step)  step 300 $PY scripts/bench_decode_step.py $STEP --variants $VARIANTS \
                --out $OUT/decode_step ;;
-    rl)    step 420 $PY scripts/bench_rl.py $RL --paths ours ours_no_compile ours_masked --out $OUT/rl ;;
+    rl)    step 420 $PY scripts/bench_rl.py $RL --paths ${RL_PATHS:-ours ours_no_compile ours_masked} --out $OUT/rl ;;
     # the same model as the next step: its compile finds inductor's cache warm
     logits) step 330 $PY scripts/check_logits.py $LOGITS --out $OUT/logits ;;
     grpo)  step 450 $PY scripts/bench_grpo.py $GRPO ${COSTS:+--costs $COSTS} --reps 1 --out $OUT/grpo ;;
