@@ -45,6 +45,24 @@ def test_eager_stepper_is_kept_across_calls_and_released():
     assert rollout.generate(prompts, max_new_tokens=4).sequences == first  # usable after close
 
 
+@pytest.mark.parametrize("mode", ["bucketed", "packed"])
+def test_a_prefill_only_call_builds_no_stepper_and_keeps_the_kept_one(mode):
+    """Budgets of 1 take every token from the prefill: no decode stepper is built (on CUDA that
+    would compile and capture a step that never runs), and the one kept from earlier calls stays."""
+    model = get_tiny("qwen2")
+    prompts = prompts_of([9, 3, 3, 5], seed=4)
+    with Rollout(model, RolloutConfig(mode=mode, costs=SPLIT)) as rollout:
+        first = rollout.generate(prompts, max_new_tokens=1).sequences
+        assert rollout.stepper_info["kind"] is None
+        longer = rollout.generate(prompts, max_new_tokens=4).sequences
+        assert first == [s[:1] for s in longer]
+        stepper = rollout._stepper
+        assert stepper is not None
+        assert rollout.generate(prompts, max_new_tokens=[1, 1, 1, 1]).sequences == first
+        assert rollout._stepper is stepper
+        assert rollout.generate(prompts, max_new_tokens=4).sequences == longer
+
+
 def _cuda_model(family, dtype=torch.float32):
     return tiny_model(family, seed=0, dtype=dtype).to("cuda")
 

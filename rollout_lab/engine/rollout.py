@@ -309,7 +309,10 @@ class Rollout:
         num_rows = len(row_prompts)
         num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
-        if route != "nocb":
+        # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
+        # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
+        # its compile) is neither built nor replaced.
+        if route != "nocb" and max(row_budgets) > 1:
             with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
                 stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling,
                                             logprobs_mode)
