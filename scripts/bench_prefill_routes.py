@@ -18,6 +18,7 @@ from rollout_lab.measure.calibrate import load_calibration
 from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options
 from rollout_lab.measure.prefill_routes import PREFILL_ROUTES, longest_prompt, prefill_route_rows
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.workloads import crossing_batches
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import write_record
 
@@ -53,9 +54,11 @@ def main(argv: list[str] | None = None) -> None:
                    "costs": args.costs, "routes": args.routes, "prefill_graphs": args.prefill_graphs},
     }
 
+    kinds = set(crossing_batches(1, 0))  # the distributions every batch size runs
+
     def write(rows: list[dict]) -> None:  # after every batch: a cut run keeps them
-        done = sorted({r["batch_size"] for r in rows})  # a size is done when both its distributions are
-        done = [n for n in done if len({r["distribution"] for r in rows if r["batch_size"] == n}) == 2]
+        done = sorted({r["batch_size"] for r in rows  # a size is done when all its distributions are
+                       if {q["distribution"] for q in rows if q["batch_size"] == r["batch_size"]} == kinds})
         complete = set(done) == set(args.batch_sizes)
         write_record(args.out, record | {"rows": rows, "complete": complete, "batch_sizes_done": done}, rows)
         print(f"batch sizes {done} written to {args.out[0]}", file=sys.stderr)
