@@ -35,7 +35,6 @@ from rollout_lab.planner.cost import (CostCoefficients, CostFile, ModelGeometry,
                                       prefill_cost_ms, setting_metadata)
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
-from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import (Workspace, check_not_locked, check_writable,
                                    output_lock, pair_paths, record_paths, write_csv)
 
@@ -227,10 +226,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.prefill_graphs:
         check_prefill_graphs_device(args)
     if args.prefill_classes or args.prefill_graphs:  # the ladder over these workloads' shapes
-        longest = max(max(v) for v in lengths.values())
-        rows = max(len(v) for v in lengths.values())
-        engine["prefill_classes"] = ShapeClasses.ladder(max_width=longest, max_rows=rows)
-        engine["prefill_graphs"] = bool(args.prefill_graphs)
+        engine.update(sweep.class_ladder_settings(lengths, graphs=args.prefill_graphs))
     if args.no_compile and args.compile_layers:
         raise ValueError("--no-compile and --compile-layers contradict each other: give one of them")
     if args.no_compile:  # graphs capture the eager model: no compile (minutes for a large model)

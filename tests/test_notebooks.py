@@ -68,8 +68,31 @@ def test_committed_notebook_is_clean(name):
             defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
             assert not defs, f"{name}: notebooks define no functions or classes"
     declared = pm.inspect_notebook(str(notebook_path(name)))
+    assigned = {t.id for node in ast.parse(tagged[0].source).body if isinstance(node, ast.Assign) for t in node.targets}
+    assert set(declared) == assigned, "papermill could not parse a parameter line (its comment?)"
     assert {"output_dir", "interactive"} <= set(declared)
     assert set(SMOKE_PARAMETERS[name]) <= set(declared)
+
+
+def test_gpu_preset_parameters_run_the_engine_as_the_records_do():
+    """`rollout-lab notebooks --device cuda --preset ...`: each notebook gets the settings the H200
+    records used, and every one of them is a parameter that notebook declares."""
+    from rollout_lab.measure.sweep import PATHS
+    from rollout_lab.notebooks import notebook_parameters
+
+    gpu = {n: notebook_parameters(n, device="cuda", preset="qwen2.5-3b", output_dir="w") for n in NOTEBOOKS}
+    from rollout_lab.measure.calibrate import CalibrationGrid, calibration_grid
+    grid = calibration_grid(gpu["01_calibrate"]["grid"])  # the default grid's shapes, not the tiny one's
+    assert grid.prefill_graphs and grid.repeats == 3 and grid.shapes() == CalibrationGrid().shapes()
+    assert gpu["03_latency_tables"]["prefill_graphs"] is True
+    assert gpu["03_latency_tables"]["paths"] == [p for p in PATHS if p != "hf_static"]  # its peer: own process
+    assert gpu["02_bucket_choices"]["crossing_at_classes"] is True
+    assert gpu["02_bucket_choices"]["kv_dtype"] == "bfloat16" == gpu["03_latency_tables"]["dtype"]
+    declared = {n: set(pm.inspect_notebook(str(notebook_path(n)))) for n in NOTEBOOKS}
+    for key in ("grid", "prefill_graphs", "crossing_at_classes", "kv_dtype", "paths"):
+        assert any(key in declared[n] for n in NOTEBOOKS), key
+    cpu = notebook_parameters("03_latency_tables", device="cpu", preset="qwen2.5-3b", output_dir="w")
+    assert cpu["paths"] is None and "prefill_graphs" not in cpu and cpu["grid"] == "default"
 
 
 def test_kernel_is_this_interpreter(tmp_path):

@@ -329,3 +329,44 @@ def test_join_sweeps_puts_separate_processes_paths_in_one_record():
     other["workloads"] = {"v": other["workloads"]["w"]}
     with pytest.raises(ValueError, match="share no workload"):
         join_sweeps([ours, other], ["ours.json", "other.json"])
+
+
+def test_sweep_or_load_runs_at_the_class_ladder_resumes_and_joins_a_peer_record(tmp_path, monkeypatch):
+    """Notebook 03's sweep: our prefill at the workloads' class ladder, a second call resuming the
+    record the first left, and a peer sweep from another process joined to the table."""
+    from rollout_lab.measure import sweep as sweep_module
+    from rollout_lab.measure.sweep import sweep_or_load
+
+    common = dict(results_file=None, model="tiny-qwen2", dtype="float32", device="cpu", workload_scale=0.05,
+                  repetitions=1, max_new_tokens=2, cost_file=None, override_costs=False, output_dir=tmp_path)
+    peer_stem = tmp_path / "peer"
+    sweep_or_load(workloads=["long_tail"], paths_=["packed"], results_stem=str(peer_stem), **common)
+    ours = tmp_path / "ours"
+    first, path = sweep_or_load(workloads=["long_tail"], paths_=["nocb", "bucketed", "auto"],
+                                results_stem=str(ours), prefill_classes=True, **common)
+    assert path == ours.with_suffix(".json")
+    engine = first["config"]["engine"]
+    assert engine["prefill_graphs"] is False
+    assert engine["prefill_classes"]["widths"][-1] == max(get_workload("long_tail", scale=0.05))
+    ran = []
+    real = sweep_module._sweep_workload
+    monkeypatch.setattr(sweep_module, "_sweep_workload",
+                        lambda model, prompts, *a, **k: ran.append(len(prompts)) or real(model, prompts, *a, **k))
+    again, _ = sweep_or_load(workloads=["long_tail"], paths_=["nocb", "bucketed", "auto"], results_stem=str(ours),
+                             prefill_classes=True, resume=True, peer_results_file=str(peer_stem) + ".json", **common)
+    assert ran == []  # the saved workload was kept, not rerun
+    assert list(again["workloads"]["long_tail"]["paths"]) == ["nocb", "bucketed", "auto", "packed"]
+    assert [j["file"] for j in again["joined"]] == [str(ours) + ".json", str(peer_stem) + ".json"]
+    assert again["workloads"]["long_tail"]["summary"]["best_manual_path"] in ("nocb", "bucketed", "packed")
+    loaded, _ = sweep_or_load(workloads=["long_tail"], paths_=None, results_stem=None,
+                              **{**common, "results_file": str(ours) + ".json"},
+                              peer_results_file=[str(peer_stem) + ".json"])
+    assert loaded["workloads"] == again["workloads"]
+    # errors before a model is built: a missing peer record, graphs on a CPU
+    monkeypatch.setattr(sweep_module, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ValueError, match="missing.json"):
+        sweep_or_load(workloads=["long_tail"], paths_=["nocb"], results_stem=str(tmp_path / "x"),
+                      peer_results_file=str(tmp_path / "missing.json"), **common)
+    with pytest.raises(ValueError, match="prefill_graphs=True captures CUDA graphs; device is 'cpu'"):
+        sweep_or_load(workloads=["long_tail"], paths_=["nocb"], results_stem=str(tmp_path / "x"),
+                      prefill_graphs=True, **common)

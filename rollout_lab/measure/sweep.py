@@ -67,6 +67,7 @@ from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
                                            lengths_to_prompts, padding_share)
 from rollout_lab.planner.checks import check_max_new_tokens
 from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import (RUN_ID, Workspace, check_record_pair,
                                    json_text, output_lock, pair_paths, read_json_file,
                                    write_record)
@@ -111,6 +112,15 @@ def resolve_workloads(
     if unknown or not workloads:
         raise ValueError(f"unknown workloads {unknown or '(none given)'}; valid names: {', '.join(WORKLOADS)}")
     return {name: get_workload(name, scale=scale) for name in workloads}
+
+
+def class_ladder_settings(lengths: Mapping[str, Sequence[int]], *, graphs: bool = False) -> dict[str, Any]:
+    """The ``RolloutConfig`` settings that run our prefill at the shape-class ladder of these
+    workloads (their longest prompt, their most rows), captured as CUDA graphs when ``graphs``: what
+    ``rollout-lab sweep --prefill-classes`` / ``--prefill-graphs`` and notebook 03 pass as ``engine``."""
+    longest = max(max(v) for v in lengths.values())
+    rows = max(len(v) for v in lengths.values())
+    return {"prefill_classes": ShapeClasses.ladder(max_width=longest, max_rows=rows), "prefill_graphs": bool(graphs)}
 
 
 def run_sweep(
@@ -651,27 +661,48 @@ def sweep_or_load(
     *, results_file: str | Sequence[str] | None, model: str, dtype: str, device: str, workloads: Sequence[str],
     workload_scale: float, paths_: Sequence[str] | None, repetitions: int, max_new_tokens: int,
     cost_file: str | None, override_costs: bool, results_stem: str | None,
-    output_dir: str | Path | None, progress: bool = False,
+    output_dir: str | Path | None, progress: bool = False, prefill_classes: bool = False,
+    prefill_graphs: bool = False, resume: bool = False, peer_results_file: str | Sequence[str] | None = None,
+    oracle_max_tokens: int = DEFAULT_ORACLE_MAX_TOKENS,
 ) -> tuple[dict[str, Any], Path]:
     """Render a saved sweep (``results_file``; several are joined by ``join_sweeps``), or run one and
-    write JSON + CSV: (record, json path of the first)."""
+    write JSON + CSV: (record, json path of the first).
+
+    A run takes our prefill at the workloads' shape-class ladder with ``prefill_classes``, captured
+    on CUDA with ``prefill_graphs`` (``class_ladder_settings``), and with ``resume`` keeps the
+    workloads that the record at ``results_stem`` already holds. ``peer_results_file`` (one or
+    several sweeps of HF's compiled peer, run in their own process) is joined to the record, loaded
+    or measured, after it; every file is checked before the model is built. ``oracle_max_tokens``
+    is ``run_sweep``'s."""
+    peers = [] if peer_results_file is None else \
+        [str(peer_results_file)] if isinstance(peer_results_file, (str, os.PathLike)) else [str(f) for f in peer_results_file]
+    peer_records = [load_results(f) for f in peers]
     if isinstance(results_file, (list, tuple)):
         files = [str(f) for f in results_file]
-        return join_sweeps([load_results(f) for f in files], files), Path(files[0])
-    if results_file is not None:
-        return load_results(results_file), Path(results_file)
-    net, name = load_model(model, dtype=dtype, device=device)
-    costs = None
-    if cost_file is not None:
-        costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs)
-    if results_stem is None:
-        results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{name}_{dtype}_{str(device).split(':')[0]}")
-    record = run_sweep(
-        net, workloads=list(workloads), paths=paths_, repetitions=repetitions, max_new_tokens=max_new_tokens,
-        costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,
-        costs_source=cost_file or "engine defaults", out=results_stem,
-    )
-    return record, pair_paths(results_stem)[0]
+        record, first = join_sweeps([load_results(f) for f in files], files), Path(files[0])
+    elif results_file is not None:
+        record, first = load_results(results_file), Path(results_file)
+    else:
+        lengths = resolve_workloads(list(workloads), scale=workload_scale)
+        engine = class_ladder_settings(lengths, graphs=prefill_graphs) if prefill_classes or prefill_graphs else {}
+        if prefill_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"prefill_graphs=True captures CUDA graphs; device is {device!r}")
+        net, name = load_model(model, dtype=dtype, device=device)
+        costs = None
+        if cost_file is not None:
+            costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs)
+        if results_stem is None:
+            results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{name}_{dtype}_{str(device).split(':')[0]}")
+        record = run_sweep(
+            net, workloads=lengths, paths=paths_, repetitions=repetitions, max_new_tokens=max_new_tokens,
+            costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,
+            costs_source=cost_file or "engine defaults", out=results_stem, engine=engine, resume=resume,
+            oracle_max_tokens=oracle_max_tokens,
+        )
+        first = pair_paths(results_stem)[0]
+    if peer_records:
+        record = join_sweeps([record, *peer_records], [str(first), *peers])
+    return record, first
 
 
 def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:

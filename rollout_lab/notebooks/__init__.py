@@ -65,6 +65,19 @@ def notebook_parameters(
         params["workload_scale"] = 1.0
         params["grid"] = "default"
         params["dtype"] = dtype or "bfloat16"
+        params["kv_dtype"] = params["dtype"]  # 02's geometry stores the KV in the model's dtype
+        if str(device).startswith("cuda"):  # the engine as the README's H200 records run it
+            import dataclasses  # torch below: only for a GPU run
+
+            from rollout_lab.measure.calibrate import CalibrationGrid
+            from rollout_lab.measure.sweep import PATHS
+            grid = dataclasses.replace(CalibrationGrid(), prefill_graphs=True, repeats=3)  # 01: as the compiled graphs run
+            params["grid"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()}
+            params["prefill_graphs"] = True  # 03: captured prefill at the workloads' class ladder
+            params["crossing_at_classes"] = True  # 02: buckets priced at that ladder
+            # HF's static + compile peer breaks later captures in its process: 03 joins its own-process
+            # sweep through peer_results_file (scripts/gpu/notebooks.sh runs it first)
+            params["paths"] = [p for p in PATHS if p != "hf_static"]
     elif dtype is not None:
         params["dtype"] = dtype
     params.update(extra or {})
@@ -73,7 +86,7 @@ def notebook_parameters(
 
 # the parameters that name files or folders: those read, and those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "decode_step_file",
-                    "prefill_routes_file")
+                    "prefill_routes_file", "grpo_results_file", "peer_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
 
 

@@ -13,9 +13,12 @@ PY=${PY:-python3}
 STEP_N=0
 # DEADLINE=<s> caps every step at the seconds left of the script's first DEADLINE seconds, and skips a
 # step with under 60 s left, so one device call can run steps back to back and still return its files.
-step() { local limit=$1; shift; STEP_N=$((STEP_N + 1))
-  if [ -n "${DEADLINE:-}" ]; then local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
-    if [ "$limit" -lt 60 ]; then echo "== skipped, ${left} s left of DEADLINE=$DEADLINE: $*"; return; fi; fi
+capped() {  # capped LIMIT WHAT: LIMIT cut to what DEADLINE leaves (on stdout); fails, saying so, under 60 s
+  local limit=$1 left; [ -z "${DEADLINE:-}" ] && { echo "$limit"; return 0; }
+  left=$((DEADLINE - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 60 ]; then echo "== skipped, ${left} s left of DEADLINE=$DEADLINE: $2" >&2; return 1; fi
+  echo "$limit"; }
+step() { local limit; STEP_N=$((STEP_N + 1)); limit=$(capped "$1" "${*:2}") || return 0; shift
   echo "== $* ($(date +%T), limit ${limit} s)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/log_$(basename "$0" .sh)_$STEP_N.txt" | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/rollout_lab_inductor}

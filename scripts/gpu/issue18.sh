@@ -10,6 +10,9 @@
 # more than by its small kernels. There is no 32B calibration: Auto is priced by the reference's
 # coefficients, whose 25 ms fixed cost came from its own 32B runs. The sweep writes its record after
 # each workload; RESUME=<dir> holding sweep_32b.json/.csv continues one that a call's limit cut.
+# No oracle check (--oracle-max-tokens 0): bf16 token matches on random weights mean nothing, and 32
+# one-request generates of the 64-layer model per workload would take a good part of the call. With
+# DEADLINE=<s> both steps run in one call: ours first (at most 300 s), the peer in what is left.
 # Not yet run on the GPU: the limits below are guesses, to be replaced by measured times.
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 WORKLOADS="short_similar long_tail short_tail moderate_tail spread"
@@ -22,9 +25,9 @@ versions
 for what in "$@"; do
   case $what in
     qwen3_32b) if [ -n "${RESUME:-}" ]; then cp "$RESUME"/sweep_32b.json "$RESUME"/sweep_32b.csv "$OUT"/ || exit 1; fi
-               step 560 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-compile --no-progress --max-new-tokens 16 \
+               step 300 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-compile --no-progress --max-new-tokens 16 --oracle-max-tokens 0 \
                    --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_32b ;;
-    qwen3_32b_peer) step 560 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
+    qwen3_32b_peer) step 560 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 --oracle-max-tokens 0 \
                    --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_32b_hf_static ;;
     *) echo "unknown step $what (qwen3_32b, qwen3_32b_peer)"; exit 2 ;;
   esac
