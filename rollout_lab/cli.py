@@ -317,8 +317,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-# The checkout's H200 sweep of today's engine: our routes, and HF's compiled peer in its own process
-COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda_compiled-graphs_refit.json",
+# The checkout's H200 sweep of today's engine (notebook 03 executed there: every route and HF
+# generate_batch), and HF's compiled peer, run in its own process
+COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda.json",
                         "data/results/sweep_qwen2.5-3b_bfloat16_cuda_hf_static.json")
 
 
@@ -339,9 +340,10 @@ def _committed_gpu_table(workspace: Workspace) -> None:
     print(f"\n== The committed H200 records ({prov.get('device_name')}, {prov.get('dtype')}, git "
           f"{str(prov.get('git_sha'))[:7]}): median E2E ms, rendered without a GPU into {out} ==")
     paths = record["config"]["paths"]
-    print(f"{'workload':>18}" + "".join(f"{p:>11}" for p in paths) + f"{'auto route':>12}{'auto/best':>11}{'auto/HF':>9}")
+    widths = {p: max(11, len(p) + 2) for p in paths}
+    print(f"{'workload':>18}" + "".join(f"{p:>{widths[p]}}" for p in paths) + f"{'auto route':>12}{'auto/best':>11}{'auto/HF':>9}")
     for row in table:
-        print(f"{row['workload']:>18}" + "".join(f"{row[p + '_ms']:11.1f}" for p in paths)
+        print(f"{row['workload']:>18}" + "".join(f"{row[p + '_ms']:{widths[p]}.1f}" for p in paths)
               + f"{row['auto_route']:>12}{row['auto_vs_best']:11.3f}{row['auto_over_best_peer']:9.2f}")
     for name, workloads in record["dropped_workloads"].items():
         print(f"(not in every record, so not above: {', '.join(workloads)} of {name})")
