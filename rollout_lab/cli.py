@@ -182,6 +182,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.prefill_graphs:
         check_prefill_graphs_device(args)
         grid = dataclasses.replace(grid, prefill_graphs=True)
+    if args.no_compile:  # as sweep --no-compile runs: the eager model captured (minutes saved on a large one)
+        grid = dataclasses.replace(grid, compile=False)
     _, name, max_positions = model_limits(args)
     grid.fitting_shapes(max_positions)  # before the model is built
     out = Path(args.out) if args.out else calibration_path(name, args.dtype, args.device, _workspace(args))
@@ -458,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="timed passes over the grid, after one warm-up pass (default: the grid's, 5)")
     cal.add_argument("--prefill-graphs", action="store_true",
                      help="CUDA: time each prefill shape as a captured graph's replay, as sweep --prefill-graphs runs it")
+    cal.add_argument("--no-compile", action="store_true",
+                     help="the prefill graphs and the decode probe capture the eager model, as sweep --no-compile runs "
+                          "them (calibrate what a large model's sweep runs, without minutes of compiles)")
     cal.add_argument("--max-batch-tokens", type=positive_int, default=None,
                      help="skip shapes with batch*width above this (default: the grid's)")
     cal.add_argument("--out", help="cost file to write (default <out-dir>/data/calibration/<name>_<dtype>_<device>.json)")

@@ -299,3 +299,23 @@ def test_refit_packed_fits_a_saved_calibration_again(tmp_path, capsys):
         script.main([str(src), "--out", str(tmp_path / "new.json")])
     with pytest.raises(ValueError, match="no packed measurements"):
         refit_packed(dataclasses.replace(old, packed=()))
+
+
+def test_no_compile_reaches_the_decode_probe_and_the_cost_file(tmp_path, monkeypatch):
+    """`calibrate --no-compile` prices what a sweep with --no-compile runs: the decode probe's
+    engines are built with compile=False, and the cost file's grid says so."""
+    from rollout_lab.measure import calibrate as calibrate_module
+
+    built = []
+    real = calibrate_module.Rollout
+    monkeypatch.setattr(calibrate_module, "Rollout", lambda model, config: built.append(config.compile) or real(model, config))
+    out = tmp_path / "costs.json"
+    assert cli_main(["calibrate", "--tiny", "qwen2", "--no-compile", "--repeats", "1", "--no-progress",
+                     "--out", str(out)]) == 0
+    assert built and set(built) == {False}
+    assert json.loads(out.read_text())["metadata"]["grid"]["compile"] is False
+    built.clear()
+    calibrate_module.measure_decode_overhead(tiny_model("qwen2"), CalibrationGrid.tiny(), progress=False)
+    assert set(built) == {"auto"}  # the default: the engine's own compile setting
+    with pytest.raises(ValueError, match="CalibrationGrid.compile must be True or False, got 'no'"):
+        CalibrationGrid(compile="no")

@@ -217,6 +217,7 @@ class CalibrationGrid:
     statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
     packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
     prefill_graphs: bool = False  # CUDA: time each shape as a compiled graph's replay (engine.prefill_graphs)
+    compile: bool = True  # CUDA: False captures the eager model (prefill graphs and decode step), as sweep --no-compile
 
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
@@ -232,6 +233,9 @@ class CalibrationGrid:
                 f"CalibrationGrid needs >= 2 batches and >= 2 widths to separate the terms, "
                 f"got batches={self.batches}, widths={self.widths}"
             )
+        for name in ("packed", "prefill_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CalibrationGrid.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("repeats", "max_batch_tokens", "decode_width", "decode_steps", "decode_repeats"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -282,8 +286,8 @@ def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True)
     prompts = {(b, w): lengths_to_prompts([w] * b, vocab_size=config.vocab_size, seed=i, special_ids=special)
                for i, (b, w) in enumerate(shapes)}
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {s: [] for s in shapes}
-    # compiled, as a Rollout's prefill graphs are under its default compile="auto"
-    graphs = PrefillGraphs(model, cache_kwarg=kwarg, max_graphs=len(shapes), compiled=True) \
+    # compiled, as a Rollout's prefill graphs are under its default compile="auto" (unless grid.compile is off)
+    graphs = PrefillGraphs(model, cache_kwarg=kwarg, max_graphs=len(shapes), compiled=grid.compile) \
         if grid.prefill_graphs else None
 
     def forward(batch: int, width: int):
@@ -406,7 +410,8 @@ def measure_decode_overhead(
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     modes = ("nocb", "bucketed")
     budgets = (1, grid.decode_steps + 1)
-    engines = {m: Rollout(model, RolloutConfig(mode=m, ignore_eos=True, pad_token_id=pad)) for m in modes}
+    engines = {m: Rollout(model, RolloutConfig(mode=m, ignore_eos=True, pad_token_id=pad,
+                                               compile="auto" if grid.compile else False)) for m in modes}
     records = []
     bar = tqdm(total=len(grid.decode_batches) * (grid.decode_repeats + 1) * 4,
                desc="calibrate decode", disable=not progress)

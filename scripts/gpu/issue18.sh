@@ -2,7 +2,7 @@
 # The H200 runs behind issue 18 that are not notebooks (those are scripts/gpu/notebooks.sh): Qwen3-32B
 # in bf16 (the reference's own validation model, ~65 GB) on the seed's five workloads at 16 new tokens,
 # our four routes with captured prefill graphs, then HF static + compile in its own process.
-#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue18.sh qwen3_32b qwen3_32b_peer      # a tiny CPU check
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue18.sh qwen3_32b_calibrate qwen3_32b qwen3_32b_peer  # tiny CPU check
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue18.sh qwen3_32b     # one device call
 #   ... bash scripts/gpu/issue18.sh qwen3_32b_peer                              # the next
 # Our graphs capture the eager model (--no-compile): a compile of the 64-layer model would take
@@ -13,22 +13,30 @@
 # No oracle check (--oracle-max-tokens 0): bf16 token matches on random weights mean nothing, and 32
 # one-request generates of the 64-layer model per workload would take a good part of the call. With
 # DEADLINE=<s> both steps run in one call: ours first (at most 300 s), the peer in what is left.
-# Not yet run on the GPU: the limits below are guesses, to be replaced by measured times.
+# Measured 2026-12-04 (git e04b323, a warm machine, DEADLINE=575): qwen3_32b 162 s with the model
+# build, qwen3_32b_peer ~215 s (its first compile 68-98 s per workload shape).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 WORKLOADS="short_similar long_tail short_tail moderate_tail spread"
 if [ -n "${TINY:-}" ]; then
-  M="--tiny qwen3"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
+  M="--tiny qwen3"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"; CAL="--grid tiny --repeats 1"
 else
   M="--preset qwen3-32b --dtype bfloat16"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
+  CAL="--repeats 3 --prefill-graphs --no-compile"
 fi
+# Without a 32B calibration Auto is priced by the reference's coefficients, and at e04b323 it took nocb
+# on two short workloads (1.99x and 2.25x the best route). qwen3_32b_calibrate writes $OUT/calibration_32b.json
+# (the eager model captured, as the sweep runs it); qwen3_32b prices Auto with it, or with COSTS=<file>.
+COSTS=${COSTS:-$OUT/calibration_32b.json}
 versions
 for what in "$@"; do
   case $what in
+    qwen3_32b_calibrate) step 360 $PY -m rollout_lab.cli calibrate $M $CAL --no-progress --out "$COSTS" ;;
     qwen3_32b) if [ -n "${RESUME:-}" ]; then cp "$RESUME"/sweep_32b.json "$RESUME"/sweep_32b.csv "$OUT"/ || exit 1; fi
                step 300 $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-compile --no-progress --max-new-tokens 16 --oracle-max-tokens 0 \
-                   --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_32b ;;
+                   --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_32b \
+                   $([ -f "$COSTS" ] && echo "--costs $COSTS") ;;
     qwen3_32b_peer) step 560 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 --oracle-max-tokens 0 \
                    --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_32b_hf_static ;;
-    *) echo "unknown step $what (qwen3_32b, qwen3_32b_peer)"; exit 2 ;;
+    *) echo "unknown step $what (qwen3_32b_calibrate, qwen3_32b, qwen3_32b_peer)"; exit 2 ;;
   esac
 done
