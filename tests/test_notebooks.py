@@ -235,9 +235,13 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
                            "--batch-sizes", "4", "--repetitions", "1", "--out", str(tmp_path / "prefill")],
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    gpqa = [str(committed / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json"),
+            str(committed / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json")]  # joined
+    grpo = committed / "grpo_qwen2.5-3b_bfloat16_cuda.json"
     run_notebooks(names=["03_latency_tables"], out_dir=tmp_path,
                   extra={"03_latency_tables": {"results_file": str(saved), "rl_results_file": rl_records,
-                                               "decode_step_file": str(steps),
+                                               "decode_step_file": str(steps), "grpo_results_file": str(grpo),
+                                               "more_results_file": [gpqa],
                                                "prefill_routes_file": str(tmp_path / "prefill.json")}},
                   progress=False)
     rendered = read_csv(tmp_path / "data" / "tables" / "03_prefill_routes_tiny_llama_float32_cpu.csv")
@@ -262,6 +266,16 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
         ms = {r["variant"]: float(r["step_ms_median"]) for r in steps if r["case"] == case}
         assert ms["ours"] < ms["ours_no_compile"] < ms["ours_masked"]
     assert_figure(tmp_path / "figures", "03_decode_step_qwen2_5_3b_bfloat16_cuda")
+    # the whole table: the saved sweep's workloads, GPQA-like 128 x 256 against its own-process peer,
+    # each RL record and the GRPO record, every row with the fastest HF peer it was measured against
+    whole = read_csv(tmp_path / "data" / "tables" / "03_whole_table_tiny_qwen2_float32_cpu.csv")
+    assert [r["workload"] for r in whole] == ["long_tail x 3", "spread x 3", "gpqa_diamond_128 x 256",
+                                              "RL shape (256 requests)", "RL shape (256 requests)", "GRPO 64 x 8 x 512"]
+    gpqa_row = whole[2]
+    assert gpqa_row["best_hf"] == "hf_static" and float(gpqa_row["speedup_over_best_hf"]) > 1
+    assert {r["best_hf"] for r in whole[3:5]} == {"hf_generate_batch", ""}  # the levers record has no peer
+    assert whole[5]["ours"] == "shared" and float(whole[5]["speedup_over_best_hf"]) > 1
+    assert_figure(tmp_path / "figures", "03_whole_table_tiny_qwen2_float32_cpu")
 
 
 # ---------------------------------------------------------------- 04: beyond the reference planner

@@ -370,3 +370,42 @@ def test_sweep_or_load_runs_at_the_class_ladder_resumes_and_joins_a_peer_record(
     with pytest.raises(ValueError, match="prefill_graphs=True captures CUDA graphs; device is 'cpu'"):
         sweep_or_load(workloads=["long_tail"], paths_=["nocb"], results_stem=str(tmp_path / "x"),
                       prefill_graphs=True, **common)
+
+
+def test_whole_table_puts_every_record_against_its_hf_peers(tmp_path):
+    """One row per workload of sweeps (joined with an own-process peer), RL and GRPO records: ours
+    against each HF peer the record holds, the speedup over the fastest, and the record's name."""
+    from rollout_lab.measure.sweep import load_sweeps, whole_table_rows
+
+    def sweep(paths, sha):
+        entry = {"num_requests": 4, "lengths": [3, 9, 2, 2], "padding_share": 0.0,
+                 "paths": {p: {"samples_ms": [ms], "mean_ms": ms, "median_ms": ms} for p, ms in paths.items()}}
+        return {"kind": "sweep", "provenance": {"git_sha": sha, "model_name": "m"},
+                "config": {"paths": list(paths), "max_new_tokens": 8}, "workloads": {"w": entry}}
+
+    ours, peer = tmp_path / "ours", tmp_path / "peer"
+    write_results(sweep({"nocb": 300.0, "bucketed": 110.0, "auto": 100.0, "hf_generate_batch": 900.0}, "aaaaaaa1"), ours)
+    write_results(sweep({"hf_static": 250.0}, "bbbbbbb2"), peer)
+    rl = {"provenance": {"git_sha": "ccccccc3"}, "config": {"model": "rl-model"},
+          "workload": {"num_requests": 256, "num_output_tokens": 10_000},
+          "results": {"ours": {"mean_ms": 1000.0}, "hf_generate_batch": {"mean_ms": 30_000.0}}}
+    grpo = {"provenance": {"git_sha": "ddddddd4"}, "config": {"model": "g", "max_new_tokens": 5},
+            "workload": {"num_prompts": 2, "num_samples": 3, "num_rows": 6, "num_generated_tokens": 30},
+            "results": {"shared": {"mean_ms": 50.0}, "unshared": {"mean_ms": 60.0}, "hf_generate": {"mean_ms": 200.0}}}
+    sweeps = load_sweeps([[f"{ours}.json", f"{peer}.json"]])
+    assert sweeps[0][0] == f"{ours}.json + {peer}.json"
+    rows = whole_table_rows(sweeps, rl=[("rl.json", rl)], grpo=[("grpo.json", grpo)])
+    first, second, third = rows
+    assert first["workload"] == "w x 8" and first["ours_ms"] == 100.0 and first["output_tokens"] == 32
+    assert (first["hf_generate_ms"], first["hf_static_ms"], first["hf_generate_batch_ms"]) == (300.0, 250.0, 900.0)
+    assert first["best_hf"] == "hf_static" and first["speedup_over_best_hf"] == pytest.approx(2.5)
+    assert first["ours_tokens_per_s"] == pytest.approx(320.0) and first["git_sha"] == "aaaaaaa"
+    assert first["record"] == "ours.json + peer.json"  # file names, not the caller's folders
+    assert second["hf_static_ms"] is None and second["speedup_over_best_hf"] == pytest.approx(30.0)
+    assert second["ours_tokens_per_s"] == pytest.approx(10_000.0) and second["model"] == "rl-model"
+    assert third["workload"] == "GRPO 2 x 3 x 5" and third["ours"] == "shared" and third["best_hf"] == "hf_generate"
+    assert third["speedup_over_best_hf"] == pytest.approx(4.0) and third["record"] == "grpo.json"
+    rl["results"].pop("hf_generate_batch")  # a record without a peer: its row says so, with no ratio
+    assert whole_table_rows(rl=[("rl.json", rl)])[0]["speedup_over_best_hf"] is None
+    assert load_sweeps(None) == [] and load_sweeps(f"{ours}.json")[0][1]["workloads"]["w"]["paths"].keys() == {
+        "nocb", "bucketed", "auto", "hf_generate_batch"}

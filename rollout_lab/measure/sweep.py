@@ -630,6 +630,79 @@ def grpo_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+HF_COLUMNS = {"nocb": "hf_generate", "hf_static": "hf_static", "hf_generate_batch": "hf_generate_batch"}
+
+
+def whole_table_rows(
+    sweeps: Sequence[tuple[str, Mapping[str, Any]]] = (), *, rl: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    grpo: Sequence[tuple[str, Mapping[str, Any]]] = (),
+) -> list[dict[str, Any]]:
+    """The whole table: one row per workload of every record given as (name, record), ours against
+    each HF peer that record holds, in ms of the whole call (a sweep's median, a benchmark's mean).
+
+    Ours is Auto in a sweep, ``ours`` in an RL record and shared prefill in a GRPO one. The HF columns
+    are ``hf_generate`` (a sweep's nocb route is HF ``generate`` on the padded batch; a GRPO record's
+    ``generate(num_return_sequences)``), ``hf_static`` and ``hf_generate_batch``; a peer that the
+    record lacks is None. ``speedup_over_best_hf`` is the fastest HF column over ours, and every row
+    names its record (the file names) and git sha."""
+    def ms(result: Mapping[str, Any] | None) -> float | None:
+        if result is None or result.get("skipped"):
+            return None
+        return result.get("median_ms") if result.get("median_ms") is not None else result.get("mean_ms")
+
+    def row(workload, record, name, *, requests, tokens, ours_path, ours, peers):
+        hf = {col: ms(peers.get(col)) for col in ("hf_generate", "hf_static", "hf_generate_batch")}
+        ours_ms = ms(ours)
+        best = min(((v, k) for k, v in hf.items() if v), default=None)
+        prov = record.get("provenance", {})
+        return {"workload": workload, "model": record["config"].get("model") or prov.get("model_name"),
+                "requests": requests, "output_tokens": tokens, "ours": ours_path, "ours_ms": ours_ms, **hf_ms(hf),
+                "ours_tokens_per_s": None if not ours_ms else tokens / (ours_ms / 1e3),
+                "best_hf": None if best is None else best[1],
+                "speedup_over_best_hf": None if best is None or not ours_ms else best[0] / ours_ms,
+                "record": " + ".join(Path(part).name for part in name.split(" + ")),
+                "git_sha": str(prov.get("git_sha") or "")[:7]}
+
+    def hf_ms(hf: Mapping[str, float | None]) -> dict[str, float | None]:
+        return {f"{col}_ms": v for col, v in hf.items()}
+
+    rows = []
+    for name, record in sweeps:
+        new_tokens = record["config"]["max_new_tokens"]
+        for workload, entry in record["workloads"].items():
+            paths = entry["paths"]
+            rows.append(row(f"{workload} x {new_tokens}", record, name, requests=entry["num_requests"],
+                            tokens=entry["num_requests"] * new_tokens, ours_path="auto", ours=paths.get("auto"),
+                            peers={HF_COLUMNS[p]: r for p, r in paths.items() if p in HF_COLUMNS}))
+    for name, record in rl:
+        work = record["workload"]
+        rows.append(row(f"RL shape ({work['num_requests']} requests)", record, name, requests=work["num_requests"],
+                        tokens=work["num_output_tokens"], ours_path="ours", ours=record["results"].get("ours"),
+                        peers={"hf_generate_batch": record["results"].get("hf_generate_batch")}))
+    for name, record in grpo:
+        work = record["workload"]
+        rows.append(row(f"GRPO {work['num_prompts']} x {work['num_samples']} x {record['config']['max_new_tokens']}",
+                        record, name, requests=work["num_rows"], tokens=work["num_generated_tokens"],
+                        ours_path="shared", ours=record["results"].get("shared"),
+                        peers={"hf_generate": record["results"].get("hf_generate")}))
+    return rows
+
+
+def load_sweeps(files: str | Sequence[str | Sequence[str]] | None) -> list[tuple[str, dict[str, Any]]]:
+    """(name, record) for each entry of ``files``: a sweep JSON, or a list of them joined by
+    ``join_sweeps`` (e.g. a sweep and its HF peer run in its own process); None gives none."""
+    if files is None:
+        return []
+    out = []
+    for entry in [files] if isinstance(files, (str, os.PathLike)) else files:
+        if isinstance(entry, (str, os.PathLike)):
+            out.append((str(entry), load_results(entry)))
+        else:
+            names = [str(f) for f in entry]
+            out.append((" + ".join(names), join_sweeps([load_results(f) for f in names], names)))
+    return out
+
+
 # -- what make reproduce and notebook 03 call ------------------------------------------------------
 
 ROUTE_TABLE_WARMUP_ROUNDS = 2  # nocb's HF generate on CPU: ~1300 ms, then ~400 ms, then ~20 ms a call

@@ -86,7 +86,7 @@ def notebook_parameters(
 
 # the parameters that name files or folders: those read, and those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "decode_step_file",
-                    "prefill_routes_file", "grpo_results_file", "peer_results_file")
+                    "prefill_routes_file", "grpo_results_file", "peer_results_file", "more_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
 
 
@@ -111,9 +111,11 @@ def resolve_path_parameters(params: Mapping[str, Any], *, cwd: str | Path) -> di
 
 def check_inputs(name: str, params: Mapping[str, Any]) -> None:
     """ValueError naming the parameter of notebook ``name`` whose file to read does not exist."""
+    def paths(value: Any) -> list[Any]:  # a path, or lists of paths (more_results_file nests them)
+        return [p for v in value for p in paths(v)] if isinstance(value, (list, tuple)) else [value]
+
     for parameter in INPUT_PARAMETERS:
-        value = params.get(parameter)
-        for path in value if isinstance(value, (list, tuple)) else [value]:
+        for path in paths(params.get(parameter)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: {parameter}={str(path)!r} does not exist (or is not a file)")
 

@@ -219,3 +219,34 @@ def plot_prefill_routes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -
     ax.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     return fig
+
+
+WHOLE_TABLE_COLUMNS = (("ours_ms", "ours"), ("hf_static_ms", "HF static + compile"), ("hf_generate_ms", "HF generate"),
+                    ("hf_generate_batch_ms", "HF generate_batch"))
+
+
+def plot_whole_table(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """The whole table (``measure.sweep.whole_table_rows``): per workload, seconds of the whole call for
+    ours and each HF peer its record holds (log axis), and the speedup over the fastest peer."""
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * max(3, len(rows))))
+    height = 0.8 / len(WHOLE_TABLE_COLUMNS)
+    labels = [f"{r['workload']} ({r['model']}, @{r['git_sha']})" for r in rows]
+    for j, (key, name) in enumerate(WHOLE_TABLE_COLUMNS):
+        ys = [i - 0.4 + height * (j + 0.5) for i in range(len(rows))]
+        xs = [math.nan if r.get(key) is None else float(r[key]) / 1e3 for r in rows]
+        ax.barh(ys, xs, height=height, color=PALETTE(j), label=name)
+    for i, r in enumerate(rows):
+        if r.get("speedup_over_best_hf"):
+            ax.annotate(f"{r['speedup_over_best_hf']:.1f}x faster than {r['best_hf']}", (float(r["ours_ms"]) / 1e3, i - 0.3),
+                        xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
+        else:
+            ax.annotate("no HF peer in this record", (float(r["ours_ms"]) / 1e3, i - 0.3), xytext=(4, 0),
+                        textcoords="offset points", va="center", fontsize=7, color="0.4")
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds of the whole call (log)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(WHOLE_TABLE_COLUMNS), frameon=False)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -15,7 +15,8 @@
 # trees break our captures in a shared one) into $OUT/sweep_hf_static.json, which 03 then joins.
 # 03 measures the seed's five workloads and GSM8K 32 (WORKLOADS_03) with every route and
 # generate_batch at 3 rounds, and renders the committed H200 records of the other workloads (the RL
-# shape, GRPO, the decode step, the prefill-route crossing) beside them.
+# shape, GRPO, GPQA-like 128 x 256, the decode step, the prefill-route crossing) beside them, all in
+# its whole table.
 # 02 and 03 price the buckets and Auto with the calibration of 01: $COSTS if set, else the one 01
 # wrote in this call, else data/calibration/<preset>_<dtype>_<device>.json of the checkout (commit
 # what 01 brought back there before the next call), else the reference coefficients (said so).
@@ -47,6 +48,7 @@ R=data/results  # the committed H200 records that 03 renders beside its own meas
 RENDER_03="--param \"03:rl_results_file=['$R/rl_qwen3-0.6b_bfloat16_cuda_levers.json', '$R/rl_qwen3-0.6b_bfloat16_cuda_generate_batch.json']\"
   --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
   --param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda.json'
+  --param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"
   --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\""
 if [ -n "${TINY:-}" ]; then
   M=""; STEM=tiny-qwen2_float32_cpu; SWEEP_M="--tiny qwen2 --scale 0.25"
