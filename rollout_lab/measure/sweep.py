@@ -656,15 +656,13 @@ def whole_table_rows(
         best = min(((v, k) for k, v in hf.items() if v), default=None)
         prov = record.get("provenance", {})
         return {"workload": workload, "model": record["config"].get("model") or prov.get("model_name"),
-                "requests": requests, "output_tokens": tokens, "ours": ours_path, "ours_ms": ours_ms, **hf_ms(hf),
+                "requests": requests, "output_tokens": tokens, "ours": ours_path, "ours_ms": ours_ms,
+                **{f"{col}_ms": v for col, v in hf.items()},
                 "ours_tokens_per_s": None if not ours_ms else tokens / (ours_ms / 1e3),
                 "best_hf": None if best is None else best[1],
                 "speedup_over_best_hf": None if best is None or not ours_ms else best[0] / ours_ms,
                 "record": " + ".join(Path(part).name for part in name.split(" + ")),
                 "git_sha": str(prov.get("git_sha") or "")[:7]}
-
-    def hf_ms(hf: Mapping[str, float | None]) -> dict[str, float | None]:
-        return {f"{col}_ms": v for col, v in hf.items()}
 
     rows = []
     for name, record in sweeps:
@@ -747,9 +745,7 @@ def sweep_or_load(
     several sweeps of HF's compiled peer, run in their own process) is joined to the record, loaded
     or measured, after it; every file is checked before the model is built. ``oracle_max_tokens``
     is ``run_sweep``'s."""
-    peers = [] if peer_results_file is None else \
-        [str(peer_results_file)] if isinstance(peer_results_file, (str, os.PathLike)) else [str(f) for f in peer_results_file]
-    peer_records = [load_results(f) for f in peers]
+    peers = load_sweeps(peer_results_file)
     if isinstance(results_file, (list, tuple)):
         files = [str(f) for f in results_file]
         record, first = join_sweeps([load_results(f) for f in files], files), Path(files[0])
@@ -773,8 +769,8 @@ def sweep_or_load(
             oracle_max_tokens=oracle_max_tokens,
         )
         first = pair_paths(results_stem)[0]
-    if peer_records:
-        record = join_sweeps([record, *peer_records], [str(first), *peers])
+    if peers:
+        record = join_sweeps([record, *(r for _, r in peers)], [str(first), *(name for name, _ in peers)])
     return record, first
 
 
