@@ -91,6 +91,10 @@ def test_gpu_preset_parameters_run_the_engine_as_the_records_do():
     declared = {n: set(pm.inspect_notebook(str(notebook_path(n)))) for n in NOTEBOOKS}
     for key in ("grid", "prefill_graphs", "crossing_at_classes", "kv_dtype", "paths"):
         assert any(key in declared[n] for n in NOTEBOOKS), key
+    assert "rl_shape" not in gpu["03_latency_tables"]  # the RL shape is measured on its own model only
+    rl = notebook_parameters("03_latency_tables", device="cuda", preset="qwen3-0.6b", output_dir="w")["rl_shape"]
+    assert (rl["num_seqs"], rl["min_len"], rl["max_len"]) == (256, 100, 1024) and rl["paths"][-1] == "hf_generate_batch"
+    assert "rl_shape" in declared["03_latency_tables"]
     cpu = notebook_parameters("03_latency_tables", device="cpu", preset="qwen2.5-3b", output_dir="w")
     assert cpu["paths"] is None and "prefill_graphs" not in cpu and cpu["grid"] == "default"
 
@@ -221,6 +225,13 @@ def test_03_latency_outputs(executed):
                                                             ("packed", "segments")}
     assert {int(r["batch_size"]) for r in prefill} == {8, 16, 32} and all(float(r["mean_ms"]) > 0 for r in prefill)
     assert_figure(out / "figures", "03_prefill_routes_tiny_qwen2_float32_cpu")
+    # rl_shape: the RL shape measured on the notebook's model, written as a record, drawn, and in the whole table
+    rl = read_csv(out / "data" / "tables" / "03_rl_throughput_tiny_qwen2_float32_cpu.csv")
+    assert [r["path"] for r in rl] == ["ours", "hf_generate_batch"] and float(rl[0]["output_tokens_per_s"]) > 0
+    assert json.loads((out / "data" / "results" / "rl_tiny-qwen2_float32_cpu.json").read_text())["workload"][
+        "num_requests"] == SMOKE_PARAMETERS["03_latency_tables"]["rl_shape"]["num_seqs"]
+    whole = read_csv(out / "data" / "tables" / "03_whole_table_tiny_qwen2_float32_cpu.csv")
+    assert [r["workload"] for r in whole] == ["long_tail x 3", "spread x 3", "RL shape (4 requests)"]
 
 
 def test_03_renders_a_saved_results_file(executed, tmp_path):

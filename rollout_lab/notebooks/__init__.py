@@ -46,7 +46,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
         "fixed_costs_ms": [0.1, 10, 1000], "route_max_lengths": [16, 128, 1024], "route_budgets": [1, 16, 256],
     },
     "03_latency_tables": {"workloads": ["long_tail", "spread"], "workload_scale": 0.05, "repetitions": 1,
-                          "max_new_tokens": 3},
+                          "max_new_tokens": 3,
+                          "rl_shape": {"num_seqs": 4, "min_len": 4, "max_len": 12, "paths": ["ours", "hf_generate_batch"]}},
     "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
                       "online_calls": 6, "repetitions": 1},
 }
@@ -70,6 +71,7 @@ def notebook_parameters(
             import dataclasses  # torch below: only for a GPU run
 
             from rollout_lab.measure.calibrate import CalibrationGrid
+            from rollout_lab.measure.rl import NANO_VLLM_MODEL, NANO_VLLM_SHAPE
             from rollout_lab.measure.sweep import PATHS
             grid = dataclasses.replace(CalibrationGrid(), prefill_graphs=True, repeats=3)  # 01: as the compiled graphs run
             params["grid"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()}
@@ -78,6 +80,8 @@ def notebook_parameters(
             # HF's static + compile peer breaks later captures in its process: 03 joins its own-process
             # sweep through peer_results_file (scripts/gpu/notebooks.sh runs it first)
             params["paths"] = [p for p in PATHS if p != "hf_static"]
+            if preset == NANO_VLLM_MODEL:  # 03 also measures nano-vllm's RL shape, on its own model
+                params["rl_shape"] = {**NANO_VLLM_SHAPE, "paths": ["ours", "hf_generate_batch"]}
     elif dtype is not None:
         params["dtype"] = dtype
     params.update(extra or {})

@@ -23,7 +23,9 @@
 # PARAMS_01 .. PARAMS_04 add `--param` overrides to one step (shell words, quotes kept), e.g.
 #   PARAMS_03="--param 03:repetitions=2"
 # DEADLINE=<s> (common.sh) cuts each step's limit to what is left of the call. PRESET=qwen3-0.6b runs
-# the RL-shape model instead. TINY CPU times, 2026-12-03 (2 busy cores, Python 3.12 with the carried
+# the RL-shape model instead, and its 03 also measures nano-vllm's RL shape (rl_shape: ours, then HF
+# generate_batch, ~150 s and ~240 s on the H200 in bench_rl.py's runs): give that 03 a call of its
+# own and few sweep workloads (WORKLOADS_03=long_tail). Not yet run on the GPU. TINY CPU times, 2026-12-03 (2 busy cores, Python 3.12 with the carried
 # wheels only): install 3 s, 01 11-34 s, 02 12 s, 03 45-65 s, 04 12 s. On the H200 (2026-12-04, git
 # e04b323, inductor's cache of an earlier call carried in): 01 388 s, 02 12 s (both in one call), 03
 # 372 s with the committed HF static record as PARAMS_03="--param 03:peer_results_file='<record>'"

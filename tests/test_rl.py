@@ -1,0 +1,98 @@
+"""measure.rl: the RL-shape benchmark behind scripts/bench_rl.py and notebook 03's rl_shape."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout_lab.measure import rl as rl_module
+from rollout_lab.measure.models import tiny_model
+from rollout_lab.measure.rl import RL_DEFAULT_PATHS, check_rl_settings, rl_or_load, run_rl
+from rollout_lab.measure.sweep import load_rl_results, rl_throughput_rows
+from rollout_lab.measure.workloads import uniform_workload
+from rollout_lab.workspace import write_record
+
+SHAPE = {"num_seqs": 5, "min_len": 3, "max_len": 9, "seed": 1}
+
+
+def test_run_rl_runs_every_request_to_its_own_budget_and_saves_after_each_path():
+    saved = []
+    record = run_rl(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", paths=["ours", "ours_no_compile"],
+                    save=lambda r: saved.append(list(r["results"])), config={"device": "cpu"}, **SHAPE)
+    lengths, budgets = uniform_workload(5, low=3, high=9, seed=1)
+    assert record["workload"]["lengths"] == lengths and record["workload"]["budgets"] == budgets
+    assert record["workload"]["num_output_tokens"] == sum(budgets)
+    assert saved == [["ours"], ["ours", "ours_no_compile"]]  # the record after every path
+    ours = record["results"]["ours"]
+    assert ours["output_tokens_per_s"] == pytest.approx(sum(budgets) / (ours["mean_ms"] / 1e3))
+    assert ours["num_slots"] == 5 and ours["settings"] == {} and record["results"]["ours_no_compile"]["settings"] == {
+        "compile": False}
+    assert record["config"]["model"] == "tiny-qwen2" and record["config"]["device"] == "cpu"
+    assert record["config"]["paths"] == ["ours", "ours_no_compile"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_seqs": 0}, "num_seqs must be an int >= 1, got 0"),
+    ({"min_len": 9, "max_len": 3}, "max_len 3 is below min_len 9"),
+    ({"mode": "fast"}, "mode must be one of"),
+    ({"slots": 1.5}, "slots must be None or an int >= 1"),
+    ({"paths": ["ours", "vllm"]}, r"unknown RL paths \['vllm'\]"),
+    ({"paths": []}, "unknown RL paths"),
+])
+def test_bad_settings_are_errors_before_any_work(bad, message):
+    settings = {"num_seqs": 4, "min_len": 2, "max_len": 8, "mode": "bucketed", "slots": None, "reps": 1,
+                "peer_calls": 1, "paths": list(RL_DEFAULT_PATHS)} | bad
+    with pytest.raises(ValueError, match=message):
+        check_rl_settings(**settings)
+
+
+def test_the_per_layer_compile_is_refused_off_cuda_before_any_work(monkeypatch):
+    monkeypatch.setattr(rl_module, "Rollout", lambda *a, **k: pytest.fail("a rollout was built"))
+    with pytest.raises(ValueError, match="ours_compile_layers compiles the CUDA-graph decode step"):
+        run_rl(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", paths=["ours_compile_layers"], **SHAPE)
+    assert "ours_compile_layers" not in RL_DEFAULT_PATHS
+
+
+def test_rl_or_load_measures_the_shape_and_joins_saved_records_of_the_same_workload(tmp_path, monkeypatch):
+    shape = {**SHAPE, "paths": ["ours"]}
+    runs = rl_or_load(rl_shape=shape, rl_results_file=None, model="tiny-qwen2", dtype="float32", device="cpu",
+                      output_dir=tmp_path)
+    (name, record), = runs
+    assert name == str(tmp_path / "data" / "results" / "rl_tiny-qwen2_float32_cpu.json")
+    assert load_rl_results(name)["results"].keys() == {"ours"}  # written, with its CSV pair
+    saved = tmp_path / "saved.json"
+    write_record((saved, tmp_path / "saved.csv"), json.loads(json.dumps(record)), rl_throughput_rows(record))
+    monkeypatch.setattr(rl_module, "run_rl", lambda *a, **k: pytest.fail("measured again"))
+    loaded = rl_or_load(rl_shape=None, rl_results_file=[str(saved)], model="tiny-qwen2", dtype="float32",
+                        device="cpu")
+    assert [n for n, _ in loaded] == [str(saved)]
+    # refused before the model is built: a record in the way, another workload, an unknown setting
+    monkeypatch.setattr("rollout_lab.measure.models.load_model", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(ValueError, match="already exist"):
+        rl_or_load(rl_shape=shape, rl_results_file=None, model="tiny-qwen2", dtype="float32", device="cpu",
+                   output_dir=tmp_path)
+    with pytest.raises(ValueError, match="measured another workload.*one workload only"):
+        rl_or_load(rl_shape={**shape, "seed": 2}, rl_results_file=str(saved), model="tiny-qwen2", dtype="float32",
+                   device="cpu", output_dir=tmp_path / "other")
+    with pytest.raises(ValueError, match=r"rl_shape has unknown settings \['num_seq'\]"):
+        rl_or_load(rl_shape={"num_seq": 4}, rl_results_file=None, model="tiny-qwen2", dtype="float32",
+                   device="cpu", output_dir=tmp_path / "third")
+
+
+def test_bench_rl_script_writes_the_record(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rl"
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_rl.py"), "--tiny", "qwen2", "--num-seqs", "4",
+                           "--min-len", "3", "--max-len", "8", "--paths", "ours", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = load_rl_results(f"{out}.json")
+    assert record["config"]["tiny"] == "qwen2" and record["provenance"]["script"] == "scripts/bench_rl.py"
+    bad = subprocess.run([sys.executable, str(root / "scripts" / "bench_rl.py"), "--tiny", "qwen2", "--min-len", "9",
+                          "--max-len", "3", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert bad.returncode == 2 and "max_len 3 is below min_len 9" in bad.stderr
