@@ -96,3 +96,12 @@ def test_bench_rl_script_writes_the_record(tmp_path):
                           "--max-len", "3", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
     assert bad.returncode == 2 and "max_len 3 is below min_len 9" in bad.stderr
+
+
+def test_rl_defaults_are_run_rls_own():
+    import inspect
+
+    from rollout_lab.measure.rl import RL_DEFAULTS
+
+    signature = inspect.signature(run_rl).parameters
+    assert {k: signature[k].default for k in RL_DEFAULTS} == RL_DEFAULTS

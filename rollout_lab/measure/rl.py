@@ -193,8 +193,10 @@ def _run_peer(model, prompts, budgets, pad_id: int, device: torch.device, *, cal
             "peak_memory_bytes": _peak_memory(device, baseline)}
 
 
-RL_SHAPE_KEYS = ("num_seqs", "min_len", "max_len", "seed", "mode", "slots", "decode", "decode_widths", "reps",
-                 "peer_calls", "paths")  # run_rl's settings, as notebook 03's rl_shape gives them
+# run_rl's settings and their defaults (its signature's), as notebook 03's rl_shape gives them
+RL_DEFAULTS: dict[str, Any] = {"num_seqs": 256, "min_len": 100, "max_len": 1024, "seed": 0, "mode": "bucketed",
+                               "slots": None, "decode": "auto", "decode_widths": None, "reps": 1, "peer_calls": 1,
+                               "paths": RL_DEFAULT_PATHS}
 
 
 def rl_or_load(
@@ -202,7 +204,7 @@ def rl_or_load(
     device: str, output_dir: Any = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """(name, record) of the RL runs notebook 03 shows: ``rl_shape`` (``run_rl``'s settings,
-    ``RL_SHAPE_KEYS``) measured on ``model`` into ``<workspace>/data/results/rl_<model>_<dtype>_<device>``
+    ``RL_DEFAULTS`` where it says nothing) measured on ``model`` into ``<workspace>/data/results/rl_<model>_<dtype>_<device>``
     (written after every path; an existing record there is an error), then the saved records of
     ``rl_results_file``. They must all run one workload (the same lengths and budgets). Bad settings,
     a record in the way or another workload are a ValueError raised before the model is built."""
@@ -215,17 +217,16 @@ def rl_or_load(
     runs = [(f, load_rl_results(f)) for f in files]
     workloads = [(name, (r["workload"]["lengths"], r["workload"]["budgets"])) for name, r in runs]
     if rl_shape is not None:
-        shape = dict(rl_shape)
-        unknown = sorted(set(shape) - set(RL_SHAPE_KEYS))
+        unknown = sorted(set(rl_shape) - set(RL_DEFAULTS))
         if unknown:
-            raise ValueError(f"rl_shape has unknown settings {unknown}; valid: {', '.join(RL_SHAPE_KEYS)}")
-        check_rl_settings(**{k: shape.get(k, default) for k, default in (
-            ("num_seqs", 256), ("min_len", 100), ("max_len", 1024), ("mode", "bucketed"), ("slots", None),
-            ("reps", 1), ("peer_calls", 1), ("paths", RL_DEFAULT_PATHS))})
+            raise ValueError(f"rl_shape has unknown settings {unknown}; valid: {', '.join(RL_DEFAULTS)}")
+        shape = {**RL_DEFAULTS, **rl_shape}
+        check_rl_settings(**{k: shape[k] for k in ("num_seqs", "min_len", "max_len", "mode", "slots", "reps",
+                                                   "peer_calls", "paths")})
         _, name = model_config(model)
         out = record_paths(Workspace.resolve(output_dir).results / f"rl_{name}_{dtype}_{str(device).split(':')[0]}")
-        lengths, budgets = uniform_workload(shape.get("num_seqs", 256), low=shape.get("min_len", 100),
-                                            high=shape.get("max_len", 1024), seed=shape.get("seed", 0))
+        lengths, budgets = uniform_workload(shape["num_seqs"], low=shape["min_len"], high=shape["max_len"],
+                                            seed=shape["seed"])
         workloads.insert(0, (str(out[0]), (lengths, budgets)))
     for name, workload in workloads[1:]:
         if workload != workloads[0][1]:
