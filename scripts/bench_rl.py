@@ -20,7 +20,7 @@ from typing import Any
 from rollout_lab.cli import positive_int, record_out
 from rollout_lab.engine.config import MODES
 from rollout_lab.measure.models import add_model_options, load_model, resolve_model_options
-from rollout_lab.measure.rl import RL_DEFAULT_PATHS, RL_PATHS, check_rl_settings, run_rl
+from rollout_lab.measure.rl import RL_DEFAULTS, RL_PATHS, check_rl_settings, run_rl
 from rollout_lab.measure.sweep import rl_throughput_rows
 from rollout_lab.workspace import write_record
 
@@ -30,17 +30,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=record_out,
                    help="output stem: writes <out>.json and <out>.csv (neither may exist)")
     add_model_options(p, default_preset="qwen3-0.6b")
-    p.add_argument("--num-seqs", type=positive_int, default=256, help="requests (default 256)")
-    p.add_argument("--min-len", type=positive_int, default=100, help="smallest prompt length and budget (default 100)")
-    p.add_argument("--max-len", type=positive_int, default=1024, help="largest prompt length and budget (default 1024)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--mode", default="bucketed", choices=MODES, help="our route (default bucketed)")
-    p.add_argument("--slots", type=positive_int, default=None, help="continuous_batch_size (default: every request)")
-    p.add_argument("--decode", default="auto", choices=("auto", "graph", "eager"), help="our decode stepper")
-    p.add_argument("--decode-widths", type=int, default=None, help="attention windows of 'ours' (default: the engine's)")
-    p.add_argument("--reps", type=positive_int, default=1, help="our timed calls after the warm-up (default 1)")
-    p.add_argument("--peer-calls", type=positive_int, default=1, help="HF's timed calls, no warm-up (default 1)")
-    p.add_argument("--paths", nargs="+", default=list(RL_DEFAULT_PATHS), choices=RL_PATHS,
+    d = RL_DEFAULTS  # run_rl's own defaults
+    p.add_argument("--num-seqs", type=positive_int, default=d["num_seqs"], help="requests (default %(default)s)")
+    p.add_argument("--min-len", type=positive_int, default=d["min_len"],
+                   help="smallest prompt length and budget (default %(default)s)")
+    p.add_argument("--max-len", type=positive_int, default=d["max_len"],
+                   help="largest prompt length and budget (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="workload seed")
+    p.add_argument("--mode", default=d["mode"], choices=MODES, help="our route (default %(default)s)")
+    p.add_argument("--slots", type=positive_int, default=d["slots"], help="continuous_batch_size (default: every request)")
+    p.add_argument("--decode", default=d["decode"], choices=("auto", "graph", "eager"), help="our decode stepper")
+    p.add_argument("--decode-widths", type=int, default=d["decode_widths"],
+                   help="attention windows of 'ours' (default: the engine's)")
+    p.add_argument("--reps", type=positive_int, default=d["reps"], help="our timed calls after the warm-up (default %(default)s)")
+    p.add_argument("--peer-calls", type=positive_int, default=d["peer_calls"], help="HF's timed calls, no warm-up (default %(default)s)")
+    p.add_argument("--paths", nargs="+", default=list(d["paths"]), choices=RL_PATHS,
                    help="paths to run, in order (default: all but ours_compile_layers, which needs CUDA)")
     args = p.parse_args(argv)
     try:
@@ -60,12 +64,10 @@ def main(argv: list[str] | None = None) -> None:
         return write_record(paths, record, rl_throughput_rows(record))
 
     model, model_name = load_model(args.model, dtype=args.dtype, device=args.device)
-    settings = ("num_seqs", "min_len", "max_len", "seed", "mode", "slots", "decode", "decode_widths", "reps",
-                "peer_calls", "paths")
     record = run_rl(model, model_name=model_name, dtype=args.dtype, save=save,
                     config={"preset": args.preset, "tiny": args.tiny, "device": args.device},
                     script="scripts/bench_rl.py", argv=(sys.argv[1:] if argv is None else argv),
-                    **{k: getattr(args, k) for k in settings})
+                    **{k: getattr(args, k) for k in RL_DEFAULTS})
     print(save(record), end="")
     print(f"wrote {paths[0]} and {paths[1]}")
 

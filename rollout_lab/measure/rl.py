@@ -16,7 +16,6 @@ graphs included). ``scripts/bench_rl.py`` is its command line; notebook 03 runs 
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import DECODE_VARIANTS
+from rollout_lab.measure.sweep import DECODE_VARIANTS, release_memory
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 
@@ -173,9 +172,7 @@ def hf_generate_batch_budgets(model: Any, prompts: Sequence[Sequence[int]], budg
 
 
 def _run_peer(model, prompts, budgets, pad_id: int, device: torch.device, *, calls: int) -> dict[str, Any]:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     if baseline is not None:
         torch.cuda.reset_peak_memory_stats(device)
