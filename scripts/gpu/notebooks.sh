@@ -25,9 +25,11 @@
 # DEADLINE=<s> (common.sh) cuts each step's limit to what is left of the call. PRESET=qwen3-0.6b runs
 # the RL-shape model instead, and its 03 also measures nano-vllm's RL shape (rl_shape: ours, then HF
 # generate_batch, ~150 s and ~240 s on the H200 in bench_rl.py's runs): give that 03 a call of its
-# own and few sweep workloads (WORKLOADS_03=long_tail). Not yet run on the GPU. TINY CPU times, 2026-12-03 (2 busy cores, Python 3.12 with the carried
-# wheels only): install 3 s, 01 11-34 s, 02 12 s, 03 45-65 s, 04 12 s. On the H200 (2026-12-04, git
-# e04b323, inductor's cache of an earlier call carried in): 01 388 s, 02 12 s (both in one call), 03
+# own and few sweep workloads (WORKLOADS_03=long_tail). The committed records rendered beside 03's
+# own measurement (RENDER_03) are Qwen2.5-3B's, so only that preset's 03 (and TINY's) renders them.
+# TINY CPU times, 2026-12-03 (2 busy cores, Python 3.12 with the carried wheels only): install 3 s,
+# 01 11-34 s, 02 12 s, 03 45-65 s, 04 12 s. On the H200 (2026-12-04, git e04b323, inductor's cache of
+# an earlier call carried in): 01 388 s, 02 12 s (both in one call), 03
 # 372 s with the committed HF static record as PARAMS_03="--param 03:peer_results_file='<record>'"
 # instead of the peer step (which would not have fitted the same call).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PY, step, capped (PYTHONPATH is set below)
@@ -46,8 +48,9 @@ $PY -c "import sys, psutil, torch, transformers, papermill; from jupyter_client.
 print(sys.version.split()[0], torch.__version__, transformers.__version__, 'papermill', papermill.__version__, 'psutil', psutil.__version__,
       torch.cuda.is_available() and torch.cuda.get_device_name()); k = K().get_kernel_spec('python3'); print('kernel python3:', k.resource_dir, k.argv[0])"
 
-R=data/results  # the committed H200 records that 03 renders beside its own measurement
-RENDER_03="--param \"03:rl_results_file=['$R/rl_qwen3-0.6b_bfloat16_cuda_levers.json', '$R/rl_qwen3-0.6b_bfloat16_cuda_generate_batch.json']\"
+R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders beside its own measurement
+RENDER_03=""
+[ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] && RENDER_03="--param \"03:rl_results_file=['$R/rl_qwen3-0.6b_bfloat16_cuda_levers.json', '$R/rl_qwen3-0.6b_bfloat16_cuda_generate_batch.json']\"
   --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
   --param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda.json'
   --param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"
@@ -84,7 +87,7 @@ notebook() {  # notebook(step, limit, more args): run one notebook into its own 
 }
 for what in "$@"; do
   case $what in
-    01) eval "notebook 01 480 ${PARAMS_01:-}" ;;
+    01) eval "notebook 01 540 ${PARAMS_01:-}" ;;
     02) eval "notebook 02 180 $([ -z "${TINY:-}" ] && costs 02) ${PARAMS_02:-}" ;;  # a tiny calibration prices no preset geometry
     peer) step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads $WORKLOADS_03 --paths hf_static \
               --max-new-tokens $NEW --repetitions $ROUNDS --no-progress --out "$PEER" ;;
