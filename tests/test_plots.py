@@ -182,3 +182,22 @@ def test_prefill_routes_draw_a_sweeps_workloads_as_points():
     points = [c for c in ax.collections if len(c.get_offsets()) == 2]
     assert len(points) == 2 and "profiled call" in ax.get_ylabel()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["bucketed, sweep workloads", "packed, sweep workloads"]
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 9])
+def test_whole_table_legend_names_only_the_peers_drawn_and_stays_clear_of_the_axes(num_rows):
+    from rollout_lab.plots.latency import plot_whole_table
+
+    rows = [{"workload": f"w{i}", "model": "m", "git_sha": "abc1234", "ours_ms": 50.0 + i, "hf_generate_ms": 600.0,
+             "hf_static_ms": None, "hf_generate_batch_ms": 4000.0 if i else None, "best_hf": "hf_generate",
+             "speedup_over_best_hf": 12.0} for i in range(num_rows)]
+    fig = plot_whole_table(rows, title="t")
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    drawn = ["ours", "HF generate"] + (["HF generate_batch"] if num_rows > 1 else [])
+    assert [t.get_text() for t in legend.get_texts()] == drawn  # no entry for a peer no record holds
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    for other in (ax.get_window_extent(renderer), ax.xaxis.label.get_window_extent(renderer)):
+        assert not box.overlaps(other)  # two rows once put the legend over the axis label

@@ -232,8 +232,10 @@ def plot_whole_table(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> F
     height = 0.8 / len(WHOLE_TABLE_COLUMNS)
     labels = [f"{r['workload']} ({r['model']}, @{r['git_sha']})" for r in rows]
     for j, (key, name) in enumerate(WHOLE_TABLE_COLUMNS):
-        ys = [i - 0.4 + height * (j + 0.5) for i in range(len(rows))]
         xs = [math.nan if r.get(key) is None else float(r[key]) / 1e3 for r in rows]
+        if all(math.isnan(x) for x in xs):  # no record holds this peer: no bars, no legend entry
+            continue
+        ys = [i - 0.4 + height * (j + 0.5) for i in range(len(rows))]
         ax.barh(ys, xs, height=height, color=PALETTE(j), label=name)
     for i, r in enumerate(rows):
         if r.get("speedup_over_best_hf"):
@@ -246,7 +248,9 @@ def plot_whole_table(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> F
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("seconds of the whole call (log)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(WHOLE_TABLE_COLUMNS), frameon=False)
+    # beside the axes, not below them: an offset under the axes is a fraction of its height, and
+    # a figure of two rows put the legend over the axis label
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -50,7 +50,7 @@ print(sys.version.split()[0], torch.__version__, transformers.__version__, 'pape
 
 R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders beside its own measurement
 RENDER_03=""
-[ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] && RENDER_03="--param \"03:rl_results_file=['$R/rl_qwen3-0.6b_bfloat16_cuda_levers.json', '$R/rl_qwen3-0.6b_bfloat16_cuda_generate_batch.json']\"
+[ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] && RENDER_03="--param \"03:rl_results_file='$R/rl_qwen3-0.6b_bfloat16_cuda_notebook-03.json'\"
   --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
   --param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda.json'
   --param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"
