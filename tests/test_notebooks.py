@@ -230,8 +230,14 @@ def test_03_latency_outputs(executed):
     assert [r["path"] for r in rl] == ["ours", "hf_generate_batch"] and float(rl[0]["output_tokens_per_s"]) > 0
     assert json.loads((out / "data" / "results" / "rl_tiny-qwen2_float32_cpu.json").read_text())["workload"][
         "num_requests"] == SMOKE_PARAMETERS["03_latency_tables"]["rl_shape"]["num_seqs"]
+    # grpo_shape: GRPO measured on the notebook's model, written as a record, drawn, and in the whole table
+    grpo = json.loads((out / "data" / "results" / "grpo_tiny-qwen2_float32_cpu.json").read_text())
+    assert set(grpo["results"]) == {"shared", "unshared", "hf_generate"} and grpo["workload"]["num_rows"] == 4
+    assert grpo["checks"]["shared_equals_unshared_fraction"] == 1.0  # seeded sampling: the same tokens
+    assert_figure(out / "figures", "03_grpo_tiny_qwen2_float32_cpu")
     whole = read_csv(out / "data" / "tables" / "03_whole_table_tiny_qwen2_float32_cpu.csv")
-    assert [r["workload"] for r in whole] == ["long_tail x 3", "spread x 3", "RL shape (4 requests)"]
+    assert [r["workload"] for r in whole] == ["long_tail x 3", "spread x 3", "RL shape (4 requests)", "GRPO 2 x 2 x 3"]
+    assert whole[3]["ours"] == "shared" and whole[3]["best_hf"] == "hf_generate"
 
 
 def test_03_renders_a_saved_results_file(executed, tmp_path):

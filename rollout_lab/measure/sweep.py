@@ -573,7 +573,7 @@ def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_grpo_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A record written by ``scripts/bench_grpo.py`` (kind "grpo")."""
+    """A GRPO record (kind "grpo") of ``measure.grpo.run_grpo``: ``scripts/bench_grpo.py`` or notebook 03."""
     return _load_record(Path(path), "grpo")
 
 

@@ -47,7 +47,9 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
     },
     "03_latency_tables": {"workloads": ["long_tail", "spread"], "workload_scale": 0.05, "repetitions": 1,
                           "max_new_tokens": 3,
-                          "rl_shape": {"num_seqs": 4, "min_len": 4, "max_len": 12, "paths": ["ours", "hf_generate_batch"]}},
+                          "rl_shape": {"num_seqs": 4, "min_len": 4, "max_len": 12, "paths": ["ours", "hf_generate_batch"]},
+                          "grpo_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 3, "scale": 0.05,
+                                         "reps": 1}},
     "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
                       "online_calls": 6, "repetitions": 1},
 }

@@ -1,4 +1,4 @@
-"""The figure of a GRPO benchmark record (``scripts/bench_grpo.py``): E2E per path, and where the
+"""The figure of a GRPO benchmark record (``measure.grpo.run_grpo``): E2E per path, and where the
 time of our two paths goes.
 
     record = json.load(open("data/results/grpo_tiny-qwen2_float32_cpu.json"))

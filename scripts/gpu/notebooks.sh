@@ -24,14 +24,21 @@
 #   PARAMS_03="--param 03:repetitions=2"
 # DEADLINE=<s> (common.sh) cuts each step's limit to what is left of the call. PRESET=qwen3-0.6b runs
 # the RL-shape model instead, and its 03 also measures nano-vllm's RL shape (rl_shape: ours, then HF
-# generate_batch, ~150 s and ~240 s on the H200 in bench_rl.py's runs): give that 03 a call of its
-# own and few sweep workloads (WORKLOADS_03=long_tail). The committed records rendered beside 03's
-# own measurement (RENDER_03) are Qwen2.5-3B's, so only that preset's 03 (and TINY's) renders them.
+# generate_batch). The committed records rendered beside 03's own measurement (RENDER_03) are
+# Qwen2.5-3B's, so only that preset's 03 (and TINY's) renders them.
+# A 03 too long for one call: run it, commit the sweep it brought back, and run it again with
+#   PARAMS_03="--param 03:results_file='data/results/<that sweep>.json'"
+# so the second call renders the sweep and measures the rest (the RL shape, GRPO_03).
 # TINY CPU times, 2026-12-03 (2 busy cores, Python 3.12 with the carried wheels only): install 3 s,
-# 01 11-34 s, 02 12 s, 03 45-65 s, 04 12 s. On the H200 (2026-12-04, git e04b323, inductor's cache of
-# an earlier call carried in): 01 388 s, 02 12 s (both in one call), 03
-# 372 s with the committed HF static record as PARAMS_03="--param 03:peer_results_file='<record>'"
-# instead of the peer step (which would not have fitted the same call).
+# 01 11-34 s, 02 12 s, 03 45-65 s, 04 12 s. On the H200:
+# - qwen2.5-3b (2026-12-04, git e04b323, inductor's cache of an earlier call carried in): 01 388 s,
+#   02 12 s (both in one call), 03 372 s with the committed HF static record as
+#   PARAMS_03="--param 03:peer_results_file='<record>'" instead of the peer step (which would not have
+#   fitted the same call).
+# - qwen3-0.6b (2026-12-04, git bd5476b, cold inductor cache, kept in build/ between warm calls): 01
+#   319 s and 02 30 s in one call; 03 with WORKLOADS_03=long_tail spent 367 s on the sweep (each
+#   route's first compile) and ran out of its call in generate_batch; again with the sweep as
+#   results_file, 456 s (the RL shape: ours 142 s to the first call, HF 254 s).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PY, step, capped (PYTHONPATH is set below)
 SITE=${SITE:-/tmp/site}
 WS=${WS:-/tmp/nb_ws}
@@ -52,9 +59,13 @@ R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders b
 RENDER_03=""
 [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] && RENDER_03="--param \"03:rl_results_file='$R/rl_qwen3-0.6b_bfloat16_cuda_notebook-03.json'\"
   --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
-  --param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda.json'
   --param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"
   --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\""
+# GRPO_03=<run_grpo settings, a dict literal in single quotes>: 03 measures GRPO on its model (grpo_shape);
+# else the 3B preset's 03 renders the committed record
+if [ -n "${GRPO_03:-}" ]; then GRPO_PARAM="--param \"03:grpo_shape=$GRPO_03\""
+elif [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ]; then GRPO_PARAM="--param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda.json'"
+else GRPO_PARAM=""; fi
 if [ -n "${TINY:-}" ]; then
   M=""; STEM=tiny-qwen2_float32_cpu; SWEEP_M="--tiny qwen2 --scale 0.25"
   WORKLOADS_03=${WORKLOADS_03:-"long_tail spread"}; NEW=3; ROUNDS=1
@@ -92,7 +103,7 @@ for what in "$@"; do
     peer) step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads $WORKLOADS_03 --paths hf_static \
               --max-new-tokens $NEW --repetitions $ROUNDS --no-progress --out "$PEER" ;;
     03) eval "notebook 03 540 $(costs 03) $(workloads_03) --param 03:max_new_tokens=$NEW --param 03:repetitions=$ROUNDS \
-              ${RENDER_03//$'\n'/ } ${PARAMS_03:-}" ;;
+              ${RENDER_03//$'\n'/ } $GRPO_PARAM ${PARAMS_03:-}" ;;
     04) eval "notebook 04 480 ${PARAMS_04:-}" ;;
     help) step 60 $PY -m rollout_lab.cli notebooks --help ;;
     *) echo "unknown step $what (01, 02, peer, 03, 04, help)"; exit 2 ;;
