@@ -205,6 +205,13 @@ def csv_text(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = 
     return buffer.getvalue()
 
 
+def run_tag(model: Any, dtype: Any, device: Any) -> str:
+    """``<model>_<dtype>_<device type>``, what every output's name says of its run:
+    ``run_tag("qwen2.5-3b", "bfloat16", "cuda:0")`` is ``qwen2.5-3b_bfloat16_cuda`` (a device index
+    is dropped: the name says what ran, not on which card)."""
+    return f"{model}_{dtype}_{str(device).split(':')[0]}"
+
+
 def record_stem(out: str | os.PathLike) -> Path:
     """A record's output stem: ``out`` with a .json or .csv suffix dropped."""
     stem = Path(out)

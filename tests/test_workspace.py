@@ -178,3 +178,12 @@ def test_json_files_are_read_with_limits(tmp_path, body, message):
         read_json_file(tmp_path / "none.json", what="results file", max_bytes=10)
     path.write_text('{"kind": "sweep", "n": [1, 2.5]}')
     assert read_json_file(path, what="results file", max_bytes=1024) == {"kind": "sweep", "n": [1, 2.5]}
+
+
+def test_run_tag_names_model_dtype_and_device_type_for_every_record_kind(tmp_path):
+    from rollout_lab.measure.calibrate import calibration_path
+    from rollout_lab.workspace import run_tag
+
+    assert run_tag("qwen2.5-3b", "bfloat16", "cuda:1") == "qwen2.5-3b_bfloat16_cuda"  # the card's index dropped
+    assert run_tag("tiny-qwen2", "float32", "cpu") == "tiny-qwen2_float32_cpu"
+    assert calibration_path("m", "bfloat16", "cuda:0", Workspace(tmp_path)).name == "m_bfloat16_cuda.json"

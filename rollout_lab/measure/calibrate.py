@@ -56,7 +56,7 @@ from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, packed_prefill_cost_ms
 from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.workspace import Workspace, output_lock
+from rollout_lab.workspace import Workspace, output_lock, run_tag
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def calibration_grid(grid: str | Mapping[str, Any]) -> Any:
 
 def calibration_path(name: str, dtype: str, device: str, workspace: Workspace) -> Path:
     """``<workspace>/data/calibration/<name>_<dtype>_<device type>.json``."""
-    return workspace.calibration / f"{name}_{dtype}_{str(device).split(':')[0]}.json"
+    return workspace.calibration / f"{run_tag(name, dtype, device)}.json"
 
 
 def calibrate_or_load(

@@ -212,7 +212,7 @@ def grpo_or_load(
     from rollout_lab.measure.calibrate import load_calibration
     from rollout_lab.measure.models import load_model, model_config
     from rollout_lab.measure.sweep import grpo_rows, load_grpo_results
-    from rollout_lab.workspace import Workspace, record_paths, write_record
+    from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
     if grpo_shape is not None and grpo_results_file is not None:
         raise ValueError("give grpo_shape (measure) or grpo_results_file (render), not both")
@@ -226,7 +226,7 @@ def grpo_or_load(
     shape = {**GRPO_DEFAULTS, **grpo_shape}
     check_grpo_settings(**shape)
     _, name = model_config(model)
-    out = record_paths(Workspace.resolve(output_dir).results / f"grpo_{name}_{dtype}_{str(device).split(':')[0]}")
+    out = record_paths(Workspace.resolve(output_dir).results / f"grpo_{run_tag(name, dtype, device)}")
     net, name = load_model(model, dtype=dtype, device=device)
     costs = None if cost_file is None else load_calibration(cost_file, model=net, model_name=name,
                                                             override=override_costs)

@@ -207,7 +207,7 @@ def rl_or_load(
     a record in the way or another workload are a ValueError raised before the model is built."""
     from rollout_lab.measure.models import load_model, model_config
     from rollout_lab.measure.sweep import load_rl_results, rl_throughput_rows
-    from rollout_lab.workspace import Workspace, record_paths, write_record
+    from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
     files = [] if rl_results_file is None else \
         [str(rl_results_file)] if isinstance(rl_results_file, str) else [str(f) for f in rl_results_file]
@@ -221,7 +221,7 @@ def rl_or_load(
         check_rl_settings(**{k: shape[k] for k in ("num_seqs", "min_len", "max_len", "mode", "slots", "reps",
                                                    "peer_calls", "paths")})
         _, name = model_config(model)
-        out = record_paths(Workspace.resolve(output_dir).results / f"rl_{name}_{dtype}_{str(device).split(':')[0]}")
+        out = record_paths(Workspace.resolve(output_dir).results / f"rl_{run_tag(name, dtype, device)}")
         lengths, budgets = uniform_workload(shape["num_seqs"], low=shape["min_len"], high=shape["max_len"],
                                             seed=shape["seed"])
         workloads.insert(0, (str(out[0]), (lengths, budgets)))

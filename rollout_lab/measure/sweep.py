@@ -70,7 +70,7 @@ from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import (RUN_ID, Workspace, check_record_pair,
                                    json_text, output_lock, pair_paths, read_json_file,
-                                   write_record)
+                                   run_tag, write_record)
 
 PEER_PATHS = ("hf_static", "hf_generate_batch")
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
@@ -761,7 +761,7 @@ def sweep_or_load(
         if cost_file is not None:
             costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs)
         if results_stem is None:
-            results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{name}_{dtype}_{str(device).split(':')[0]}")
+            results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}")
         record = run_sweep(
             net, workloads=lengths, paths=paths_, repetitions=repetitions, max_new_tokens=max_new_tokens,
             costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,

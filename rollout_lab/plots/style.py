@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
+from rollout_lab.workspace import run_tag
+
 PALETTE = plt.get_cmap("tab10")
 LOG_SPAN = 10.0  # values spanning at least this ratio get a log axis; narrower ones read better linear
 
@@ -26,9 +28,9 @@ def slug(text: str) -> str:
 
 
 def output_tag(model: Any, dtype: Any, device: Any) -> str:
-    """The model-dtype-device part of an output's name: ``output_tag("qwen2.5-3b", "bfloat16", "cuda:0")``
-    is ``qwen2_5_3b_bfloat16_cuda`` (a device index is dropped: the name says what ran, not on which card)."""
-    return slug(f"{model}_{dtype}_{str(device).split(':')[0]}")
+    """``run_tag`` as a figure's or a table's name takes it: ``output_tag("qwen2.5-3b", "bfloat16", "cuda:0")``
+    is ``qwen2_5_3b_bfloat16_cuda``."""
+    return slug(run_tag(model, dtype, device))
 
 
 def save_figure(fig: Figure, directory: str | Path, stem: str, *, svg: bool = True, dpi: int = 130) -> list[Path]:
