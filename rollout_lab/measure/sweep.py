@@ -651,7 +651,7 @@ def whole_table_rows(
         return result.get("median_ms") if result.get("median_ms") is not None else result.get("mean_ms")
 
     def row(workload, record, name, *, requests, tokens, ours_path, ours, peers):
-        hf = {col: ms(peers.get(col)) for col in ("hf_generate", "hf_static", "hf_generate_batch")}
+        hf = {col: ms(peers.get(col)) for col in HF_COLUMNS.values()}
         ours_ms = ms(ours)
         best = min(((v, k) for k, v in hf.items() if v), default=None)
         prov = record.get("provenance", {})

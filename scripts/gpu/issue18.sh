@@ -7,9 +7,9 @@
 #   ... bash scripts/gpu/issue18.sh qwen3_32b_peer                              # the next
 # Our graphs capture the eager model (--no-compile): a compile of the 64-layer model would take
 # minutes of the call, and at 32B the decode step is bound by streaming 65 GB of weights (~15 ms)
-# more than by its small kernels. There is no 32B calibration: Auto is priced by the reference's
-# coefficients, whose 25 ms fixed cost came from its own 32B runs. The sweep writes its record after
-# each workload; RESUME=<dir> holding sweep_32b.json/.csv continues one that a call's limit cut.
+# more than by its small kernels. Auto is priced by the 32B calibration of qwen3_32b_calibrate (or
+# COSTS), else by the reference's coefficients (see below). The sweep writes its record after each
+# workload; RESUME=<dir> holding sweep_32b.json/.csv continues one that a call's limit cut.
 # No oracle check (--oracle-max-tokens 0): bf16 token matches on random weights mean nothing, and 32
 # one-request generates of the 64-layer model per workload would take a good part of the call. With
 # DEADLINE=<s> both steps run in one call: ours first (at most 300 s), the peer in what is left.
