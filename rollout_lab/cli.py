@@ -153,10 +153,12 @@ def model_limits(args: argparse.Namespace) -> tuple[Any, str, int | None]:
 
 def read_costs_before_work(path: str, args: argparse.Namespace, config: Any, name: str) -> CostFile:
     """The cost file, checked on what is known before the model is built (name, geometry, dtype,
-    device type); the rest is checked against the built model (``engine.setting.model_metadata``)."""
+    device type, whether the prefill forwards are captured); the rest is checked against the built
+    model (``engine.setting.model_metadata``)."""
     cost_file = CostFile.read(path)
     expected = setting_metadata(geometry=ModelGeometry.from_config(config, args.dtype), dtype=args.dtype,
                                 model_name=name, device_type=device_type(args.device))
+    expected["prefill_graphs"] = bool(args.prefill_graphs)
     cost_file.check(expected, override=args.override_costs)
     return cost_file
 
@@ -250,7 +252,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"costs: {cost_path}" + ("" if args.costs else " (this model's calibration in the workspace)"))
     model, name = build_model(args)
     costs = None if cost_file is None else \
-        cost_file.check(model_metadata(model, model_name=name), override=args.override_costs)
+        cost_file.check(model_metadata(model, model_name=name) | {"prefill_graphs": args.prefill_graphs},
+                        override=args.override_costs)
     oracle = sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None else args.oracle_max_tokens
     # a ValueError here (another sweep holds the output's lock, --resume's record differs) is one line
     record = sweep.run_sweep(

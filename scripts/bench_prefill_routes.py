@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--prefill-graphs captures CUDA graphs: give a preset on a CUDA device, not --tiny")
     name = resolve_model_options(args)
     model, model_name = load_model(name, dtype=args.dtype, device=args.device)
-    costs = load_calibration(args.costs, model=model, model_name=model_name) if args.costs else None
+    costs = load_calibration(args.costs, model=model, model_name=model_name,
+                             prefill_graphs=args.prefill_graphs) if args.costs else None
     engine = {}
     if args.prefill_graphs:  # the ladder over every batch this bench draws
         engine = {"prefill_classes": ShapeClasses.ladder(max_width=longest_prompt(model), max_rows=max(args.batch_sizes)),

@@ -162,6 +162,31 @@ def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
     assert load_calibration(other, model=tiny, override=True) == result.coeffs
 
 
+def test_load_refuses_a_calibration_of_the_other_prefill_mode(calibrated, tiny, tmp_path):
+    result, path = calibrated  # the tiny grid timed eager prefill forwards
+    assert load_calibration(path, model=tiny, prefill_graphs=False) == result.coeffs
+    with pytest.raises(ValueError, match=r"prefill_graphs: file has False, this setting has True.*calibrate --prefill-graphs"):
+        load_calibration(path, model=tiny, prefill_graphs=True)
+    data = json.loads(path.read_text())
+    del data["metadata"]["grid"]["prefill_graphs"]  # a calibration older than the key: eager forwards
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="prefill_graphs: file has False"):
+        load_calibration(older, model=tiny, prefill_graphs=True)
+    data["metadata"]["grid"]["prefill_graphs"] = True
+    captured = tmp_path / "captured.json"
+    captured.write_text(json.dumps(data))
+    assert load_calibration(captured, model=tiny, prefill_graphs=True) == result.coeffs
+    with pytest.raises(ValueError, match="prefill_graphs: file has True, this setting has False"):
+        load_calibration(captured, model=tiny, prefill_graphs=False)
+    assert load_calibration(captured, model=tiny, prefill_graphs=False, override=True) == result.coeffs
+    assert load_calibration(captured, model=tiny) == result.coeffs  # a setting that does not say is not checked
+    del data["metadata"]["grid"]
+    bare = tmp_path / "bare.json"  # no grid (not written by calibrate): nothing to check it against
+    bare.write_text(json.dumps(data))
+    assert load_calibration(bare, model=tiny, prefill_graphs=True) == result.coeffs
+
+
 def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
     with pytest.raises(ValueError, match="dtype"):
         calibrate(tiny, dtype=torch.bfloat16, progress=False)

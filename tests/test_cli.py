@@ -164,6 +164,17 @@ def test_plan_refuses_costs_measured_for_another_model_unless_overridden(tmp_pat
     assert "provenance not checked: --override-costs" in capsys.readouterr().out
 
 
+def test_sweep_refuses_a_calibration_of_captured_prefill_forwards_before_the_model(tmp_path, capsys, no_model):
+    cost_file = tiny_cpu_cost_file(tmp_path / "tiny.json")
+    data = json.loads(cost_file.read_text())
+    data["metadata"]["grid"] = {"prefill_graphs": True}  # calibrate --prefill-graphs: replays, not eager forwards
+    cost_file.write_text(json.dumps(data))
+    assert main(["sweep", "--device", "cpu", "--costs", str(cost_file), "--out", str(tmp_path / "s")]) == 2
+    err = one_error_line(capsys)
+    assert "prefill_graphs: file has True, this setting has False" in err and "--override-costs" in err
+    assert not list(tmp_path.glob("s*"))
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     """Any attempt to build or load a model fails the test: the errors must come first."""

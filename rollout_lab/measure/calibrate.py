@@ -466,8 +466,13 @@ def _default_model_name(model: Any) -> str:
 
 def load_calibration(
     path: str | os.PathLike, *, model: Any, model_name: str | None = None, override: bool = False,
+    prefill_graphs: bool | None = None,
 ) -> CostCoefficients:
     """Coefficients of a cost file, after checking its provenance against ``model`` as it is now
-    (``CostFile.check`` with ``model_metadata``; the name too when given). A mismatch, or a file
-    without metadata, raises ValueError naming each differing field; ``override=True`` accepts it."""
-    return CostFile.read(path).check(model_metadata(model, model_name=model_name), override=override)
+    (``CostFile.check`` with ``model_metadata``; the name too when given, and whether the setting
+    captures its prefill forwards when ``prefill_graphs`` is given). A mismatch, or a file without
+    metadata, raises ValueError naming each differing field; ``override=True`` accepts it."""
+    expected = model_metadata(model, model_name=model_name)
+    if prefill_graphs is not None:
+        expected["prefill_graphs"] = bool(prefill_graphs)
+    return CostFile.read(path).check(expected, override=override)

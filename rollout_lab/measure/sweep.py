@@ -759,7 +759,8 @@ def sweep_or_load(
         net, name = load_model(model, dtype=dtype, device=device)
         costs = None
         if cost_file is not None:
-            costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs)
+            costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs,
+                                     prefill_graphs=prefill_graphs)
         if results_stem is None:
             results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}")
         record = run_sweep(

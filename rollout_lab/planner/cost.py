@@ -118,6 +118,11 @@ CHECKED_FIELDS = (
     "model_name", "geometry", "dtype", "device_type", "device_name", "attn_implementation",
     "torch", "transformers", "tf32_matmul",
 )
+# How the calibration ran its prefill forwards (its grid, written by `rollout-lab calibrate`) against
+# how the setting runs them, checked where the setting says: a calibration of eager forwards prices a
+# captured forward's fixed cost several times too high (H200, Qwen2.5-3B: 26.9 against 6.85 ms), and
+# the DP then merges buckets it should keep apart. A grid without the key predates it: the default.
+CHECKED_GRID_FIELDS = {"prefill_graphs": False}
 
 
 @dataclass(frozen=True)
@@ -168,17 +173,25 @@ class CostFile:
                              "it cannot be checked against this setting; recalibrate with `rollout-lab "
                              "calibrate`, or pass override=True (--override-costs) to use it anyway")
         detail = "; ".join(f"{k}: file has {v[0]!r}, this setting has {v[1]!r}" for k, v in diffs.items())
+        how = "`rollout-lab calibrate" + (" --prefill-graphs`" if diffs.get("prefill_graphs", (0, False))[1] else "`")
         raise ValueError(f"{where} was calibrated for a different setting ({detail}); recalibrate with "
-                         "`rollout-lab calibrate`, or pass override=True (--override-costs) to use it anyway")
+                         f"{how}, or pass override=True (--override-costs) to use it anyway")
 
 
 def metadata_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{field: (saved, expected)} for every checked field present in ``expected`` that differs."""
-    return {
+    """{field: (saved, expected)} for every checked field present in ``expected`` that differs; the
+    grid fields (``CHECKED_GRID_FIELDS``) only when ``saved`` has a grid (a calibration's)."""
+    diffs = {
         name: (saved.get(name, "<missing>"), expected[name])
         for name in CHECKED_FIELDS
         if name in expected and saved.get(name, "<missing>") != expected[name]
     }
+    grid = saved.get("grid")
+    if isinstance(grid, Mapping):
+        for name, default in CHECKED_GRID_FIELDS.items():
+            if name in expected and grid.get(name, default) != expected[name]:
+                diffs[name] = (grid.get(name, default), expected[name])
+    return diffs
 
 
 def setting_metadata(

@@ -18,8 +18,12 @@
 # shape, GRPO, GPQA-like 128 x 256, the decode step, the prefill-route crossing) beside them, all in
 # its whole table.
 # 02 and 03 price the buckets and Auto with the calibration of 01: $COSTS if set, else the one 01
-# wrote in this call, else data/calibration/<preset>_<dtype>_<device>.json of the checkout (commit
-# what 01 brought back there before the next call), else the reference coefficients (said so).
+# wrote in this call, else data/calibration/<preset>_<dtype>_<device>_notebook-01.json of the checkout
+# (what 01 brought back, committed under that name where the plain one was taken), else
+# <preset>_<dtype>_<device>.json, else the reference coefficients (said so). A calibration of eager
+# prefill forwards is refused by 03, which captures them (planner.cost.CHECKED_GRID_FIELDS): on
+# 2026-12-04 the plain 3B file (d071360, eager, fixed cost 26.9 ms against 01's 6.85 ms) priced a
+# whole 03 run and merged moderate tail's and GSM8K's buckets into one (+29% and +23%).
 # PARAMS_01 .. PARAMS_04 add `--param` overrides to one step (shell words, quotes kept), e.g.
 #   PARAMS_03="--param 03:repetitions=2"
 # DEADLINE=<s> (common.sh) cuts each step's limit to what is left of the call. PRESET=qwen3-0.6b runs
@@ -39,6 +43,9 @@
 #   319 s and 02 30 s in one call; 03 with WORKLOADS_03=long_tail spent 367 s on the sweep (each
 #   route's first compile) and ran out of its call in generate_batch; again with the sweep as
 #   results_file, 456 s (the RL shape: ours 142 s to the first call, HF 254 s).
+# - qwen2.5-3b (2026-12-04, git a315127, build/dev9 carried as INDUCTOR_CACHE): peer 157 s with the
+#   start; 03 with that record as peer_results_file 434 s; 03 again with its sweep as results_file
+#   and GRPO_03="{'max_new_tokens': 512, 'reps': 1}" 336 s.
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PY, step, capped (PYTHONPATH is set below)
 SITE=${SITE:-/tmp/site}
 WS=${WS:-/tmp/nb_ws}
@@ -62,9 +69,9 @@ RENDER_03=""
   --param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"
   --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\""
 # GRPO_03=<run_grpo settings, a dict literal in single quotes>: 03 measures GRPO on its model (grpo_shape);
-# else the 3B preset's 03 renders the committed record
+# else the 3B preset's 03 renders the committed record of the one that did (a315127)
 if [ -n "${GRPO_03:-}" ]; then GRPO_PARAM="--param \"03:grpo_shape=$GRPO_03\""
-elif [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ]; then GRPO_PARAM="--param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda.json'"
+elif [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ]; then GRPO_PARAM="--param 03:grpo_results_file='$R/grpo_qwen2.5-3b_bfloat16_cuda_notebook-03.json'"
 else GRPO_PARAM=""; fi
 if [ -n "${TINY:-}" ]; then
   M=""; STEM=tiny-qwen2_float32_cpu; SWEEP_M="--tiny qwen2 --scale 0.25"
@@ -80,7 +87,10 @@ PEER=$OUT/sweep_hf_static
 costs() {  # the --param that points $1 at the calibration, or nothing
   local file=${COSTS:-}
   [ -z "$file" ] && [ -f "$WS/01/data/calibration/$STEM.json" ] && file=$WS/01/data/calibration/$STEM.json
-  [ -z "$file" ] && [ -f "data/calibration/$STEM.json" ] && file=$PWD/data/calibration/$STEM.json
+  local kept  # the checkout's: 01's own where the plain name was taken (qwen2.5-3b), else the plain name
+  for kept in "data/calibration/${STEM}_notebook-01.json" "data/calibration/$STEM.json"; do
+    [ -z "$file" ] && [ -f "$kept" ] && file=$PWD/$kept
+  done
   if [ -n "$file" ]; then echo "--param \"$1:cost_file='$file'\""; else echo "   no calibration $STEM.json: reference coefficients" >&2; fi
 }
 workloads_03() {  # 03's workloads as a --param, and the peer record to join when this call made one
