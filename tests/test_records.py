@@ -14,6 +14,8 @@ import pytest
 
 from rollout_lab.measure.prefill_routes import PREFILL_ROUTES
 from rollout_lab.measure.sweep import MANUAL_ROUTES, PEER_PATHS
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = sorted((ROOT / "data" / "results").glob("*.json"))
@@ -81,6 +83,43 @@ def test_sweep_means_and_ratios_follow_from_the_samples(path):
             assert summary["auto_route"] == paths["auto"]["route"]
         if "auto" in means and peers:
             assert close(summary["auto_over_best_peer"], means["auto"] / min(peers)), workload
+
+
+CLASSED = [p for p in SWEEPS  # buckets at the class ladder, priced by a calibration
+           if load(p)["config"].get("costs") and (load(p)["config"].get("engine") or {}).get("prefill_classes")]
+
+
+@pytest.mark.parametrize("path", CLASSED, ids=lambda p: p.name)
+def test_each_bucket_plan_a_sweep_ran_is_the_planners_under_the_records_own_costs(path):
+    """The buckets (prompts, class width) that the bucketed route ran at the class ladder are
+    ``plan_buckets_classed``'s for the workload's lengths under the coefficients the record holds: a
+    plan or a cost edited by hand, or a planner that no longer plans as it did, fails here."""
+    record = load(path)
+    engine, coeffs = record["config"]["engine"], CostCoefficients.from_dict(record["config"]["costs"])
+    geometry = ModelGeometry(**record["provenance"]["geometry"])
+    classes = ShapeClasses(tuple(engine["prefill_classes"]["widths"]), tuple(engine["prefill_classes"]["rows"]))
+    checked = 0
+    for workload, entry in record["workloads"].items():
+        ran = entry["paths"].get("bucketed")
+        if ran is None or ran.get("skipped"):
+            continue
+        plan = plan_buckets_classed(entry["lengths"], geometry, coeffs, classes)
+        assert [[len(b), w] for b, w in zip(plan.buckets, plan.widths)] == ran["buckets"], workload
+        checked += 1
+    assert checked, f"{path.name}: no bucketed run to check"
+
+
+def test_the_eager_calibration_merged_the_buckets_that_01s_keeps_apart():
+    """The README's account of the a315127 notebook run: priced by the calibration of eager prefill
+    forwards (fixed cost 26.9 ms), moderate tail and GSM8K 32 ran one bucket each; priced by notebook
+    01's calibration of captured forwards (6.85 ms), two."""
+    results = ROOT / "data" / "results"
+    eager = load(results / "sweep_qwen2.5-3b_bfloat16_cuda_notebook-03_eager-costs.json")
+    captured = load(results / "sweep_qwen2.5-3b_bfloat16_cuda.json")
+    assert eager["config"]["costs"]["prefill_fixed_cost_ms"] > 3 * captured["config"]["costs"]["prefill_fixed_cost_ms"]
+    for workload in ("moderate_tail", "gsm8k_32"):
+        assert len(eager["workloads"][workload]["paths"]["auto"]["buckets"]) == 1, workload
+        assert len(captured["workloads"][workload]["paths"]["auto"]["buckets"]) == 2, workload
 
 
 RL = [p for p in RESULTS if load(p).get("kind") == "rl_throughput"]
