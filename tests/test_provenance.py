@@ -59,3 +59,27 @@ def test_rollout_config_costs_path_is_checked_against_the_model(tmp_path):
     with pytest.raises(ValueError, match="'metadata' must be an object"):
         (tmp_path / "five.json").write_text(json.dumps({"coefficients": mine.to_dict(), "metadata": 5}))
         RolloutConfig(costs=tmp_path / "five.json")
+
+
+def test_rollout_refuses_a_calibration_of_captured_prefill_for_its_eager_forwards(tmp_path):
+    """A calibration whose grid timed captured prefill forwards (calibrate --prefill-graphs) prices a
+    fixed cost that eager forwards do not have: Rollout without prefill_graphs refuses it, naming the
+    field, unless override_costs=True; a grid of eager forwards is accepted."""
+    import json
+
+    import pytest
+
+    from rollout_lab.engine.config import RolloutConfig
+    from rollout_lab.engine.rollout import Rollout
+    from rollout_lab.engine.setting import model_metadata
+    from rollout_lab.measure.models import tiny_model
+    from rollout_lab.planner.cost import CostCoefficients
+
+    tiny = tiny_model("qwen2")
+    mine = CostCoefficients(prefill_fixed_cost_ms=0.5)
+    for graphs in (True, False):
+        mine.to_json(tmp_path / f"{graphs}.json", metadata=model_metadata(tiny) | {"grid": {"prefill_graphs": graphs}})
+    assert Rollout(tiny, RolloutConfig(costs=tmp_path / "False.json")).costs == mine
+    with pytest.raises(ValueError, match="prefill_graphs: file has True, this setting has False"):
+        Rollout(tiny, RolloutConfig(costs=tmp_path / "True.json"))
+    assert Rollout(tiny, RolloutConfig(costs=tmp_path / "True.json", override_costs=True)).costs == mine

@@ -173,9 +173,9 @@ class CostFile:
                              "it cannot be checked against this setting; recalibrate with `rollout-lab "
                              "calibrate`, or pass override=True (--override-costs) to use it anyway")
         detail = "; ".join(f"{k}: file has {v[0]!r}, this setting has {v[1]!r}" for k, v in diffs.items())
-        how = "`rollout-lab calibrate" + (" --prefill-graphs`" if diffs.get("prefill_graphs", (0, False))[1] else "`")
+        graphs = " --prefill-graphs" if diffs.get("prefill_graphs", (None, False))[1] else ""
         raise ValueError(f"{where} was calibrated for a different setting ({detail}); recalibrate with "
-                         f"{how}, or pass override=True (--override-costs) to use it anyway")
+                         f"`rollout-lab calibrate{graphs}`, or pass override=True (--override-costs) to use it anyway")
 
 
 def metadata_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
