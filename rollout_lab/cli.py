@@ -252,8 +252,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"costs: {cost_path}" + ("" if args.costs else " (this model's calibration in the workspace)"))
     model, name = build_model(args)
     costs = None if cost_file is None else \
-        cost_file.check(model_metadata(model, model_name=name) | {"prefill_graphs": args.prefill_graphs},
-                        override=args.override_costs)
+        cost_file.check(model_metadata(model, model_name=name), override=args.override_costs)
     oracle = sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None else args.oracle_max_tokens
     # a ValueError here (another sweep holds the output's lock, --resume's record differs) is one line
     record = sweep.run_sweep(

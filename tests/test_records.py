@@ -86,7 +86,7 @@ def test_sweep_means_and_ratios_follow_from_the_samples(path):
 
 
 CLASSED = [p for p in SWEEPS  # buckets at the class ladder, priced by a calibration
-           if load(p)["config"].get("costs") and (load(p)["config"].get("engine") or {}).get("prefill_classes")]
+           if (config := load(p)["config"]).get("costs") and (config.get("engine") or {}).get("prefill_classes")]
 
 
 @pytest.mark.parametrize("path", CLASSED, ids=lambda p: p.name)
