@@ -235,9 +235,15 @@ def test_03_latency_outputs(executed):
     assert set(grpo["results"]) == {"shared", "unshared", "hf_generate"} and grpo["workload"]["num_rows"] == 4
     assert grpo["checks"]["shared_equals_unshared_fraction"] == 1.0  # seeded sampling: the same tokens
     assert_figure(out / "figures", "03_grpo_tiny_qwen2_float32_cpu")
+    # more_shape: more workloads at their own generation length, through the paths it names, as a record
+    more = json.loads((out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu_short_tailx2.json").read_text())
+    assert more["config"]["max_new_tokens"] == 2 and more["config"]["paths"] == ["bucketed", "auto"]
+    assert list(more["workloads"]) == ["short_tail"] and more["config"]["repetitions"] == 1  # the run's
     whole = read_csv(out / "data" / "tables" / "03_whole_table_tiny_qwen2_float32_cpu.csv")
-    assert [r["workload"] for r in whole] == ["long_tail x 3", "spread x 3", "RL shape (4 requests)", "GRPO 2 x 2 x 3"]
-    assert whole[3]["ours"] == "shared" and whole[3]["best_hf"] == "hf_generate"
+    assert [r["workload"] for r in whole] == ["long_tail x 3", "spread x 3", "short_tail x 2", "RL shape (4 requests)",
+                                              "GRPO 2 x 2 x 3"]
+    assert whole[2]["best_hf"] == "" and float(whole[2]["ours_ms"]) > 0  # no HF peer in that record
+    assert whole[4]["ours"] == "shared" and whole[4]["best_hf"] == "hf_generate"
 
 
 def test_03_renders_a_saved_results_file(executed, tmp_path):

@@ -372,6 +372,38 @@ def test_sweep_or_load_runs_at_the_class_ladder_resumes_and_joins_a_peer_record(
                       prefill_graphs=True, **common)
 
 
+def test_more_sweep_measures_its_own_generation_length_and_refuses_bad_settings_before_the_model(tmp_path, monkeypatch):
+    """Notebook 03's more_shape: its workloads at its max_new_tokens (and its paths), every other
+    setting the run's, into a record named after the shape, HF's peer of that shape joined; a bad
+    shape is an error naming the setting before any model is built."""
+    from rollout_lab.measure import sweep as sweep_module
+    from rollout_lab.measure.sweep import more_sweep_or_load, sweep_or_load
+
+    run = dict(model="tiny-qwen2", dtype="float32", device="cpu", output_dir=tmp_path, workload_scale=0.05,
+               paths_=["nocb", "bucketed", "auto"], repetitions=1, cost_file=None, override_costs=False,
+               prefill_classes=True, oracle_max_tokens=0)
+    sweep_or_load(results_file=None, workloads=["short_tail"], max_new_tokens=4, results_stem=str(tmp_path / "peer"),
+                            **{**run, "paths_": ["packed"]})
+    path, record = more_sweep_or_load({"workloads": ["short_tail"], "max_new_tokens": 4, "paths": ["bucketed", "auto"]},
+                                      more_peer_results_file=str(tmp_path / "peer.json"), **run)
+    assert Path(path) == tmp_path / "data" / "results" / "sweep_tiny-qwen2_float32_cpu_short_tailx4.json"
+    saved = load_results(path)
+    assert saved["config"]["max_new_tokens"] == 4 and saved["config"]["paths"] == ["bucketed", "auto"]
+    assert saved["config"]["engine"]["prefill_classes"] and saved["config"]["oracle_max_tokens"] == 0  # the run's
+    assert list(record["workloads"]["short_tail"]["paths"]) == ["bucketed", "auto", "packed"]  # the peer joined
+    monkeypatch.setattr(sweep_module, "load_model", lambda *a, **k: pytest.fail("the model was built"))
+    for shape, message in [
+        ({"workloads": ["short_tail"]}, r"lacks \['max_new_tokens'\]"),
+        ({"workloads": ["short_tail"], "max_new_tokens": 4, "temperature": 1.0}, r"unknown settings \['temperature'\]"),
+        ({"workloads": "short_tail", "max_new_tokens": 4}, "must be a list of workload names"),
+        ({"workloads": ["gpqa"], "max_new_tokens": 4}, "more_shape: unknown workloads \\['gpqa'\\]"),
+        ({"workloads": ["short_tail"], "max_new_tokens": 0}, "more_shape: max_new_tokens must be an int >= 1, got 0"),
+        (["short_tail"], "more_shape must be a dict"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            more_sweep_or_load(shape, **run)
+
+
 def test_whole_table_puts_every_record_against_its_hf_peers(tmp_path):
     """One row per workload of sweeps (joined with an own-process peer), RL and GRPO records: ours
     against each HF peer the record holds, the speedup over the fastest, and the record's name."""

@@ -58,7 +58,7 @@ from rollout_lab.engine.config import MANUAL_ROUTES, MODES, RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.calibrate import load_calibration, run_metadata
-from rollout_lab.measure.models import (TINY_VOCAB_SIZE, load_model,
+from rollout_lab.measure.models import (TINY_VOCAB_SIZE, load_model, model_config,
                                         special_token_ids, tiny_model)
 from rollout_lab.measure.peers import (hf_generate, hf_generate_batch,
                                        oracle_sequences)
@@ -774,6 +774,47 @@ def sweep_or_load(
         record = join_sweeps([record, *(r for _, r in peers)], [str(first), *(name for name, _ in peers)])
     return record, first
 
+
+
+# the settings of notebook 03's more_shape: what it must give, then what it may (the run's otherwise)
+MORE_SHAPE_KEYS = ("workloads", "max_new_tokens", "paths", "repetitions")
+
+
+def more_sweep_or_load(
+    more_shape: Mapping[str, Any], *, model: str, dtype: str, device: str, output_dir: str | Path | None,
+    more_peer_results_file: str | Sequence[str] | None = None, **sweep: Any,
+) -> tuple[str, dict[str, Any]]:
+    """(json path, record) of the workloads of ``more_shape`` measured at their own generation length
+    (``max_new_tokens``; ``paths`` and ``repetitions`` when given) with the rest of ``sweep_or_load``'s
+    settings as notebook 03's sweep has them (``sweep``), into
+    ``<workspace>/data/results/sweep_<model>_<dtype>_<device>_<workloads>x<max_new_tokens>``, HF's
+    compiled peer of the same shape joined from ``more_peer_results_file``: GPQA-like 128 x 256 beside
+    the 16-token workloads in one notebook run. Unknown or missing settings, an unknown workload and a
+    bad length are errors before the model is built."""
+    if not isinstance(more_shape, Mapping):
+        raise ValueError(f"more_shape must be a dict of {', '.join(MORE_SHAPE_KEYS)}, got {more_shape!r}")
+    unknown = sorted(set(more_shape) - set(MORE_SHAPE_KEYS))
+    missing = [k for k in MORE_SHAPE_KEYS[:2] if k not in more_shape]
+    if unknown or missing:
+        raise ValueError(f"more_shape has unknown settings {unknown} and lacks {missing}; it takes "
+                         f"{', '.join(MORE_SHAPE_KEYS[:2])} and may take {', '.join(MORE_SHAPE_KEYS[2:])}")
+    workloads = more_shape["workloads"]
+    if not isinstance(workloads, (list, tuple)) or not workloads:
+        raise ValueError(f"more_shape's workloads must be a list of workload names, got {workloads!r}")
+    try:
+        new_tokens = check_max_new_tokens(more_shape["max_new_tokens"])
+        resolve_workloads(list(workloads), scale=sweep.get("workload_scale", 1.0))
+    except ValueError as err:
+        raise ValueError(f"more_shape: {err}") from None
+    _, name = model_config(model)
+    stem = Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}_{'-'.join(workloads)}x{new_tokens}"
+    settings = {**sweep, "paths_": more_shape.get("paths", sweep.get("paths_")),
+                "repetitions": more_shape.get("repetitions", sweep.get("repetitions"))}
+    record, path = sweep_or_load(
+        **settings, results_file=None, model=model, dtype=dtype, device=device, workloads=workloads,
+        max_new_tokens=new_tokens, results_stem=str(stem), output_dir=output_dir, resume=False,
+        peer_results_file=more_peer_results_file)
+    return str(path), record
 
 def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The reference's table: one row per workload, median E2E ms per path, Auto's route and

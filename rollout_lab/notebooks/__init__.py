@@ -49,7 +49,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
                           "max_new_tokens": 3,
                           "rl_shape": {"num_seqs": 4, "min_len": 4, "max_len": 12, "paths": ["ours", "hf_generate_batch"]},
                           "grpo_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 3, "scale": 0.05,
-                                         "reps": 1}},
+                                         "reps": 1},
+                          "more_shape": {"workloads": ["short_tail"], "max_new_tokens": 2, "paths": ["bucketed", "auto"]}},
     "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
                       "online_calls": 6, "repetitions": 1},
 }
@@ -92,7 +93,8 @@ def notebook_parameters(
 
 # the parameters that name files or folders: those read, and those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "decode_step_file",
-                    "prefill_routes_file", "grpo_results_file", "peer_results_file", "more_results_file")
+                    "prefill_routes_file", "grpo_results_file", "peer_results_file", "more_results_file",
+                    "more_peer_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
 
 

@@ -30,6 +30,11 @@
 # the RL-shape model instead, and its 03 also measures nano-vllm's RL shape (rl_shape: ours, then HF
 # generate_batch). The committed records rendered beside 03's own measurement (RENDER_03) are
 # Qwen2.5-3B's, so only that preset's 03 (and TINY's) renders them.
+# MORE_03=<more_shape, a dict literal in single quotes, e.g. "{'workloads': ['gpqa_diamond_128'],
+# 'max_new_tokens': 256}">: 03 also measures those workloads at their own generation length (the 3B
+# preset then renders no GPQA record), and `peer_more` sweeps HF's static peer of that shape in a
+# process of its own into $OUT/sweep_hf_static_more.json, which 03 joins (from an earlier call:
+# PARAMS_03="--param 03:more_peer_results_file='<record>'").
 # A 03 too long for one call: run it, commit the sweep it brought back, and run it again with
 #   PARAMS_03="--param 03:results_file='data/results/<that sweep>.json'"
 # so the second call renders the sweep and measures the rest (the RL shape, GRPO_03).
@@ -66,7 +71,7 @@ R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders b
 RENDER_03=""
 [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] && RENDER_03="--param \"03:rl_results_file='$R/rl_qwen3-0.6b_bfloat16_cuda_notebook-03.json'\"
   --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
-  --param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"
+  $([ -z "${MORE_03:-}" ] && echo "--param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"")
   --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\""
 # GRPO_03=<run_grpo settings, a dict literal in single quotes>: 03 measures GRPO on its model (grpo_shape);
 # else the 3B preset's 03 renders the committed record of the one that did (a315127)
@@ -84,6 +89,7 @@ else
   PARAMS_03="--param 03:oracle_max_tokens=0 ${PARAMS_03:-}"  # bf16 token matches on random weights mean nothing
 fi
 PEER=$OUT/sweep_hf_static
+PEER_MORE=$OUT/sweep_hf_static_more
 costs() {  # the --param that points $1 at the calibration, or nothing
   local file=${COSTS:-}
   [ -z "$file" ] && [ -f "$WS/01/data/calibration/$STEM.json" ] && file=$WS/01/data/calibration/$STEM.json
@@ -96,6 +102,8 @@ costs() {  # the --param that points $1 at the calibration, or nothing
 workloads_03() {  # 03's workloads as a --param, and the peer record to join when this call made one
   echo -n "--param \"03:workloads=[$(printf "'%s', " $WORKLOADS_03)]\""
   [ -f "$PEER.json" ] && echo -n " --param 03:peer_results_file='$PEER.json'"
+  [ -n "${MORE_03:-}" ] && echo -n " --param \"03:more_shape=$MORE_03\""
+  [ -n "${MORE_03:-}" ] && [ -f "$PEER_MORE.json" ] && echo -n " --param 03:more_peer_results_file='$PEER_MORE.json'"
 }
 notebook() {  # notebook(step, limit, more args): run one notebook into its own workspace and pack it
   local n=$1 limit start=$SECONDS; limit=$(capped "$2" "notebook $n") || return 0; shift 2
@@ -112,10 +120,14 @@ for what in "$@"; do
     02) eval "notebook 02 180 $([ -z "${TINY:-}" ] && costs 02) ${PARAMS_02:-}" ;;  # a tiny calibration prices no preset geometry
     peer) step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads $WORKLOADS_03 --paths hf_static \
               --max-new-tokens $NEW --repetitions $ROUNDS --no-progress --out "$PEER" ;;
+    peer_more) more=$($PY -c "import ast, sys; d = ast.literal_eval(sys.argv[1]); print(d['max_new_tokens'], *d['workloads'])" \
+                   "${MORE_03:?peer_more measures the shape of MORE_03: set it}") || exit 2
+               step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths hf_static \
+                   --max-new-tokens ${more%% *} --repetitions $ROUNDS --no-progress --out "$PEER_MORE" ;;
     03) eval "notebook 03 540 $(costs 03) $(workloads_03) --param 03:max_new_tokens=$NEW --param 03:repetitions=$ROUNDS \
               ${RENDER_03//$'\n'/ } $GRPO_PARAM ${PARAMS_03:-}" ;;
     04) eval "notebook 04 480 ${PARAMS_04:-}" ;;
     help) step 60 $PY -m rollout_lab.cli notebooks --help ;;
-    *) echo "unknown step $what (01, 02, peer, 03, 04, help)"; exit 2 ;;
+    *) echo "unknown step $what (01, 02, peer, peer_more, 03, 04, help)"; exit 2 ;;
   esac
 done
