@@ -775,7 +775,6 @@ def sweep_or_load(
     return record, first
 
 
-
 # the settings of notebook 03's more_shape: what it must give, then what it may (the run's otherwise)
 MORE_SHAPE_KEYS = ("workloads", "max_new_tokens", "paths", "repetitions")
 
@@ -807,7 +806,8 @@ def more_sweep_or_load(
     except ValueError as err:
         raise ValueError(f"more_shape: {err}") from None
     _, name = model_config(model)
-    stem = Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}_{'-'.join(workloads)}x{new_tokens}"
+    shape = f"{'-'.join(workloads)}x{new_tokens}"
+    stem = Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}_{shape}"
     settings = {**sweep, "paths_": more_shape.get("paths", sweep.get("paths_")),
                 "repetitions": more_shape.get("repetitions", sweep.get("repetitions"))}
     record, path = sweep_or_load(
@@ -815,6 +815,7 @@ def more_sweep_or_load(
         max_new_tokens=new_tokens, results_stem=str(stem), output_dir=output_dir, resume=False,
         peer_results_file=more_peer_results_file)
     return str(path), record
+
 
 def e2e_table(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The reference's table: one row per workload, median E2E ms per path, Auto's route and

@@ -31,10 +31,13 @@
 # generate_batch). The committed records rendered beside 03's own measurement (RENDER_03) are
 # Qwen2.5-3B's, so only that preset's 03 (and TINY's) renders them.
 # MORE_03=<more_shape, a dict literal in single quotes, e.g. "{'workloads': ['gpqa_diamond_128'],
-# 'max_new_tokens': 256}">: 03 also measures those workloads at their own generation length (the 3B
-# preset then renders no GPQA record), and `peer_more` sweeps HF's static peer of that shape in a
-# process of its own into $OUT/sweep_hf_static_more.json, which 03 joins (from an earlier call:
-# PARAMS_03="--param 03:more_peer_results_file='<record>'").
+# 'max_new_tokens': 256, 'paths': ['nocb', 'bucketed', 'packed', 'auto']}" (name the paths: a GPU
+# preset's 03 runs every path, generate_batch included, which 128 x 256 cannot afford in one call)>:
+# 03 also measures those workloads at their own generation length (the 3B preset then renders no
+# GPQA record), and `peer_more` sweeps HF's static peer of that shape in a process of its own into
+# $OUT/sweep_hf_static_more.json, which 03 joins (from an earlier call or a committed record:
+# PARAMS_03="--param 03:more_peer_results_file='<record>'"). The committed GPQA-like 128 x 256 record
+# (292c263) took 223 s to its bucketed first call (the 128-slot decode compile) and 17 s a nocb call.
 # A 03 too long for one call: run it, commit the sweep it brought back, and run it again with
 #   PARAMS_03="--param 03:results_file='data/results/<that sweep>.json'"
 # so the second call renders the sweep and measures the rest (the RL shape, GRPO_03).
