@@ -36,7 +36,7 @@ from rollout_lab.planner.cost import (CostCoefficients, CostFile, ModelGeometry,
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.workspace import (Workspace, check_not_locked, check_writable,
-                                   output_lock, pair_paths, record_paths, write_csv)
+                                   output_lock, pair_paths, record_paths, run_tag, write_csv)
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -240,7 +240,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"--compile-layers compiles the CUDA-graph decode step; --device is {args.device}")
         engine["compile"] = "layers"
     workspace = _workspace(args)
-    out = Path(args.out) if args.out else workspace.results / f"sweep_{name}_{args.dtype}_{device_type(args.device)}"
+    out = Path(args.out) if args.out else workspace.results / f"sweep_{run_tag(name, args.dtype, device_type(args.device))}"
     check_writable(out.parent, what="the --out folder")
     check_not_locked(out)  # another sweep writing it now: refused before the model is built
     cost_path = Path(args.costs) if args.costs else calibration_path(name, args.dtype, args.device, workspace)
