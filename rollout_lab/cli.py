@@ -157,8 +157,8 @@ def read_costs_before_work(path: str, args: argparse.Namespace, config: Any, nam
     model (``engine.setting.model_metadata``)."""
     cost_file = CostFile.read(path)
     expected = setting_metadata(geometry=ModelGeometry.from_config(config, args.dtype), dtype=args.dtype,
-                                model_name=name, device_type=device_type(args.device))
-    expected["prefill_graphs"] = bool(args.prefill_graphs)
+                                model_name=name, device_type=device_type(args.device),
+                                prefill_graphs=args.prefill_graphs)
     cost_file.check(expected, override=args.override_costs)
     return cost_file
 

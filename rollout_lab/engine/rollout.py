@@ -118,7 +118,7 @@ class Rollout:
         # provenance matches this model (CostFile.check names every field that differs)
         costs = self.config.costs
         self.costs: CostCoefficients = costs if isinstance(costs, CostCoefficients) else \
-            costs.check(model_metadata(model) | {"prefill_graphs": self.config.prefill_graphs},
+            costs.check(model_metadata(model, prefill_graphs=self.config.prefill_graphs),
                         override=self.config.override_costs)
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
         self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \

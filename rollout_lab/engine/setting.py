@@ -24,13 +24,14 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def model_metadata(model: torch.nn.Module, *, model_name: str | None = None) -> dict[str, Any]:
+def model_metadata(model: torch.nn.Module, *, model_name: str | None = None,
+                   prefill_graphs: bool | None = None) -> dict[str, Any]:
     """Every field of ``planner.cost.CHECKED_FIELDS`` for ``model`` as it is now (its parameters'
     dtype and device); ``model_name`` only when given (a default name would be a guess: the geometry
-    is checked instead)."""
+    is checked instead), and ``prefill_graphs`` (``setting_metadata``'s) only when given too."""
     param = next(model.parameters())
     info = setting_metadata(geometry=ModelGeometry.from_config(model.config, param.dtype), dtype=param.dtype,
-                            model_name=model_name, device_type=param.device.type)
+                            model_name=model_name, device_type=param.device.type, prefill_graphs=prefill_graphs)
     info["device_name"] = device_name(param.device)
     info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     info["torch"] = torch.__version__

@@ -472,7 +472,5 @@ def load_calibration(
     (``CostFile.check`` with ``model_metadata``; the name too when given, and whether the setting
     captures its prefill forwards when ``prefill_graphs`` is given). A mismatch, or a file without
     metadata, raises ValueError naming each differing field; ``override=True`` accepts it."""
-    expected = model_metadata(model, model_name=model_name)
-    if prefill_graphs is not None:
-        expected["prefill_graphs"] = bool(prefill_graphs)
+    expected = model_metadata(model, model_name=model_name, prefill_graphs=prefill_graphs)
     return CostFile.read(path).check(expected, override=override)

@@ -196,10 +196,11 @@ def metadata_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -
 
 def setting_metadata(
     *, geometry: "ModelGeometry | None" = None, dtype: Any = None, model_name: str | None = None,
-    device_type: str | None = None,
+    device_type: str | None = None, prefill_graphs: bool | None = None,
 ) -> dict[str, Any]:
     """The checked fields a setting without a live model knows (``plan``: a preset's geometry, its
-    dtype and name, the device type), shaped as a cost file's metadata records them."""
+    dtype and name, the device type; whether it captures its prefill forwards, checked against a
+    calibration's grid), shaped as a cost file's metadata records them."""
     known: dict[str, Any] = {}
     if model_name is not None:
         known["model_name"] = model_name
@@ -209,6 +210,8 @@ def setting_metadata(
         known["dtype"] = str(dtype).replace("torch.", "")
     if device_type is not None:
         known["device_type"] = str(device_type).split(":")[0]
+    if prefill_graphs is not None:
+        known["prefill_graphs"] = bool(prefill_graphs)
     return known
 
 
