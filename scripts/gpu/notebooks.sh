@@ -38,6 +38,12 @@
 # $OUT/sweep_hf_static_more.json, which 03 joins (from an earlier call or a committed record:
 # PARAMS_03="--param 03:more_peer_results_file='<record>'"). The committed GPQA-like 128 x 256 record
 # (292c263) took 223 s to its bucketed first call (the 128-slot decode compile) and 17 s a nocb call.
+# more:<routes>[@<limit>] (e.g. more:hf_generate_batch@220 more:equal_width,aligned@270) sweeps the
+# more shape (MORE_03's, else GPQA-like 128 x 256) over those routes, each step a process of its own
+# priced and captured as 03's sweep, at MORE_ROUNDS (default 03's rounds) into $OUT/sweep_more_<routes>.json;
+# 03 joins them to its GPQA row, measured (MORE_03) or rendered from the committed records (03's own
+# GPQA run of e93db6b and HF static; with no more:<routes> in the call, the committed
+# ..._gpqa_diamond_128x256_routes-*.json records).
 # A 03 too long for one call: run it, commit the sweep it brought back, and run it again with
 #   PARAMS_03="--param 03:results_file='data/results/<that sweep>.json'"
 # so the second call renders the sweep and measures the rest (the RL shape, GRPO_03).
@@ -71,11 +77,20 @@ print(sys.version.split()[0], torch.__version__, transformers.__version__, 'pape
       torch.cuda.is_available() and torch.cuda.get_device_name()); k = K().get_kernel_spec('python3'); print('kernel python3:', k.resource_dir, k.argv[0])"
 
 R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders beside its own measurement
-RENDER_03=""
-[ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] && RENDER_03="--param \"03:rl_results_file='$R/rl_qwen3-0.6b_bfloat16_cuda_notebook-03.json'\"
-  --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
-  $([ -z "${MORE_03:-}" ] && echo "--param \"03:more_results_file=[['$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json', '$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json']]\"")
-  --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\""
+G=$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa  # GPQA-like 128 x 256: 03's own (e93db6b), HF static, other routes
+MORE_SHAPE=${MORE_03:-"{'workloads': ['gpqa_diamond_128'], 'max_new_tokens': 256}"}  # what more:<routes> sweeps
+more_made() { ls "$OUT"/sweep_more_*.json 2>/dev/null; }  # this call's more:<routes> records
+render_03() {  # the committed records 03 renders (3B preset only), GPQA joined with this call's more:<routes>
+  [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] || return 0
+  echo -n "--param \"03:rl_results_file='$R/rl_qwen3-0.6b_bfloat16_cuda_notebook-03.json'\"
+    --param 03:decode_step_file='$R/decode_step_qwen2.5-3b_bfloat16_cuda_layers.json'
+    --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\" "
+  [ -n "${MORE_03:-}" ] && return 0  # 03 measures the more shape itself
+  local f files="'${G}_diamond_128x256_notebook-03.json', '${G}128x256_hf_static.json'" routes
+  routes=$([ -z "${TINY:-}" ] && more_made); [ -z "$routes" ] && routes=$(ls "${G}"_diamond_128x256_routes-*.json 2>/dev/null)
+  for f in $routes; do files="$files, '$f'"; done
+  echo -n "--param \"03:more_results_file=[[$files]]\""
+}
 # GRPO_03=<run_grpo settings, a dict literal in single quotes>: 03 measures GRPO on its model (grpo_shape);
 # else the 3B preset's 03 renders the committed record of the one that did (a315127)
 if [ -n "${GRPO_03:-}" ]; then GRPO_PARAM="--param \"03:grpo_shape=$GRPO_03\""
@@ -93,20 +108,25 @@ else
 fi
 PEER=$OUT/sweep_hf_static
 PEER_MORE=$OUT/sweep_hf_static_more
-costs() {  # the --param that points $1 at the calibration, or nothing
+cost_file() {  # the calibration 02, 03 and more:<routes> are priced by (path on stdout), or nothing
   local file=${COSTS:-}
   [ -z "$file" ] && [ -f "$WS/01/data/calibration/$STEM.json" ] && file=$WS/01/data/calibration/$STEM.json
   local kept  # the checkout's: 01's own where the plain name was taken (qwen2.5-3b), else the plain name
   for kept in "data/calibration/${STEM}_notebook-01.json" "data/calibration/$STEM.json"; do
     [ -z "$file" ] && [ -f "$kept" ] && file=$PWD/$kept
   done
+  [ -n "$file" ] && echo "$file"; return 0
+}
+costs() {  # the --param that points $1 at the calibration, or nothing
+  local file; file=$(cost_file)
   if [ -n "$file" ]; then echo "--param \"$1:cost_file='$file'\""; else echo "   no calibration $STEM.json: reference coefficients" >&2; fi
 }
 workloads_03() {  # 03's workloads as a --param, and the peer record to join when this call made one
   echo -n "--param \"03:workloads=[$(printf "'%s', " $WORKLOADS_03)]\""
   [ -f "$PEER.json" ] && echo -n " --param 03:peer_results_file='$PEER.json'"
   [ -n "${MORE_03:-}" ] && echo -n " --param \"03:more_shape=$MORE_03\""
-  [ -n "${MORE_03:-}" ] && [ -f "$PEER_MORE.json" ] && echo -n " --param 03:more_peer_results_file='$PEER_MORE.json'"
+  local peers; peers=$( ([ -f "$PEER_MORE.json" ] && echo "$PEER_MORE.json"; more_made) | sed "s/.*/'&'/" | paste -sd, -)
+  [ -n "${MORE_03:-}" ] && [ -n "$peers" ] && echo -n " --param \"03:more_peer_results_file=[$peers]\""
 }
 notebook() {  # notebook(step, limit, more args): run one notebook into its own workspace and pack it
   local n=$1 limit start=$SECONDS; limit=$(capped "$2" "notebook $n") || return 0; shift 2
@@ -127,10 +147,17 @@ for what in "$@"; do
                    "${MORE_03:?peer_more measures the shape of MORE_03: set it}") || exit 2
                step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths hf_static \
                    --max-new-tokens ${more%% *} --repetitions $ROUNDS --no-progress --out "$PEER_MORE" ;;
+    more:*) routes=${what#more:}; limit=${routes#*@}; [ "$limit" = "$routes" ] && limit=300; routes=${routes%@*}
+            more=$($PY -c "import ast, sys; d = ast.literal_eval(sys.argv[1]); print(d['max_new_tokens'], *d['workloads'])" \
+                   "$MORE_SHAPE") || exit 2
+            cost=$(cost_file)
+            step "$limit" $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths ${routes//,/ } \
+                --max-new-tokens ${more%% *} --repetitions ${MORE_ROUNDS:-$ROUNDS} --oracle-max-tokens 0 --no-progress \
+                $([ -z "${TINY:-}" ] && echo --prefill-graphs) ${cost:+--costs "$cost"} --out "$OUT/sweep_more_${routes//,/-}" ;;
     03) eval "notebook 03 540 $(costs 03) $(workloads_03) --param 03:max_new_tokens=$NEW --param 03:repetitions=$ROUNDS \
-              ${RENDER_03//$'\n'/ } $GRPO_PARAM ${PARAMS_03:-}" ;;
+              $(render_03 | tr '\n' ' ') $GRPO_PARAM ${PARAMS_03:-}" ;;
     04) eval "notebook 04 480 ${PARAMS_04:-}" ;;
     help) step 60 $PY -m rollout_lab.cli notebooks --help ;;
-    *) echo "unknown step $what (01, 02, peer, peer_more, 03, 04, help)"; exit 2 ;;
+    *) echo "unknown step $what (01, 02, peer, peer_more, more:<routes>[@<limit>], 03, 04, help)"; exit 2 ;;
   esac
 done
