@@ -323,8 +323,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 # The checkout's H200 sweep of today's engine (notebook 03 executed there: every route and HF
 # generate_batch), and HF's compiled peer, run in its own process
-COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda.json",
-                        "data/results/sweep_qwen2.5-3b_bfloat16_cuda_hf_static.json")
+COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda_notebook-03.json",
+                        "data/results/sweep_qwen2.5-3b_bfloat16_cuda_hf_static_notebook-03.json")
 
 
 def _committed_gpu_table(workspace: Workspace) -> None:

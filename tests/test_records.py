@@ -85,8 +85,9 @@ def test_sweep_means_and_ratios_follow_from_the_samples(path):
             assert close(summary["auto_over_best_peer"], means["auto"] / min(peers)), workload
 
 
-CLASSED = [p for p in SWEEPS  # buckets at the class ladder, priced by a calibration
-           if (config := load(p)["config"]).get("costs") and (config.get("engine") or {}).get("prefill_classes")]
+CLASSED = [p for p in SWEEPS  # bucketed at the class ladder, priced by a calibration
+           if (config := load(p)["config"]).get("costs") and (config.get("engine") or {}).get("prefill_classes")
+           and "bucketed" in config["paths"]]
 
 
 @pytest.mark.parametrize("path", CLASSED, ids=lambda p: p.name)
@@ -111,15 +112,35 @@ def test_each_bucket_plan_a_sweep_ran_is_the_planners_under_the_records_own_cost
 
 def test_the_eager_calibration_merged_the_buckets_that_01s_keeps_apart():
     """The README's account of the a315127 notebook run: priced by the calibration of eager prefill
-    forwards (fixed cost 26.9 ms), moderate tail and GSM8K 32 ran one bucket each; priced by notebook
-    01's calibration of captured forwards (6.85 ms), two."""
+    forwards (fixed cost 26.9 ms), moderate tail and GSM8K 32 ran one bucket each and spread one
+    packed forward; priced by notebook 01's calibration of captured forwards (6.85 ms, the 204468e
+    run), two buckets, two, and three."""
     results = ROOT / "data" / "results"
     eager = load(results / "sweep_qwen2.5-3b_bfloat16_cuda_notebook-03_eager-costs.json")
-    captured = load(results / "sweep_qwen2.5-3b_bfloat16_cuda.json")
+    captured = load(results / "sweep_qwen2.5-3b_bfloat16_cuda_notebook-03.json")
     assert eager["config"]["costs"]["prefill_fixed_cost_ms"] > 3 * captured["config"]["costs"]["prefill_fixed_cost_ms"]
-    for workload in ("moderate_tail", "gsm8k_32"):
-        assert len(eager["workloads"][workload]["paths"]["auto"]["buckets"]) == 1, workload
-        assert len(captured["workloads"][workload]["paths"]["auto"]["buckets"]) == 2, workload
+    assert captured["config"]["costs_source"].endswith("qwen2.5-3b_bfloat16_cuda_notebook-01.json")
+    for workload, merged, kept in (("moderate_tail", 1, 2), ("gsm8k_32", 1, 2), ("spread", 1, 3)):
+        assert len(eager["workloads"][workload]["paths"]["auto"]["buckets"]) == merged, workload
+        assert len(captured["workloads"][workload]["paths"]["auto"]["buckets"]) == kept, workload
+    assert eager["workloads"]["spread"]["paths"]["auto"]["route"] == "packed"
+
+
+def test_the_gpqa_row_joins_every_route_and_peer():
+    """notebooks.sh's default GPQA-like 128 x 256 row: 03's own run, HF static, and the more:<routes>
+    records join into one workload with every route and peer once, and Auto / best route follows."""
+    from rollout_lab.measure.sweep import PATHS, join_sweeps, load_results
+
+    stem = ROOT / "data" / "results" / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa"
+    files = [f"{stem}_diamond_128x256_notebook-03.json", f"{stem}128x256_hf_static.json",
+             *map(str, sorted(stem.parent.glob(f"{stem.name}_diamond_128x256_routes-*.json")))]
+    record = join_sweeps([load_results(f) for f in files], files)
+    (entry,) = record["workloads"].values()
+    assert sorted(entry["paths"]) == sorted(PATHS)
+    medians = {p: e["median_ms"] for p, e in entry["paths"].items()}
+    best = min(medians[p] for p in MANUAL_ROUTES)
+    assert close(entry["summary"]["auto_over_best_manual"], medians["auto"] / best)
+    assert close(entry["summary"]["auto_over_best_peer"], medians["auto"] / min(medians[p] for p in PEER_PATHS))
 
 
 RL = [p for p in RESULTS if load(p).get("kind") == "rl_throughput"]

@@ -60,6 +60,10 @@
 # - qwen2.5-3b (2026-12-04, git a315127, build/dev9 carried as INDUCTOR_CACHE): peer 157 s with the
 #   start; 03 with that record as peer_results_file 434 s; 03 again with its sweep as results_file
 #   and GRPO_03="{'max_new_tokens': 512, 'reps': 1}" 336 s.
+# - qwen2.5-3b (2026-12-04, build/dev9 carried as INDUCTOR_CACHE), 03 whole in three calls: 03 with the
+#   peer record 382 s (git 204468e); 03 with its sweep as results_file and MORE_03 (GPQA-like 128 x 256:
+#   bucketed's first call 196 s) 374 s (6c9660a); MORE_ROUNDS=2 more:equal_width,aligned@190 (145 s, its
+#   first call 93 s) more:hf_generate_batch@170 (120 s, 35 s a call) 03 (32 s, rendering) 311 s (62dd5c1).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PY, step, capped (PYTHONPATH is set below)
 SITE=${SITE:-/tmp/site}
 WS=${WS:-/tmp/nb_ws}
