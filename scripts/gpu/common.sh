@@ -7,6 +7,7 @@
 # those parts>, carried in, unpacks them before the steps run.
 set -u
 OUT=${OUT:?set OUT}
+mkdir -p "$OUT" || exit 1  # the steps write their logs and records into it
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 # The whole output of each step is kept as $OUT/log_<script>_<n>.txt (the tool shows only the tail of a call).
