@@ -83,6 +83,7 @@ print(sys.version.split()[0], torch.__version__, transformers.__version__, 'pape
 R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders beside its own measurement
 G=$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa  # GPQA-like 128 x 256: 03's own (e93db6b), HF static, other routes
 MORE_SHAPE=${MORE_03:-"{'workloads': ['gpqa_diamond_128'], 'max_new_tokens': 256}"}  # what more:<routes> sweeps
+more_shape() { $PY -c "import ast, sys; d = ast.literal_eval(sys.argv[1]); print(d['max_new_tokens'], *d['workloads'])" "$MORE_SHAPE"; }
 more_made() { ls "$OUT"/sweep_more_*.json 2>/dev/null; }  # this call's more:<routes> records
 render_03() {  # the committed records 03 renders (3B preset only), GPQA joined with this call's more:<routes>
   [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] || return 0
@@ -91,6 +92,7 @@ render_03() {  # the committed records 03 renders (3B preset only), GPQA joined 
     --param \"03:prefill_routes_file=['$R/prefill_routes_qwen2.5-3b_bfloat16_cuda.json', '$R/prefill_routes_qwen2.5-3b_bfloat16_cuda_512.json']\" "
   [ -n "${MORE_03:-}" ] && return 0  # 03 measures the more shape itself
   local f files="'${G}_diamond_128x256_notebook-03.json', '${G}128x256_hf_static.json'" routes
+  # TINY's records hold the tiny model's prompts, which do not join the 3B ones
   routes=$([ -z "${TINY:-}" ] && more_made); [ -z "$routes" ] && routes=$(ls "${G}"_diamond_128x256_routes-*.json 2>/dev/null)
   for f in $routes; do files="$files, '$f'"; done
   echo -n "--param \"03:more_results_file=[[$files]]\""
@@ -147,13 +149,11 @@ for what in "$@"; do
     02) eval "notebook 02 180 $([ -z "${TINY:-}" ] && costs 02) ${PARAMS_02:-}" ;;  # a tiny calibration prices no preset geometry
     peer) step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads $WORKLOADS_03 --paths hf_static \
               --max-new-tokens $NEW --repetitions $ROUNDS --no-progress --out "$PEER" ;;
-    peer_more) more=$($PY -c "import ast, sys; d = ast.literal_eval(sys.argv[1]); print(d['max_new_tokens'], *d['workloads'])" \
-                   "${MORE_03:?peer_more measures the shape of MORE_03: set it}") || exit 2
+    peer_more) : "${MORE_03:?peer_more measures the shape of MORE_03: set it}"; more=$(more_shape) || exit 2
                step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths hf_static \
                    --max-new-tokens ${more%% *} --repetitions $ROUNDS --no-progress --out "$PEER_MORE" ;;
     more:*) routes=${what#more:}; limit=${routes#*@}; [ "$limit" = "$routes" ] && limit=300; routes=${routes%@*}
-            more=$($PY -c "import ast, sys; d = ast.literal_eval(sys.argv[1]); print(d['max_new_tokens'], *d['workloads'])" \
-                   "$MORE_SHAPE") || exit 2
+            more=$(more_shape) || exit 2
             cost=$(cost_file)
             step "$limit" $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths ${routes//,/ } \
                 --max-new-tokens ${more%% *} --repetitions ${MORE_ROUNDS:-$ROUNDS} --oracle-max-tokens 0 --no-progress \
