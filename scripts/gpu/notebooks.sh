@@ -84,6 +84,11 @@ R=data/results  # the committed H200 records of Qwen2.5-3B that its 03 renders b
 G=$R/sweep_qwen2.5-3b_bfloat16_cuda_gpqa  # GPQA-like 128 x 256: 03's own (e93db6b), HF static, other routes
 MORE_SHAPE=${MORE_03:-"{'workloads': ['gpqa_diamond_128'], 'max_new_tokens': 256}"}  # what more:<routes> sweeps
 more_shape() { $PY -c "import ast, sys; d = ast.literal_eval(sys.argv[1]); print(d['max_new_tokens'], *d['workloads'])" "$MORE_SHAPE"; }
+more_sweep() {  # more_sweep LIMIT OUT SWEEP-ARGS...: the more shape's sweep into OUT, in a process of its own
+  local limit=$1 out=$2 more; shift 2; more=$(more_shape) || exit 2
+  step "$limit" $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --max-new-tokens ${more%% *} \
+      --no-progress --out "$out" "$@"
+}
 more_made() { ls "$OUT"/sweep_more_*.json 2>/dev/null; }  # this call's more:<routes> records
 render_03() {  # the committed records 03 renders (3B preset only), GPQA joined with this call's more:<routes>
   [ "${PRESET:-qwen2.5-3b}" = qwen2.5-3b ] || return 0
@@ -149,15 +154,13 @@ for what in "$@"; do
     02) eval "notebook 02 180 $([ -z "${TINY:-}" ] && costs 02) ${PARAMS_02:-}" ;;  # a tiny calibration prices no preset geometry
     peer) step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads $WORKLOADS_03 --paths hf_static \
               --max-new-tokens $NEW --repetitions $ROUNDS --no-progress --out "$PEER" ;;
-    peer_more) : "${MORE_03:?peer_more measures the shape of MORE_03: set it}"; more=$(more_shape) || exit 2
-               step 300 $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths hf_static \
-                   --max-new-tokens ${more%% *} --repetitions $ROUNDS --no-progress --out "$PEER_MORE" ;;
+    peer_more) : "${MORE_03:?peer_more measures the shape of MORE_03: set it}"
+               more_sweep 300 "$PEER_MORE" --paths hf_static --repetitions $ROUNDS ;;
     more:*) routes=${what#more:}; limit=${routes#*@}; [ "$limit" = "$routes" ] && limit=300; routes=${routes%@*}
-            more=$(more_shape) || exit 2
             cost=$(cost_file)
-            step "$limit" $PY -m rollout_lab.cli sweep $SWEEP_M --workloads ${more#* } --paths ${routes//,/ } \
-                --max-new-tokens ${more%% *} --repetitions ${MORE_ROUNDS:-$ROUNDS} --oracle-max-tokens 0 --no-progress \
-                $([ -z "${TINY:-}" ] && echo --prefill-graphs) ${cost:+--costs "$cost"} --out "$OUT/sweep_more_${routes//,/-}" ;;
+            more_sweep "$limit" "$OUT/sweep_more_${routes//,/-}" --paths ${routes//,/ } \
+                --repetitions ${MORE_ROUNDS:-$ROUNDS} --oracle-max-tokens 0 \
+                $([ -z "${TINY:-}" ] && echo --prefill-graphs) ${cost:+--costs "$cost"} ;;
     03) eval "notebook 03 540 $(costs 03) $(workloads_03) --param 03:max_new_tokens=$NEW --param 03:repetitions=$ROUNDS \
               $(render_03 | tr '\n' ' ') $GRPO_PARAM ${PARAMS_03:-}" ;;
     04) eval "notebook 04 480 ${PARAMS_04:-}" ;;
