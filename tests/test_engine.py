@@ -13,8 +13,8 @@ from rollout_lab import Rollout, RolloutConfig, RolloutResult
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
-ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "auto")
-CB_ROUTES = ("equal_width", "aligned", "bucketed", "packed", "auto")
+ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
+CB_ROUTES = ("equal_width", "aligned", "bucketed", "packed", "paged", "auto")
 # a small fixed cost so that the DP splits tiny batches into several buckets
 SPLIT_COSTS = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
 

@@ -11,7 +11,7 @@ from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids
 from rollout_lab.engine.sampling import SamplingParams, filter_logits
 
-ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "auto")
+ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
 
 

@@ -23,8 +23,8 @@ from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.routes import choose_shared_route, prompt_groups, replication_cost_ms
 
-ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "auto")
-CB_ROUTES = ("equal_width", "aligned", "bucketed", "auto")
+ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "paged", "auto")
+CB_ROUTES = ("equal_width", "aligned", "bucketed", "paged", "auto")
 SPLIT_COSTS = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
 SAMPLE = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.9)
 

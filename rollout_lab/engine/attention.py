@@ -8,7 +8,10 @@ unrepeated cache; a ``[B, 1, 1, S]`` mask broadcasts over the group. Prefill (q_
 anything unusual go to HF's own ``sdpa`` function unchanged. A packed prefill (one row of several
 prompts, ``packed_offsets``) attends per prompt. When the decode step passes
 ``span_starts`` and ``span_front`` (``RolloutConfig(decode_attention="span")``), a decode token
-attends with ``engine.span_attention`` instead, over its row's live columns only.
+attends with ``engine.span_attention`` instead, over its row's live columns only; when it passes
+``paged_tables`` and ``paged_positions`` (the ``paged`` route, ``engine.paged_cache``), the key and
+value are a layer's block pools and it attends with ``engine.paged_attention`` through the row's
+block table.
 
     use_gqa_decode_attention(model)   # registers ``rollout_gqa`` and switches the model to it
 
@@ -24,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rollout_lab.engine.paged_attention import paged_attention
 from rollout_lab.engine.span_attention import span_attention
 
 NAME = "rollout_gqa"
@@ -34,8 +38,12 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
                          is_causal=None, **kwargs):
     starts, front = kwargs.pop("span_starts", None), kwargs.pop("span_front", None)
     offsets = kwargs.pop("packed_offsets", None)
+    tables, positions = kwargs.pop("paged_tables", None), kwargs.pop("paged_positions", None)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape  # [B, H, q, D]
+    if tables is not None:  # key/value are the layer's pools [blocks, block_size, kv_heads, D]
+        scale = head_dim ** -0.5 if scaling is None else scaling
+        return paged_attention(query, key, value, tables, positions, scale), None  # [B, 1, H, D]
     if offsets is not None:  # a packed prefill: each prompt attends causally to itself only
         return packed_segments_attention(query, key, value, offsets, scaling), None
     plain = (
@@ -106,17 +114,19 @@ def is_grouped_query(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def rollout_attention(model: torch.nn.Module, *, every_sdpa_model: bool = False) -> Iterator[None]:
+def rollout_attention(model: torch.nn.Module, *, every_sdpa_model: bool = False,
+                      every_model: bool = False) -> Iterator[None]:
     """Within the block, an ``sdpa`` grouped-query model attends with ``rollout_gqa``; with
     ``every_sdpa_model``, every ``sdpa`` model does (for span decode and packed prefill, which
-    pass ``span_starts``/``span_front`` or ``packed_offsets``).
+    pass ``span_starts``/``span_front`` or ``packed_offsets``); with ``every_model`` every model
+    does, whatever its implementation (paged decode: no other attention reads block pools).
 
     Used around our own decode step (and so baked into its CUDA graph) and packed prefill only,
     so that HF's own paths on the same model (nocb, the peers) keep the stock ``sdpa``.
     """
     config = model.config
     current = getattr(config, "_attn_implementation", None)
-    if current != "sdpa" or not (every_sdpa_model or is_grouped_query(model)):
+    if not every_model and (current != "sdpa" or not (every_sdpa_model or is_grouped_query(model))):
         yield
         return
     register()

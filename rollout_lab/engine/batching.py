@@ -123,6 +123,7 @@ class ContinuousBatcher:
                 stepper.reset()
         self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
         profile.cache_bytes = self.cache.num_bytes
+        profile.num_slots = settings.num_slots
         self.rows: list[_Row] = []  # index = slot
         self.queue = list(range(len(prompts)))  # not yet admitted, input order
         self.outputs: list[list[int]] = [[] for _ in prompts]
@@ -157,6 +158,10 @@ class ContinuousBatcher:
                 logprobs = torch.stack(step_logprobs, 1).tolist() if step_logprobs else None
                 self.cache.front_int += burst
             self.profile.num_decode_forwards += burst
+            self.profile.decode_row_steps += num_rows * burst
+            if self.queue:
+                self.profile.queued_decode_steps += burst
+                self.profile.queued_row_steps += num_rows * burst
             self._note_peak()
             for i, (row, row_tokens) in enumerate(zip(self.rows, tokens)):
                 for k, token in enumerate(row_tokens):
@@ -228,6 +233,12 @@ class ContinuousBatcher:
             return False
         del self.queue[: len(requests)]
         self._set_front(front)
+        self._admit_requests(requests)
+        return True
+
+    def _admit_requests(self, requests: Sequence[int]) -> None:
+        """Plan the prefill of ``requests`` (new rows, in the free tail of the slots), run it, write
+        their KV and first tokens; rows that finished on their first token retire."""
         members: dict[int, list[int]] = {}  # first admitted row of a group -> its admitted rows
         first_of: dict[int, int] = {}
         for r in requests:
@@ -247,7 +258,6 @@ class ContinuousBatcher:
                               shape=(batch, width) if plan.rows else None)
         self._note_peak()
         self._retire()
-        return True
 
     def _prefill(
         self, requests: Sequence[int], members: Sequence[Sequence[int]], slot_of: dict[int, int],
@@ -377,6 +387,14 @@ class ContinuousBatcher:
         keep = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
         if len(keep) == len(self.rows):
             return
+        self._compact(keep)
+        if self.settings.trim_cache and self.rows and not self.queue:
+            front = self._choose_front(*self._live_needs())
+            if front is not None:
+                self._set_front(front)
+
+    def _compact(self, keep: Sequence[int]) -> None:
+        """Only the rows in slots ``keep`` stay; the last of them fill the holes the others left."""
         num_live = len(keep)
         kept = set(keep)
         holes = [slot for slot in range(num_live) if slot not in kept]
@@ -390,10 +408,6 @@ class ContinuousBatcher:
         for src, dst in zip(movers, holes):
             rows[dst] = rows[src]
         self.rows = rows[:num_live]
-        if self.settings.trim_cache and self.rows and not self.queue:
-            front = self._choose_front(*self._live_needs())
-            if front is not None:
-                self._set_front(front)
 
 
 # -- chunked prefill -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from rollout_lab.engine.paged_attention import BLOCK_SIZES
 from rollout_lab.engine.profile import Profile
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.planner.bucket_dp import BucketPlan
@@ -22,9 +23,9 @@ from rollout_lab.planner.decode_steps import check_prior_settings
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.planner.fit import check_window
 
-# The routes, in the order tables and figures show them: the four a user can force, then Auto's choice.
-MANUAL_ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed")
-CB_ROUTES = MANUAL_ROUTES[1:]  # prefill into the aligned cache, then continuous batching
+# The routes, in the order tables and figures show them: those a user can force, then Auto's choice.
+MANUAL_ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged")
+CB_ROUTES = MANUAL_ROUTES[1:]  # continuous batching: the aligned cache, or the paged one (engine.paged_cache)
 MODES = MANUAL_ROUTES + ("auto",)
 DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager elsewhere
 # decode attention: "span" reads each row's live columns (engine.span_attention), "masked" the
@@ -42,7 +43,8 @@ class RolloutConfig:
     """
 
     mode: str = "auto"
-    continuous_batch_size: int | None = None  # slots; None = all requests at once
+    # slots; None = all requests at once, or on the paged route as many as its pool holds
+    continuous_batch_size: int | None = None
     # the user's own CostCoefficients (used as given), or a cost file's path: read here, and checked
     # against the model by Rollout (its provenance must match; override_costs=True accepts a mismatch)
     costs: CostCoefficients | CostFile = field(default_factory=CostCoefficients)
@@ -74,6 +76,14 @@ class RolloutConfig:
     # refit the coefficients from every call's forwards (planner.fit); state on the Rollout
     online_recalibration: bool = False
     online_window: int = 256  # observations kept (a ring buffer)
+    # the paged route (engine.paged_cache): tokens per KV block (a power of two in 16..128); the
+    # pool's size in tokens (None: on CUDA what gpu_memory_fraction of the device leaves after the
+    # weights and a reserve, capped at what the call's rows could use at once; elsewhere that cap);
+    # rows admitted together at least (None: slots // 16, at least 1; fewer when the queue is shorter)
+    kv_block_size: int = 64
+    gpu_memory_fraction: float = 0.9
+    kv_cache_tokens: int | None = None
+    refill_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
@@ -94,7 +104,13 @@ class RolloutConfig:
         for name in ("max_decode_graphs", "decode_widths"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("continuous_batch_size", "cache_capacity"):
+        size = self.kv_block_size
+        if not is_int(size) or size not in BLOCK_SIZES:
+            raise ValueError(f"kv_block_size must be one of {list(BLOCK_SIZES)}, got {size!r}")
+        fraction = self.gpu_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
+        for name in ("continuous_batch_size", "cache_capacity", "kv_cache_tokens", "refill_rows"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -129,6 +145,10 @@ class RolloutConfig:
                 "mode='nocb' runs HF generate and has no aligned cache: "
                 "cache_capacity and trim_cache need a continuous-batching mode"
             )
+        if self.mode == "paged" and (self.cache_capacity is not None or self.trim_cache):
+            raise ValueError(
+                "mode='paged' keeps each row in its own blocks: cache_capacity and trim_cache set the "
+                "aligned cache; size the paged pool with kv_cache_tokens or gpu_memory_fraction")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...] | None:

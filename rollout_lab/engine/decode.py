@@ -13,6 +13,7 @@ import torch
 
 from rollout_lab.engine.attention import rollout_attention
 from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.sampling import SamplingParams, draw, filter_logits
 
 LOGPROB_MODES = ("raw", "processed")
@@ -68,7 +69,10 @@ class DecodeState:
     def admit(
         self, slots: Sequence[int], first_tokens: torch.Tensor, positions: Sequence[int],
         seen: torch.Tensor | None, sample_keys: torch.Tensor | None = None,
+        steps: Sequence[int] | None = None,
     ) -> None:
+        """Rows enter ``slots`` with their next input id and position; ``steps``: tokens each has
+        generated (default 1, the prefill's; a preempted row resumes with its own count)."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.input_ids.device)
         self.input_ids.index_copy_(0, index, first_tokens[:, None])
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.input_ids.device)
@@ -77,7 +81,10 @@ class DecodeState:
             self.seen.index_copy_(0, index, seen)
         if sample_keys is not None:
             self.sample_keys.index_copy_(0, index, sample_keys)
-        self.steps.index_fill_(0, index, 1)  # the first token (step 0) came from the prefill
+        if steps is None:
+            self.steps.index_fill_(0, index, 1)  # the first token (step 0) came from the prefill
+        else:
+            self.steps.index_copy_(0, index, torch.tensor(list(steps), dtype=torch.long, device=index.device))
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if not src:
@@ -137,7 +144,7 @@ def select_tokens(
 @torch.no_grad()
 def decode_step(
     model: torch.nn.Module,
-    cache: AlignedKVCache,
+    cache: AlignedKVCache | PagedKVCache,
     state: DecodeState,
     num_rows: int,
     *,
@@ -148,23 +155,32 @@ def decode_step(
     spans: bool = False,
     forward=None,
 ) -> torch.Tensor:
-    """One token for each of the first ``num_rows`` slots at the shared front column; [num_rows] ids.
+    """One token for each of the first ``num_rows`` slots at the shared front column (a paged cache:
+    at each row's own position, ``engine.paged_cache``); [num_rows] ids.
 
     Attention reads the first ``width`` columns (default: the capacity); they must cover the front.
     With ``spans`` it reads only each row's live columns (``engine.span_attention``); the mask is
     kept up to date either way. ``forward`` replaces ``model`` as the callable (a compiled one).
     """
     width = cache.capacity if width is None else width
-    mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
-    mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
-    extra = {"span_starts": cache.starts[:num_rows], "span_front": cache.front} if spans else {}
-    with rollout_attention(model, every_sdpa_model=spans):  # GQA without repeat_kv
+    paged = isinstance(cache, PagedKVCache)
+    positions = state.position_ids[:num_rows]  # [rows, 1]: where each row's token goes
+    if paged:  # each row writes at its own position, through its block table
+        cache.prepare_step(num_rows, positions[:, 0])
+        mask, view = cache.mask[:num_rows], cache.hf_cache(num_rows)  # [rows, 1, 1, 1]: attention reads the tables
+        extra = {"paged_tables": cache.block_tables[:num_rows], "paged_positions": positions[:, 0]}
+    else:
+        mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
+        mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself
+        mask, view = mask[..., :width], cache.hf_cache(num_rows, width)  # [rows, 1, 1, width]
+        extra = {"span_starts": cache.starts[:num_rows], "span_front": cache.front} if spans else {}
+    with rollout_attention(model, every_sdpa_model=spans, every_model=paged):  # GQA without repeat_kv
         out = (model if forward is None else forward)(
             input_ids=state.input_ids[:num_rows],
-            position_ids=state.position_ids[:num_rows],
-            attention_mask=mask[..., :width],  # [rows, 1, 1, width]
+            position_ids=positions,
+            attention_mask=mask,
             use_cache=True,
-            **{cache_kwarg: cache.hf_cache(num_rows, width)},
+            **{cache_kwarg: view},
             **extra,
         )
     seen = None if state.seen is None else state.seen[:num_rows]
@@ -182,5 +198,6 @@ def decode_step(
     steps.add_(1)
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)
-    cache.front.add_(1)
+    if not paged:
+        cache.front.add_(1)
     return tokens

@@ -49,11 +49,40 @@ class Profile:
     cache_bytes: int = 0
     num_prefill_rows: int = 0
     num_replicated_rows: int = 0
+    # occupancy: live rows summed over decode steps, of num_slots per step (decode_row_steps /
+    # (num_decode_forwards * num_slots)); the paged route adds its pool: blocks of kv_block_size
+    # tokens, the most in use, the most tokens its live rows held, and the rows it preempted
+    num_slots: int = 0
+    decode_row_steps: int = 0
+    queued_decode_steps: int = 0  # the steps taken while rows waited in the queue, and their live rows
+    queued_row_steps: int = 0
+    kv_block_size: int | None = None
+    num_kv_blocks: int = 0
+    peak_kv_blocks: int = 0
+    peak_live_tokens: int = 0
+    num_preemptions: int = 0
     prefill_backend: str | None = None  # "padded"/"graph" (bucketed), "segments"/"masked" (packed), "hf_padded" (nocb)
     forwards: list[dict[str, Any]] | None = None
 
+    @property
+    def live_rows_per_step(self) -> float:
+        """Mean live rows of a decode step (0 without one)."""
+        return self.decode_row_steps / self.num_decode_forwards if self.num_decode_forwards else 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Mean share of the slots a decode step ran live rows in (0 without one)."""
+        return self.live_rows_per_step / self.num_slots if self.num_slots else 0.0
+
+    @property
+    def queued_occupancy(self) -> float:
+        """The occupancy of the steps taken while rows waited (until the queue drained)."""
+        steps = self.queued_decode_steps * self.num_slots
+        return self.queued_row_steps / steps if steps else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"live_rows_per_step": self.live_rows_per_step, "occupancy": self.occupancy,
+                               "queued_occupancy": self.queued_occupancy}
 
 
 class Timer:

@@ -6,8 +6,10 @@
     result.sequences, result.route, result.plans, result.profile
 
 Routes: ``nocb`` (one left-padded HF ``generate``), ``equal_width`` (one prefill at the common
-width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets) -- the last three
-decode by continuous batching over the right-aligned cache -- and ``auto`` (``choose_route``).
+width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets), ``packed`` (prompts
+packed into one row) -- these four decode by continuous batching over the right-aligned cache --,
+``paged`` (the DP's buckets into a paged cache: rows refill as soon as a slot is free,
+``engine.paged_batching``) and ``auto`` (``choose_route``).
 
 Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
 counter-based hash of (``seed``, request, sample, step) (``engine.sampling``), so every
@@ -35,6 +37,7 @@ from rollout_lab.engine.config import (
 )
 from rollout_lab.engine.decode import LOGPROB_MODES
 from rollout_lab.engine.nocb import run_nocb
+from rollout_lab.engine.paged_batching import PagedBatcher
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams, sample_key
@@ -57,6 +60,10 @@ from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
+
+
+MAX_PAGED_SLOTS = 1024  # the paged route's slots when the pool alone would choose more
+PAGED_RESERVE_FRACTION = 0.05  # of the device's memory, kept out of the paged pool for activations
 
 
 def model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
@@ -168,9 +175,10 @@ class Rollout:
 
     def _stepper_for(
         self, num_slots: int, capacity: int, explicit_capacity: bool,
-        sampling: SamplingParams | None = None, logprobs_mode: str | None = None,
+        sampling: SamplingParams | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,
     ) -> EagerStepper:
-        """Reuse the kept stepper when it fits this call, else build (and capture) a new one."""
+        """Reuse the kept stepper when it fits this call, else build (and capture) a new one;
+        ``num_blocks``: a paged pool of that many blocks (``capacity``: the longest row's tokens)."""
         penalty = float(self.config.repetition_penalty)
         old = self._stepper
         if self.decode_mode == "graph" and not explicit_capacity:
@@ -178,12 +186,16 @@ class Rollout:
             if old is not None and old.key.num_slots == num_slots and \
                     capacity <= old.key.capacity <= 2 * capacity:
                 capacity = old.key.capacity
+        block_size = None if num_blocks is None else self.config.kv_block_size
+        if num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots \
+                and num_blocks <= old.key.num_blocks <= 2 * num_blocks:
+            num_blocks = old.key.num_blocks  # a pool that holds this call's rows: keep it (and its graphs)
         params = sampling or SamplingParams()  # greedy keys keep the neutral values
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
                          sampling is not None, params.temperature, params.top_k, params.top_p,
                          self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
                          self.config.decode_widths, self.spans, self.compiled,
-                         logprobs_mode=logprobs_mode)
+                         logprobs_mode=logprobs_mode, block_size=block_size, num_blocks=num_blocks or 0)
         if old is not None and old.fits(self.model, key):
             return old
         if old is not None:  # drop the old cache and graphs before allocating their replacement
@@ -310,10 +322,15 @@ class Rollout:
         num_rows = len(row_prompts)
         num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
+        if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
+            num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets)
+            with timer.phase("stepper_build_ms"):
+                stepper = self._stepper_for(num_slots, capacity, False, sampling, logprobs_mode, num_blocks)
+            stats.num_kv_blocks = stepper.key.num_blocks
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
         # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
         # its compile) is neither built nor replaced.
-        if route != "nocb" and max(row_budgets) > 1:
+        elif route != "nocb" and max(row_budgets) > 1:
             with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
                 stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling,
                                             logprobs_mode)
@@ -333,11 +350,13 @@ class Rollout:
                     cache_kwarg=self.cache_kwarg, sampling=sampling, prefill_classes=cfg.prefill_classes,
                     logprobs_mode=logprobs_mode,
                 )
-                batcher = ContinuousBatcher(
-                    self.model, row_prompts, settings, geometry=self.geometry, costs=self.costs,
-                    profile=stats, timer=timer, stepper=stepper, groups=groups, sample_keys=keys,
-                    prefill_graphs=self._captured_prefill(),
-                )
+                common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
+                              groups=groups, sample_keys=keys, prefill_graphs=self._captured_prefill())
+                if route == "paged":
+                    refill = cfg.refill_rows or max(1, num_slots // 16)
+                    batcher = PagedBatcher(self.model, row_prompts, settings, refill_rows=refill, **common)
+                else:
+                    batcher = ContinuousBatcher(self.model, row_prompts, settings, **common)
                 sequences, plans = batcher.run()
                 logprobs = batcher.logprobs if logprobs_mode else None
         if num_samples > 1:  # plans name rows; report requests
@@ -431,7 +450,7 @@ class Rollout:
             geometry=self.geometry, coeffs=self.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
             response_lengths=self.length_prior.current(), chunk_long_prompts=True,
-            classes=cfg.prefill_classes,
+            classes=cfg.prefill_classes, paged_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
         )
         self._explored = False
         if self.online is not None and plan.nocb_cost_ms is not None:
@@ -448,6 +467,44 @@ class Rollout:
             self.online.observe(profile.forwards, self.costs, route=route, explored=self._explored,
                                 total_ms=profile.total_ms)
             self.costs = self.online.refit(self.costs)
+
+    def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int]) -> tuple[int, int]:
+        """(slots, blocks in the pool) of a paged call over rows of ``lengths`` and ``budgets``.
+
+        The pool: ``kv_cache_tokens`` when set; else what every row could use at once (its prompt and
+        budget), on CUDA no more than ``gpu_memory_fraction`` of the device leaves after what is
+        allocated now (the kept pool counts as free) and a reserve for activations and logits
+        (``PAGED_RESERVE_FRACTION`` of the device, plus 16 bytes x vocab per slot). The slots:
+        ``continuous_batch_size``, else as many rows as the pool holds at their worst case
+        (at most ``MAX_PAGED_SLOTS``). A pool that cannot hold the longest row is a ValueError."""
+        cfg = self.config
+        size = cfg.kv_block_size
+        row_blocks = [-(-(n + b) // size) for n, b in zip(lengths, budgets)]
+        wanted = sum(row_blocks) + 1  # + the scratch block
+        block_bytes = size * self.geometry.kv_bytes_per_token
+        if cfg.kv_cache_tokens is not None:
+            num_blocks, source = -(-cfg.kv_cache_tokens // size) + 1, f"kv_cache_tokens={cfg.kv_cache_tokens}"
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            old = self._stepper
+            if old is not None and old.key.paged:
+                free += old.cache.num_bytes
+            slots = min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS)
+            reserve = PAGED_RESERVE_FRACTION * total + 16 * self.vocab_size * slots
+            allowed = cfg.gpu_memory_fraction * total - (total - free) - reserve
+            num_blocks = min(wanted, max(0, int(allowed // block_bytes)))
+            source = f"gpu_memory_fraction={cfg.gpu_memory_fraction} ({allowed / 2**30:.1f} GiB for KV)"
+        else:
+            num_blocks, source = wanted, "every row at once"
+        longest = max(row_blocks)
+        if num_blocks - 1 < longest:
+            row = row_blocks.index(longest)
+            raise ValueError(f"the paged pool ({source}) holds {max(0, num_blocks - 1) * size} tokens, fewer than "
+                             f"row {row} needs ({lengths[row]} prompt + {budgets[row]} new tokens, in blocks of "
+                             f"{size}): raise kv_cache_tokens or gpu_memory_fraction")
+        slots = cfg.continuous_batch_size or max(1, min(MAX_PAGED_SLOTS, (num_blocks - 1) * len(row_blocks)
+                                                        // sum(row_blocks)))
+        return min(slots, len(lengths)), num_blocks
 
     def _capacity(self, lengths: list[int], budgets: list[int], route: str) -> int:
         capacity = self.config.cache_capacity

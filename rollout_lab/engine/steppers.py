@@ -14,7 +14,8 @@ capacity cut in ``num_widths`` even parts) that covers the front: early in a cal
 is far from the capacity, a step reads a fraction of the cache. Eager and graph steps use the same
 windows, so they compute the same thing; the graph ladder is row counts x widths. With span
 attention (``key.spans``, ``engine.span_attention``) each row reads only its live columns, so there
-is one window, the capacity, and the ladder is row counts only.
+is one window, the capacity, and the ladder is row counts only; so with the paged cache
+(``key.paged``, ``engine.paged_cache``), where each row reads its own blocks.
 
 With ``key.compiled`` the graph stepper runs the compiled model (``engine.compiling``: whole, or
 ``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms,
@@ -41,6 +42,7 @@ from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.compiling import compile_forward
 from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
+from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.engine.span_attention import kernel_available
 
@@ -111,6 +113,14 @@ class StepperKey:
     compiled: bool | str = False  # compile the forward inside the captured step: True, "layers" (graph decode only)
     keep_logits: bool = False  # the step leaves its logits in state.logits (teacher-forced checks)
     logprobs_mode: str | None = None  # the step leaves each token's log-probability in state.logprobs
+    # the paged cache (engine.paged_cache): blocks of block_size tokens, num_blocks in the pool (block 0
+    # scratch); capacity is then the most tokens one row holds (its table's blocks x block_size)
+    block_size: int | None = None
+    num_blocks: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.block_size is not None
 
     @property
     def sampling(self) -> SamplingParams | None:
@@ -128,12 +138,17 @@ class EagerStepper:
         self.model, self.key = model, key
         device = next(model.parameters()).device
         vocab = model.get_input_embeddings().weight.shape[0]
-        self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
+        if key.paged:
+            self.cache = PagedKVCache.for_model(model, num_slots=key.num_slots, num_blocks=key.num_blocks,
+                                                block_size=key.block_size,
+                                                max_blocks_per_row=-(-key.capacity // key.block_size))
+        else:
+            self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device,
                                  keep_logits=key.keep_logits, logprobs_mode=key.logprobs_mode)
         self.sampling = key.sampling
-        # attention windows, ascending; span attention reads live columns whatever the window
-        self.widths = (key.capacity,) if key.spans else width_ladder(key.capacity, key.num_widths)
+        # attention windows, ascending; span and paged attention read live tokens whatever the window
+        self.widths = (key.capacity,) if key.spans or key.paged else width_ladder(key.capacity, key.num_widths)
         self.forward = None  # the model, unless compiled
         self.num_captures = 0
         self.num_replays = 0
@@ -282,4 +297,5 @@ def describe(stepper: Any) -> dict[str, Any]:
             "compiled": stepper.key.compiled, "build_ms": stepper.build_ms,
             "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
-            "capacity": stepper.key.capacity}
+            "capacity": stepper.key.capacity, "block_size": stepper.key.block_size,
+            "num_blocks": stepper.key.num_blocks}

@@ -260,6 +260,11 @@ class ModelGeometry:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(int(layers), int(heads), int(kv_heads), int(head_dim), dtype_bytes(dtype))
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's keys and values over every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
     @classmethod
     def qwen25_3b(cls, element_bytes: int = 4) -> "ModelGeometry":
         """Qwen2.5-3B (36 layers, 16 query heads, 2 KV heads, head_dim 128): the worked example."""

@@ -1,4 +1,6 @@
-"""Route planner: nocb, bucketed (the exactly optimal bucket DP) or packed (``planner.packing``).
+"""Route planner: nocb, bucketed (the exactly optimal bucket DP), packed (``planner.packing``) or
+paged (the bucketed prefill into the paged cache, when refill makes the aligned cache wait:
+``planner.occupancy``).
 
 Pure Python (no torch), deterministic, no I/O. Run ``rollout-lab plan 512 16 16 ...`` to try it.
 
@@ -40,10 +42,11 @@ from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
 from rollout_lab.planner.decode_steps import LengthPrior, budget_decode_steps, expected_decode_steps
+from rollout_lab.planner.occupancy import response_quantiles, simulate_refill
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
-ROUTES = ("nocb", "bucketed", "packed")
+ROUTES = ("nocb", "bucketed", "packed", "paged")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class RoutePlan:
     cb_cost_ms: float
     cb_cost_is_lower_bound: bool = False  # True when the DP was skipped because nocb wins anyway
     packed_cost_ms: float | None = None  # None when packed is not a candidate (not calibrated)
+    paged_cost_ms: float | None = None  # None when paged is not a candidate (no refill, or not allowed)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -96,10 +100,15 @@ def choose_route(
     response_lengths: LengthPrior | None = None,
     chunk_long_prompts: bool = False,
     classes: ShapeClasses | None = None,
+    paged_allowed: bool = False,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
     nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
     (a calibration measured it); its plan is ``planner.packing.plan_packed``; its decode is CB's.
+    Paged is a candidate when ``paged_allowed`` and rows refill (more requests than slots): its
+    prefill is the bucketed plan's, and it saves ``continuous_decode_cost_ms`` for every decode step
+    the aligned cache's admission rule adds over its own (``planner.occupancy.simulate_refill``, on
+    the prior's response lengths, else the budgets); it wins only by a strictly positive saving.
 
     nocb is eligible when ``nocb_allowed`` (no explicit capacity or trimming), every request
     fits the slots at once and the padded batch fits ``prefill_max_tokens``.
@@ -162,11 +171,19 @@ def choose_route(
     else:
         plan = plan_buckets(lengths, geometry, coeffs)
     cb = plan.cost_ms + decode
+    paged = None
+    if paged_allowed and continuous_batch_size is not None and continuous_batch_size < n:
+        responses = budgets if response_lengths is None else response_quantiles(response_lengths, budgets)
+        saved = [simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size, layout=layout).steps
+                 for layout in ("aligned", "paged")]
+        paged = cb - coeffs.continuous_decode_cost_ms * (saved[0] - saved[1])
     if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
-        return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed)
+        return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+    if paged is not None and paged < cb and (packed is None or paged < packed):
+        return RoutePlan("paged", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
     if packed is not None and packed < cb:
-        return RoutePlan("packed", packs, nocb, cb, packed_cost_ms=packed)
-    return RoutePlan("bucketed", plan.buckets, nocb, cb, packed_cost_ms=packed)
+        return RoutePlan("packed", packs, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+    return RoutePlan("bucketed", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
 
 
 # -- shared prefill --------------------------------------------------------------------------------
@@ -237,7 +254,8 @@ def choose_shared_route(
     copies = replication_cost_ms(lengths, replicas, geometry, coeffs)
     cb = shared.cb_cost_ms + copies
     packed = None if shared.packed_cost_ms is None else shared.packed_cost_ms + copies
-    best_cb = cb if packed is None else min(cb, packed)
+    paged = None if shared.paged_cost_ms is None else shared.paged_cost_ms + copies
+    best_cb = min(c for c in (cb, packed, paged) if c is not None)
     if nocb is not None and nocb <= best_cb:
-        return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb, packed_cost_ms=packed)
-    return RoutePlan(shared.route, shared.buckets, nocb, cb, packed_cost_ms=packed)
+        return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+    return RoutePlan(shared.route, shared.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)

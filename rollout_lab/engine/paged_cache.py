@@ -1,0 +1,280 @@
+"""The paged KV cache of the ``paged`` route: fixed-size blocks, a block table per row.
+
+One key and one value pool per layer, ``[num_blocks, block_size, kv_heads, head_dim]``, allocated
+once. Row (slot) ``i`` holds its tokens at logical positions ``0, 1, ...`` (its own RoPE positions:
+a prompt at ``[0, len)``, then one token per decode step), and logical position ``p`` lives at
+``pool[block_tables[i, p // block_size], p % block_size]``. Rows never share a column, so a row is
+admitted as soon as a slot and the blocks of its prompt are free, grows one block at a time, and
+gives its blocks back when it retires: the memory follows the live tokens, not slots x the longest
+row. Block 0 is a scratch block: a dead slot's table points at it, so a graph replay that still
+covers dead slots writes there and nowhere else.
+
+The host owns the allocation (``BlockAllocator``: a free list, each slot's blocks); the device holds
+what a decode step reads: ``block_tables`` ``[slots, max_blocks]`` int32 and ``slot_mapping``
+``[slots]`` int64, the flat pool index each row writes this step. Every decode step computes
+``slot_mapping`` from the rows' positions in place (``prepare_step``), so the step captures in a
+CUDA graph and replays while rows move through their blocks. ``hf_cache(num_rows)`` gives the
+transformers ``Cache`` whose layers write one token per row there and hand the whole pool to the
+attention (``engine.paged_attention``, selected by the ``paged_tables``/``paged_positions`` keywords
+the decode step passes).
+
+Admission copies a prefill's KV into a row's blocks (``admit``: a left-padded bucket; ``admit_packed``:
+a packed forward), with the same arguments as the aligned cache's methods, so the batcher prefills
+either cache the same way.
+
+    cache = PagedKVCache.for_model(model, num_slots=128, num_blocks=4096, block_size=64, max_blocks_per_row=40)
+    cache.allocator.grow(slot, num_tokens)   # blocks for a row's first num_tokens positions
+
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from rollout_lab.planner.cost import ModelGeometry
+
+SCRATCH_BLOCK = 0  # dead slots point here; never handed to a row
+
+
+class BlockAllocator:
+    """Host bookkeeping of the pool: the free blocks and each slot's blocks, in logical order."""
+
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int, max_blocks_per_row: int):
+        self.num_blocks, self.block_size, self.max_blocks_per_row = num_blocks, block_size, max_blocks_per_row
+        self.free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() hands out 1, 2, ...
+        self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def missing(self, slot: int, num_tokens: int) -> int:
+        """Blocks ``slot`` still needs to hold positions ``[0, num_tokens)``."""
+        return max(0, self.blocks_for(num_tokens) - len(self.blocks[slot]))
+
+    def grow(self, slot: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Give ``slot`` the blocks for positions ``[0, num_tokens)``; returns the new
+        (logical index, block) pairs for the device table. The caller checked ``num_free``."""
+        need = self.missing(slot, num_tokens)
+        if need > len(self.free):
+            raise RuntimeError(f"slot {slot} needs {need} blocks, {len(self.free)} are free")
+        if len(self.blocks[slot]) + need > self.max_blocks_per_row:
+            raise RuntimeError(f"slot {slot} would hold {len(self.blocks[slot]) + need} blocks, "
+                               f"more than the table's {self.max_blocks_per_row}")
+        added = []
+        for _ in range(need):
+            block = self.free.pop()
+            added.append((len(self.blocks[slot]), block))
+            self.blocks[slot].append(block)
+        self.peak_used = max(self.peak_used, self.num_used)
+        return added
+
+    def release(self, slot: int) -> None:
+        """The slot's blocks go back to the free list (its row retired or was preempted)."""
+        self.free.extend(reversed(self.blocks[slot]))
+        self.blocks[slot] = []
+
+    def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Slots ``dst`` take over the blocks of ``src`` (compaction); ``src`` hold none after."""
+        taken = [self.blocks[s] for s in src]
+        for s in src:
+            self.blocks[s] = []
+        for d, blocks in zip(dst, taken):
+            if self.blocks[d]:
+                raise RuntimeError(f"slot {d} still holds blocks")
+            self.blocks[d] = blocks
+
+    def reset(self) -> None:
+        self.free = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))
+        self.blocks = [[] for _ in self.blocks]
+        self.peak_used = 0
+
+
+class PagedLayer(StaticLayer):
+    """A cache layer over one layer's pools: writes each row's decode token at its slot mapping and
+    gives the attention the whole pool (it reads each row's blocks through the table)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor):
+        super().__init__(max_cache_len=keys.shape[0] * keys.shape[1])
+        self.keys, self.values = keys, values  # [num_blocks, block_size, kv_heads, head_dim]
+        self.flat_keys = keys.view(-1, keys.shape[2], keys.shape[3])  # [num_blocks * block_size, kv_heads, head_dim]
+        self.flat_values = values.view(-1, values.shape[2], values.shape[3])
+        self.slot_mapping = slot_mapping  # [rows] flat pool index of each row's token this step
+        self.device, self.dtype = keys.device, keys.dtype
+        self.num_heads = keys.shape[2]
+        self.k_head_dim = self.v_head_dim = keys.shape[-1]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("PagedLayer is preallocated")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[-2] != 1:
+            raise RuntimeError(f"the paged cache takes one decode token per row, got {key_states.shape[-2]}; "
+                               "prefill goes through a temporary cache")
+        self.flat_keys.index_copy_(0, self.slot_mapping, key_states[:, :, 0])  # [rows, kv_heads, head_dim]
+        self.flat_values.index_copy_(0, self.slot_mapping, value_states[:, :, 0])
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise RuntimeError("the paged cache frees blocks, it is never cropped")
+
+
+class PagedKVCache:
+    """Per-layer block pools, the device block tables and slot mapping, and the host allocator."""
+
+    def __init__(
+        self, *, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int,
+        num_blocks: int, max_blocks_per_row: int, dtype: torch.dtype, device: torch.device | str,
+    ):
+        if num_slots < 1 or max_blocks_per_row < 1:
+            raise ValueError(f"num_slots and max_blocks_per_row must be >= 1, got {num_slots}, {max_blocks_per_row}")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is scratch), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_tables = torch.full((num_slots, max_blocks_per_row), SCRATCH_BLOCK, dtype=torch.int32,
+                                       device=device)  # [slots, max_blocks]
+        self.slot_mapping = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+        self.mask = torch.zeros(num_slots, 1, 1, 1, dtype=dtype, device=device)  # a 4-D mask HF passes through
+        self.num_slots, self.block_size, self.num_blocks = num_slots, block_size, num_blocks
+        self.max_blocks_per_row = max_blocks_per_row
+        self.capacity = max_blocks_per_row * block_size  # tokens one row can hold
+        self.allocator = BlockAllocator(num_blocks, num_slots, block_size, max_blocks_per_row)
+        self._views: dict[int, Cache] = {}
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, num_slots: int, num_blocks: int, block_size: int,
+                  max_blocks_per_row: int) -> "PagedKVCache":
+        param = next(model.parameters())
+        geometry = ModelGeometry.from_config(model.config.get_text_config(decoder=True), param.dtype)
+        return cls(num_layers=geometry.num_layers, num_slots=num_slots, num_kv_heads=geometry.num_kv_heads,
+                   head_dim=geometry.head_dim, block_size=block_size, num_blocks=num_blocks,
+                   max_blocks_per_row=max_blocks_per_row, dtype=param.dtype, device=param.device)
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's KV over all layers, keys and values."""
+        k = self.keys[0]
+        return 2 * len(self.keys) * k.shape[2] * k.shape[3] * k.element_size()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.token_bytes * self.num_blocks * self.block_size
+
+    def hf_cache(self, num_rows: int) -> Cache:
+        """A transformers Cache whose layers write the first ``num_rows`` slots' tokens; memoised."""
+        if num_rows not in self._views:
+            mapping = self.slot_mapping[:num_rows]
+            self._views[num_rows] = Cache(layers=[PagedLayer(k, v, mapping) for k, v in zip(self.keys, self.values)])
+        return self._views[num_rows]
+
+    # -- the step -----------------------------------------------------------------------------
+    def prepare_step(self, num_rows: int, positions: torch.Tensor) -> None:
+        """``slot_mapping`` of the first ``num_rows`` slots for a token at ``positions`` [rows] (in
+        place, on the device: graph-capturable)."""
+        tables = self.block_tables[:num_rows]  # [rows, max_blocks]
+        block = tables.gather(1, torch.div(positions, self.block_size, rounding_mode="floor")[:, None])[:, 0]
+        self.slot_mapping[:num_rows].copy_(block.long() * self.block_size + positions % self.block_size)
+
+    # -- the tables -----------------------------------------------------------------------------
+    def grow(self, slot: int, num_tokens: int) -> None:
+        """Blocks for positions ``[0, num_tokens)`` of ``slot``, written into its device table."""
+        self.set_blocks([(slot, index, block) for index, block in self.allocator.grow(slot, num_tokens)])
+
+    def set_blocks(self, entries: Sequence[tuple[int, int, int]]) -> None:
+        """Write (slot, logical index, block) entries into the device tables, one copy."""
+        if not entries:
+            return
+        device = self.block_tables.device
+        slots, index, blocks = (torch.tensor(col, dtype=torch.long) for col in zip(*entries))
+        flat = (slots * self.max_blocks_per_row + index).to(device)
+        self.block_tables.view(-1).index_copy_(0, flat, blocks.to(torch.int32).to(device))
+
+    def reset(self) -> None:
+        self.allocator.reset()
+        self.block_tables.fill_(SCRATCH_BLOCK)
+        self.slot_mapping.zero_()
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The rows in ``slots`` retired or were preempted: their blocks are free again."""
+        for slot in slots:
+            self.allocator.release(slot)
+
+    def retire(self, num_live: int) -> None:
+        """Slots from ``num_live`` on are dead: their tables point at the scratch block."""
+        self.block_tables[num_live:].fill_(SCRATCH_BLOCK)
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Slots ``dst`` take over rows ``src`` (compaction): a table copy, no KV moves; returns 0 bytes."""
+        if not src:
+            return 0
+        device = self.block_tables.device
+        src_t = torch.tensor(list(src), dtype=torch.long, device=device)
+        dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
+        self.block_tables.index_copy_(0, dst_t, self.block_tables.index_select(0, src_t))
+        self.allocator.move(src, dst)
+        return 0
+
+    # -- admission ------------------------------------------------------------------------------
+    def _flat_positions(self, slots: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+        """[sum(counts)] flat pool index of positions ``[0, counts[j])`` of each slot (host tables)."""
+        index = []
+        bs = self.block_size
+        for slot, n in zip(slots, counts):
+            blocks = self.allocator.blocks[slot]
+            if self.allocator.blocks_for(n) > len(blocks):
+                raise RuntimeError(f"slot {slot} holds {len(blocks)} blocks, too few for {n} tokens")
+            index.extend(blocks[p // bs] * bs + p % bs for p in range(n))
+        return torch.tensor(index, dtype=torch.long, device=self.block_tables.device)
+
+    def _scatter(self, dst_index: torch.Tensor, layer_kv, gather) -> None:
+        for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
+            for dst, src in ((dst_k, src_k), (dst_v, src_v)):
+                flat = dst.view(-1, dst.shape[2], dst.shape[3])  # [num_blocks * block_size, kv_heads, head_dim]
+                flat.index_copy_(0, dst_index, gather(src).to(dst.dtype))
+
+    def admit(
+        self, slots: Sequence[int], layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        lengths: Sequence[int], source_rows: Sequence[int] | None = None,
+    ) -> None:
+        """Copy a left-padded bucket's KV (per layer ``[rows, kv_heads, width, head_dim]``) into the
+        blocks of ``slots``: slot ``slots[j]`` gets bucket row ``source_rows[j]`` (default j), whose
+        last ``min(lengths[j], width)`` columns are its positions from 0 (a chunked prompt's head
+        first; its whole span follows). The slots hold their blocks already (``grow``)."""
+        width = layer_kv[0][0].shape[2]
+        counts = [min(n, width) for n in lengths]
+        source = list(range(len(slots))) if source_rows is None else list(source_rows)
+        device = self.block_tables.device
+        rows = torch.repeat_interleave(torch.tensor(source, device=device), torch.tensor(counts, device=device))
+        cols = torch.cat([torch.arange(width - n, width, device=device) for n in counts])
+        dst = self._flat_positions(slots, counts)
+        self._scatter(dst, layer_kv, lambda src: src.to(device)[rows, :, cols])  # [sum, kv_heads, head_dim]
+
+    def admit_packed(
+        self, slots: Sequence[int], layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        offsets: Sequence[int], lengths: Sequence[int],
+    ) -> None:
+        """Copy a packed forward's KV (per layer ``[1, kv_heads, T, head_dim]``) into the blocks of
+        ``slots``: slot ``slots[j]`` gets the ``lengths[j]`` tokens from ``offsets[j]`` at positions from 0."""
+        device = self.block_tables.device
+        tokens = torch.cat([torch.arange(o, o + n, device=device) for o, n in zip(offsets, lengths)])
+        dst = self._flat_positions(slots, lengths)
+        self._scatter(dst, layer_kv, lambda src: src[0].to(device).index_select(1, tokens).transpose(0, 1))

@@ -1,0 +1,124 @@
+"""Decode steps and occupancy of a call with refill, on the aligned cache and on the paged one.
+
+With fewer slots than rows, rows come and go: the decode steps a call pays, and how full each step
+is, depend on when a queued row can enter. ``simulate_refill`` replays the two admission rules on
+the rows' prompt lengths, response lengths and budgets (one decode step per loop turn, the prefill
+giving each row its first token, as the engine runs):
+
+- ``"aligned"`` (``engine.batching``): every live row's next token goes to one shared front column,
+  so a row enters only when the widest live span (and its own prompt) fits left of some front and
+  every live row's remaining *budget* (and its own) fits right of it: ``max span <= capacity -
+  max remaining``. The budget is what the cache must hold, whatever the row's actual length: one
+  long row keeps the front far right and blocks refill until it retires.
+- ``"paged"`` (``engine.paged_batching``): each row lives in its own blocks, so a row enters as soon
+  as a slot is free (the pool is assumed to hold the live rows).
+
+Response lengths come from a prior when there is one (``response_quantiles``: its quantiles spread
+over the rows, each clipped at its budget), else they are the budgets. Auto prices the two layouts'
+decode by these steps (``planner.routes.choose_route``). Pure Python, no torch::
+
+    aligned = simulate_refill(prompts, lengths, budgets, num_slots=128, layout="aligned")
+    paged = simulate_refill(prompts, lengths, budgets, num_slots=128, layout="paged")
+    aligned.steps, paged.steps, paged.occupancy
+
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from rollout_lab.planner.decode_steps import LengthPrior, length_cdf
+
+LAYOUTS = ("aligned", "paged")
+
+
+@dataclass(frozen=True)
+class RefillSchedule:
+    """What a call's decode pays: ``steps`` forwards, ``row_steps`` live rows summed over them."""
+
+    steps: int
+    row_steps: int
+    num_slots: int
+    queued_steps: int = 0  # the steps taken while rows still waited in the queue
+    queued_row_steps: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Mean share of the slots a step runs live rows in."""
+        return self.row_steps / (self.steps * self.num_slots) if self.steps else 0.0
+
+    @property
+    def queued_occupancy(self) -> float:
+        """The same over the steps taken while rows waited (until the queue drained)."""
+        return self.queued_row_steps / (self.queued_steps * self.num_slots) if self.queued_steps else 0.0
+
+
+def response_quantiles(prior: LengthPrior, budgets: Sequence[int]) -> list[int]:
+    """One response length per row: the prior's quantiles at (i + 0.5) / n, spread over the rows in
+    a fixed interleaved order (so that long and short rows mix in the queue), each clipped at its budget."""
+    n = len(budgets)
+    if n == 0:
+        return []
+    cdf = length_cdf(prior, max(budgets))
+    quantiles = []
+    for i in range(n):
+        q = (i + 0.5) / n
+        quantiles.append(next(k for k, f in enumerate(cdf) if f >= q - 1e-12) or 1)
+    order = sorted(range(n), key=lambda i: (i * 0.6180339887) % 1.0)  # golden-ratio spread of the ranks
+    return [max(1, min(quantiles[rank], budget)) for rank, budget in zip(order, budgets)]
+
+
+def simulate_refill(
+    prompt_lengths: Sequence[int], response_lengths: Sequence[int], budgets: Sequence[int], *,
+    num_slots: int, layout: str, capacity: int | None = None,
+) -> RefillSchedule:
+    """Replay one call's admissions (queue order) and decode steps on ``layout`` (``LAYOUTS``).
+    ``capacity``: the aligned cache's columns (default: longest prompt + largest budget, the engine's)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    n = len(prompt_lengths)
+    if not (len(response_lengths) == len(budgets) == n):
+        raise ValueError(f"one response length and budget per prompt: {n} prompts, "
+                         f"{len(response_lengths)} lengths, {len(budgets)} budgets")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    if any(not 1 <= r <= b for r, b in zip(response_lengths, budgets)):
+        raise ValueError("every response length must be in [1, its budget]")
+    if n == 0:
+        return RefillSchedule(0, 0, num_slots)
+    if capacity is None:
+        capacity = max(prompt_lengths) + max(budgets)
+    # a row that enters before step t's token has made 1 token (its prefill's) and makes one per step:
+    # it leaves after step t + length - 1. The aligned check only needs two maxima over the live rows:
+    # span = L + steps since entry = (L - t) + step, remaining budget = (B - 1 + t) - step.
+    live: dict[int, int] = {}  # row -> the step count when it entered
+    ends: list[tuple[int, int]] = []  # heap of (last step, row)
+    queue = step = row_steps = queued_steps = queued_row_steps = 0
+    span_key = remaining_key = None  # max over live rows of L - t and B - 1 + t (None: recompute)
+    while queue < n or live:
+        while queue < n and len(live) < num_slots:
+            if layout == "aligned":
+                if span_key is None:
+                    span_key = max((prompt_lengths[r] - t for r, t in live.items()), default=None)
+                    remaining_key = max((budgets[r] - 1 + t for r, t in live.items()), default=None)
+                span = max(prompt_lengths[queue], step + span_key if live else 0)
+                remaining = max(budgets[queue] - 1, remaining_key - step if live else 0)
+                if span > capacity - remaining:
+                    break
+            if response_lengths[queue] > 1:  # a row done at its prefill never takes a step
+                live[queue] = step
+                heapq.heappush(ends, (step + response_lengths[queue] - 1, queue))
+                span_key = None
+            queue += 1
+        if not live:
+            continue
+        step += 1  # one decode step: every live row makes one token
+        row_steps += len(live)
+        if queue < n:
+            queued_steps += 1
+            queued_row_steps += len(live)
+        while ends and ends[0][0] <= step:
+            del live[heapq.heappop(ends)[1]]
+            span_key = None
+    return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps)

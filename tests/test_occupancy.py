@@ -1,0 +1,97 @@
+"""planner.occupancy: the refill schedule of both layouts against a brute-force replay, and Auto
+taking the paged route where the aligned cache would wait (and only there)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import get_tiny
+
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.occupancy import response_quantiles, simulate_refill
+from rollout_lab.planner.routes import choose_route
+
+
+def brute_force(prompts, lengths, budgets, slots, layout, capacity):
+    """One step at a time, every row's state spelled out (the engine's loop, without tensors)."""
+    queue, live, steps, row_steps = list(range(len(prompts))), [], 0, 0  # live: [row, tokens made]
+    while queue or live:
+        while queue and len(live) < slots:
+            r = queue[0]
+            if layout == "aligned":
+                span = max([prompts[x] + made - 1 for x, made in live] + [prompts[r]])
+                remaining = max([budgets[x] - made for x, made in live] + [budgets[r] - 1])
+                if span + remaining > capacity:
+                    break
+            queue.pop(0)
+            if lengths[r] > 1:
+                live.append([r, 1])
+        if not live:
+            continue
+        steps += 1
+        row_steps += len(live)
+        for row in live:
+            row[1] += 1
+        live = [row for row in live if row[1] < lengths[row[0]]]
+    return steps, row_steps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulation_equals_a_step_by_step_replay(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    prompts = [rng.randint(1, 30) for _ in range(n)]
+    budgets = [rng.randint(1, 50) for _ in range(n)]
+    lengths = [rng.randint(1, b) for b in budgets]
+    slots = rng.randint(1, 8)
+    for layout in ("aligned", "paged"):
+        capacity = max(prompts) + max(budgets) + rng.randint(0, 20)
+        got = simulate_refill(prompts, lengths, budgets, num_slots=slots, layout=layout, capacity=capacity)
+        assert (got.steps, got.row_steps) == brute_force(prompts, lengths, budgets, slots, layout, capacity)
+
+
+def test_a_long_row_blocks_the_aligned_cache_only():
+    prompts, budgets = [10] * 20, [100] * 20
+    lengths = [100] + [5] * 19  # EOS ends all but one early; the cache must still hold every budget
+    aligned = simulate_refill(prompts, lengths, budgets, num_slots=4, layout="aligned")
+    paged = simulate_refill(prompts, lengths, budgets, num_slots=4, layout="paged")
+    assert paged.steps == 99  # the long row's own steps: the 19 others ride beside it
+    assert aligned.steps == 99 + 4 * 4  # the 16 rows after the first wave wait for the long one, then run in 4 waves
+    assert aligned.queued_occupancy < 0.4 and paged.queued_occupancy == 1.0  # until the queue drained
+    assert aligned.occupancy < paged.occupancy
+    with pytest.raises(ValueError, match="layout must be one of"):
+        simulate_refill(prompts, lengths, budgets, num_slots=4, layout="dense")
+    with pytest.raises(ValueError, match=r"in \[1, its budget\]"):
+        simulate_refill([3], [9], [8], num_slots=1, layout="paged")
+
+
+def test_response_quantiles_follow_the_prior():
+    rows = response_quantiles({5: 0.5, 200: 0.5}, [100] * 10)
+    assert sorted(rows) == [5] * 5 + [100] * 5  # clipped at the budget
+    assert rows != sorted(rows)  # long and short rows interleave in the queue
+
+
+def test_auto_takes_paged_when_refill_would_wait():
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    common = dict(max_new_tokens=100, geometry=geometry, coeffs=costs, paged_allowed=True)
+    prior = {5: 0.9, 100: 0.1}  # most rows end early, a tenth run the whole budget
+    plan = choose_route([10] * 40, continuous_batch_size=4, response_lengths=prior, **common)
+    assert plan.route == "paged" and plan.paged_cost_ms < plan.cb_cost_ms
+    # without refill, without a long tail, or when not allowed: the aligned routes as before
+    assert choose_route([10] * 4, continuous_batch_size=4, response_lengths=prior, **common).route != "paged"
+    assert choose_route([10] * 40, continuous_batch_size=4, **common).route == "bucketed"
+    no = dict(common, paged_allowed=False)
+    assert choose_route([10] * 40, continuous_batch_size=4, response_lengths=prior, **no).route == "bucketed"
+
+
+def test_rollout_auto_learns_the_tail_and_goes_paged():
+    """With prior_ewma the first call's response lengths price the next call's route."""
+    model = get_tiny("qwen2")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 300) for _ in range(6)] for _ in range(16)]
+    rollout = Rollout(model, RolloutConfig(continuous_batch_size=4, prior_ewma=1.0, response_length_prior=(2, 2, 2, 40),
+                                           costs=CostCoefficients(prefill_fixed_cost_ms=0.05)))
+    result = rollout.generate(prompts, max_new_tokens=40)
+    assert result.route == "paged"
+    assert result.sequences == Rollout(model, RolloutConfig(mode="bucketed")).generate(prompts, max_new_tokens=40).sequences
