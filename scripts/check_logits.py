@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=64, help="forced tokens per request")
     p.add_argument("--variants", nargs="+", default=["ours", "ours_no_compile", "ours_masked"],
                    choices=sorted(DECODE_VARIANTS))
+    p.add_argument("--cache", default="aligned", choices=("aligned", "paged"),
+                   help="the KV cache the decode step reads: the aligned one, or the paged route's")
     args = p.parse_args(argv)
     if args.max_len < args.min_len:
         p.error(f"--max-len {args.max_len} is below --min-len {args.min_len}")
@@ -72,13 +74,17 @@ def main(argv: list[str] | None = None) -> None:
     record: dict[str, Any] = {
         "kind": "teacher_forced_logits",
         "provenance": provenance(device=device, dtype=args.dtype, script="scripts/check_logits.py", argv=sys.argv[1:]),
-        "config": {"model": name, "lengths": lengths, "steps": args.steps}, "variants": {},
+        "config": {"model": name, "lengths": lengths, "steps": args.steps, "cache": args.cache}, "variants": {},
     }
     rows = []
     for variant in args.variants:
-        report = teacher_forced_check(model, prompts, forced, RolloutConfig(**DECODE_VARIANTS[variant]))
-        record["variants"][variant] = report | {"settings": DECODE_VARIANTS[variant]}
-        rows.append({"variant": variant, "max_abs_error": report["max_abs_error"],
+        mode = {"mode": "paged"} if args.cache == "paged" else {}
+        settings = DECODE_VARIANTS[variant] | mode
+        if args.cache == "paged" and "decode_attention" in settings:
+            settings = {k: v for k, v in settings.items() if k not in ("decode_attention", "decode_widths")}
+        report = teacher_forced_check(model, prompts, forced, RolloutConfig(**settings))
+        record["variants"][variant] = report | {"settings": settings}
+        rows.append({"variant": variant, "cache": args.cache, "max_abs_error": report["max_abs_error"],
                      "top1_agreement": report["top1_agreement"], "num_decided": report["num_decided"],
                      "num_positions": report["num_positions"], "spans": report["stepper"]["spans"],
                      "compiled": report["stepper"]["compiled"], "kind": report["stepper"]["kind"]})

@@ -7,7 +7,8 @@ and compare each step's logits:
 - the reference is one plain forward of the model (its own attention, no cache) over each prompt
   followed by the forced tokens, one request at a time, so no padding enters;
 - ours prefills the prompts as the engine does, then runs the decode stepper of ``config`` (graph,
-  compiled, span attention: whatever the config resolves to on this device) with the forced token
+  compiled, span attention, the paged cache with ``mode="paged"``: whatever the config resolves to
+  on this device) with the forced token
   written into each row before every step, and reads the step's logits.
 
     report = teacher_forced_check(model, prompts, forced, RolloutConfig())
@@ -56,30 +57,40 @@ def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     capacity = longest + num_forced
     if rollout.decode_mode == "graph":
         capacity = graph_capacity(capacity)
+    paged = config.mode == "paged"  # the paged cache (engine.paged_cache): every row in its own blocks
+    size = config.kv_block_size
+    num_blocks = 1 + sum(-(-(len(p) + num_forced) // size) for p in prompts) if paged else 0
     key = StepperKey(rows, capacity, 1.0, False, rollout.cache_kwarg,
                      max_graphs=config.max_decode_graphs if rollout.decode_mode == "graph" else 1,
                      num_widths=config.decode_widths, spans=rollout.spans, compiled=rollout.compiled,
-                     keep_logits=True)
+                     keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks)
     stepper = make_stepper(model, key, decode=rollout.decode_mode)
     try:
         stepper.reset()
         cache, state = stepper.cache, stepper.state
         pad = model.config.get_text_config(decoder=True).pad_token_id or 0
         first, layer_kv = prefill_bucket(model, prompts, pad_token_id=pad, cache_kwarg=cache_kwarg_name(model))
-        cache.set_front(longest)
         slots = list(range(rows))
+        if paged:
+            for slot, prompt in zip(slots, prompts):
+                cache.grow(slot, len(prompt) + num_forced)
+        else:
+            cache.set_front(longest)
         cache.admit(slots, layer_kv, [len(p) for p in prompts])
         device = first.device
         forced_t = torch.tensor([list(t) for t in forced], dtype=torch.long, device=device)  # [rows, steps]
         state.admit(slots, forced_t[:, 0], [len(p) for p in prompts], None)
         logits = [first.float()]  # [rows, vocab] per step
         for step in range(1, num_forced):
-            stepper.step(rows, cache.front_int)
-            cache.front_int += 1  # the step advanced the device front
+            if paged:
+                stepper.step(rows, 0)  # each row writes at its own position
+            else:
+                stepper.step(rows, cache.front_int)
+                cache.front_int += 1  # the step advanced the device front
             logits.append(state.logits[:rows].clone())
             state.input_ids[:rows, 0].copy_(forced_t[:, step])  # force the next input
         info = {"kind": stepper.kind, "spans": key.spans, "compiled": key.compiled,
-                "build_ms": stepper.build_ms}
+                "build_ms": stepper.build_ms, "paged": paged}
     finally:
         stepper.close()
     stacked = torch.stack(logits, dim=1)  # [rows, steps, vocab]

@@ -143,7 +143,10 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
         "decode_ms_per_step": prof.decode_ms / max(1, prof.num_decode_forwards),
         "profile": {k: getattr(prof, k) for k in ("planning_ms", "prefill_ms", "decode_ms", "cache_ms",
                                                   "stepper_build_ms", "total_ms", "num_prefill_forwards",
-                                                  "peak_cache_columns", "cache_bytes")},
+                                                  "peak_cache_columns", "cache_bytes", "num_slots",
+                                                  "occupancy", "queued_occupancy", "kv_block_size",
+                                                  "num_kv_blocks", "peak_kv_blocks", "peak_live_tokens",
+                                                  "num_preemptions")},
     }
 
 

@@ -9,6 +9,9 @@ Torch-free, so the planner, notebooks and CPU tests can use it anywhere::
     lengths = get_workload("gsm8k_32")            # 32 GSM8K prompt lengths, seed 0
     tiny = get_workload("long_tail", scale=0.05)  # 1x26 + 31x1 for CPU tests
 
+``eos_long_tail(vocab_size)`` (shape ``EOS_LONG_TAIL``) adds the EOS ids that end sampled rows at a
+constant hazard: 512 GPQA prompts whose responses have geometric lengths (``measure.long_tail``).
+
 Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
 
 A spec is a small dict (the ``distributions`` parameter of ``notebooks/02_bucket_choices.ipynb``):
@@ -303,3 +306,38 @@ def resolve_distributions(
         resolved = [resolve_distribution(spec, batch_size=batch_size, seed=s) for s in use]
         out.append(Distribution(resolved[0][0], str(spec["kind"]), tuple(tuple(x) for _, x in resolved), use))
     return out
+
+
+# -- EOS long tail: prompts of a real dataset, responses ending at a constant per-step hazard -------
+
+# the issue's shape: 512 GPQA prompts (drawn with replacement), 2048-token budgets, 128 slots
+EOS_LONG_TAIL = {"num_prompts": 512, "dataset": "gpqa_diamond", "hazard": 1 / 295, "max_new_tokens": 2048,
+                 "slots": 128, "seed": 0}
+
+
+def eos_long_tail(vocab_size: int, *, num_prompts: int = 512, dataset: str = "gpqa_diamond", hazard: float = 1 / 295,
+                  seed: int = 0, special_ids: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """(prompt lengths, EOS ids) of an RL rollout whose rows end at very different times.
+
+    Sampled at temperature 1, a random-weight model's next token is near uniform over the
+    vocabulary, so ``k = max(1, round(hazard * vocab_size))`` EOS ids end a row with probability
+    ~k/V per step: geometric response lengths (hazard 1/295: p50 ~204, p90 ~680, the max of 512
+    ~1,800). The lengths are ``sample_lengths(dataset, num_prompts, seed=seed, replace=True)``; the
+    ids are distinct, drawn with ``default_rng(seed)`` from ``[0, vocab_size)`` less ``special_ids``,
+    sorted."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, (int, np.integer)) or num_prompts < 1:
+        raise ValueError(f"num_prompts must be an int >= 1, got {num_prompts!r}")
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset must be one of {list(DATASETS)}, got {dataset!r}")
+    if isinstance(hazard, bool) or not isinstance(hazard, (int, float)) or not 0 < hazard <= 0.5:
+        raise ValueError(f"hazard (the per-step end probability) must be a number in (0, 0.5], got {hazard!r}")
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=int))
+    num_eos = max(1, round(hazard * vocab_size))
+    if num_eos > allowed.size:
+        raise ValueError(f"hazard {hazard!r} needs {num_eos} EOS ids; only {allowed.size} of [0, {vocab_size}) "
+                         f"are not special ids {list(special_ids)}")
+    lengths = sample_lengths(dataset, int(num_prompts), seed=seed, replace=True)
+    eos_ids = np.random.default_rng(seed).choice(allowed, size=num_eos, replace=False)
+    return lengths, sorted(int(t) for t in eos_ids)

@@ -1,0 +1,180 @@
+"""The EOS long-tail benchmark: RL rows that end at EOS at very different times, on fixed slots or
+on the paged pool.
+
+    from rollout_lab.measure.long_tail import run_long_tail
+    record = run_long_tail(model, model_name="qwen2.5-0.5b", dtype="bfloat16")   # EOS_LONG_TAIL's shape
+
+The workload (``measure.workloads.eos_long_tail``): 512 random-token prompts of GPQA's lengths
+(drawn with replacement) and ``round(hazard * vocab)`` EOS ids; sampled at temperature 1 a
+random-weight model ends a row with probability ~hazard per step, so response lengths are geometric
+(hazard 1/295: p50 ~204, p90 ~680, the longest of 512 ~1,800 of the 2048-token budget).
+
+Paths (``LONG_TAIL_PATHS``): the aligned cache (``mode="bucketed"``) and the paged pool
+(``mode="paged"``), each on ``slots`` slots (``*_128``; the names keep 128, the record the slots
+used), the paged pool with as many slots as its memory holds (``paged_memory``) and the aligned cache
+with every row at once (``aligned_all``). Each path: one warm-up call (compile and capture, timed as
+``first_call_ms``), ``reps`` timed calls and one profiled call, all with the same seed, so every path
+samples the same tokens in exact arithmetic (bf16 kernels may differ). Output tok/s counts the tokens
+generated; the profile says why: decode steps, live rows per step, occupancy of the slots (over every
+step, and over the steps taken while rows still waited: the route's own effect), preemptions, and the
+paged pool's peak blocks against its live tokens. Every call is timed whole with the device
+synchronised; peak memory is over the weights. ``scripts/bench_long_tail.py`` is its command line.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import Counter
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.profile import synchronize, timed_ms
+from rollout_lab.engine.rollout import Rollout
+from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.rl import _peak_memory
+from rollout_lab.measure.sweep import release_memory
+from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts
+from rollout_lab.planner.checks import is_int
+
+# path name -> engine settings; ``slots`` replaces the continuous_batch_size of the *_128 paths
+LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
+    "aligned_128": dict(mode="bucketed", continuous_batch_size=128),
+    "paged_128": dict(mode="paged", continuous_batch_size=128),
+    "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
+    "aligned_all": dict(mode="bucketed"),  # every row at once
+}
+LONG_TAIL_DEFAULT_PATHS = ("paged_128", "aligned_128", "paged_memory", "aligned_all")
+# run_long_tail's settings and their defaults (its signature's): the issue's shape, one timed call per path
+LONG_TAIL_DEFAULTS: dict[str, Any] = {**EOS_LONG_TAIL, "reps": 1, "paths": LONG_TAIL_DEFAULT_PATHS}
+
+
+def path_settings(path: str, *, slots: int) -> dict[str, Any]:
+    """The engine settings of ``path``, ``slots`` in place of a fixed slot count."""
+    settings = dict(LONG_TAIL_PATHS[path])
+    if "continuous_batch_size" in settings:
+        settings["continuous_batch_size"] = slots
+    return settings
+
+
+def check_long_tail_settings(*, num_prompts: int, dataset: str, hazard: float, max_new_tokens: int, slots: int,
+                             seed: int, reps: int, paths: Sequence[str]) -> None:
+    """ValueError naming the first bad setting of ``run_long_tail`` and what would be valid."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("slots", slots), ("reps", reps)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    unknown = [p for p in paths if p not in LONG_TAIL_PATHS]
+    if unknown or not paths:
+        raise ValueError(f"unknown long-tail paths {unknown or '(none given)'}; valid: {', '.join(LONG_TAIL_PATHS)}")
+    # the workload's own checks (num_prompts, dataset, hazard): a vocabulary of one id is enough to run them
+    eos_long_tail(1, num_prompts=num_prompts, dataset=dataset, hazard=hazard, seed=seed)
+
+
+def run_long_tail(
+    model: Any, *, model_name: str, dtype: str, num_prompts: int = 512, dataset: str = "gpqa_diamond",
+    hazard: float = 1 / 295, max_new_tokens: int = 2048, slots: int = 128, seed: int = 0, reps: int = 1,
+    paths: Sequence[str] = LONG_TAIL_DEFAULT_PATHS, config: Mapping[str, Any] | None = None,
+    save: Callable[[dict[str, Any]], Any] = lambda record: None, **prov: Any,
+) -> dict[str, Any]:
+    """Every path of ``paths`` in order on ``model`` (built, on its device); the record (kind
+    "eos_long_tail"). ``save(record)`` runs after each path, so a later failure loses nothing.
+    ``config`` adds to the record's settings (a command line's model options); ``prov`` to its
+    provenance (the script and its argv). Bad settings are a ValueError before any work."""
+    paths = list(paths)
+    check_long_tail_settings(num_prompts=num_prompts, dataset=dataset, hazard=hazard, max_new_tokens=max_new_tokens,
+                             slots=slots, seed=seed, reps=reps, paths=paths)
+    device = next(model.parameters()).device
+    cfg = model.config.get_text_config(decoder=True)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    special = special_token_ids(cfg)
+    lengths, eos_ids = eos_long_tail(vocab, num_prompts=num_prompts, dataset=dataset, hazard=hazard, seed=seed,
+                                     special_ids=special)
+    prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed, special_ids=special)
+    settings = {"num_prompts": num_prompts, "dataset": dataset, "hazard": hazard, "max_new_tokens": max_new_tokens,
+                "slots": slots, "seed": seed, "reps": reps, "paths": paths, "dtype": dtype}
+    results: dict[str, Any] = {}
+    record = {
+        "kind": "eos_long_tail",
+        "provenance": provenance(device=device, dtype=dtype, **prov),
+        "config": settings | dict(config or {}) | {"model": model_name},
+        "workload": {"lengths": lengths, "eos_token_ids": eos_ids, "max_new_tokens": max_new_tokens,
+                     "hazard": hazard, "dataset": dataset, "num_prompt_tokens": sum(lengths)},
+        "results": results,
+    }
+    generate = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, seed=seed)
+    for path in paths:
+        engine_settings = path_settings(path, slots=slots)
+        engine = RolloutConfig(eos_token_id=eos_ids, pad_token_id=pad_id, **engine_settings)
+        results[path] = _run_path(model, prompts, engine, generate, device, path=path, reps=reps) \
+            | {"settings": engine_settings}
+        release_memory(device)
+        synchronize(device)
+        save(record)
+    return record
+
+
+def _run_path(model, prompts, config: RolloutConfig, generate: Mapping[str, Any], device: torch.device, *,
+              path: str, reps: int) -> dict[str, Any]:
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # the weights
+    if baseline is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+    rollout = Rollout(model, config)
+    first_ms, _ = timed_ms(lambda: rollout.generate(prompts, **generate), device)
+    print(f"{path:13s} warm-up {first_ms:10.1f} ms (compile and capture included)", file=sys.stderr)
+    samples = []
+    for rep in range(reps):
+        ms, result = timed_ms(lambda: rollout.generate(prompts, **generate), device)
+        samples.append(ms)
+        print(f"{path:13s} rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
+    peak = _peak_memory(device, baseline)
+    prof = rollout.generate(prompts, profile=True, **generate).profile
+    rollout.close()
+    response_lengths = [len(s) for s in result.sequences]
+    num_tokens = sum(response_lengths)
+    mean_ms = statistics.fmean(samples)
+    paged = prof.kv_block_size is not None
+    out = {
+        "samples_ms": samples, "mean_ms": mean_ms, "first_call_ms": first_ms, "route": result.route,
+        "output_tokens": num_tokens, "output_tokens_per_s": num_tokens / (mean_ms / 1e3),
+        "response_p50": float(np.percentile(response_lengths, 50)),
+        "response_p90": float(np.percentile(response_lengths, 90)), "response_max": max(response_lengths),
+        "finish_reasons": dict(Counter(result.finish_reasons)),
+        "num_decode_steps": prof.num_decode_forwards, "live_rows_per_step": prof.live_rows_per_step,
+        "occupancy": prof.occupancy, "queued_occupancy": prof.queued_occupancy, "num_slots": prof.num_slots,
+        "num_preemptions": prof.num_preemptions,
+        "kv_block_size": prof.kv_block_size, "num_kv_blocks": prof.num_kv_blocks,
+        "peak_kv_blocks": prof.peak_kv_blocks, "peak_live_tokens": prof.peak_live_tokens,
+        # the pool's blocks at their peak over the tokens its live rows held: what paging wastes
+        "peak_kv_bytes_over_live": prof.peak_kv_blocks * prof.kv_block_size / prof.peak_live_tokens
+        if paged and prof.peak_live_tokens else None,
+        "cache_bytes": prof.cache_bytes, "prefill_ms": prof.prefill_ms, "decode_ms": prof.decode_ms,
+        "peak_memory_bytes": peak,
+    }
+    print(f"{path:13s} {out['output_tokens_per_s']:10.0f} tok/s  {out['num_slots']} slots at "
+          f"{out['occupancy']:.0%}  {out['num_decode_steps']} decode steps  "
+          f"{out['num_preemptions']} preemptions", file=sys.stderr)
+    return out
+
+
+def long_tail_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per path of an EOS long-tail record: output tok/s, slots and their occupancy, decode
+    steps, preemptions, response lengths and peak memory; ``git_sha`` (7 characters) names the code."""
+    sha = str(record.get("provenance", {}).get("git_sha") or "")[:7]
+    rows = []
+    for path, res in record["results"].items():
+        peak = res.get("peak_memory_bytes")
+        rows.append({"path": path, "git_sha": sha, "mode": res["settings"]["mode"], "slots": res["num_slots"],
+                     "output_tokens_per_s": res["output_tokens_per_s"], "mean_ms": res["mean_ms"],
+                     "first_call_ms": res["first_call_ms"], "output_tokens": res["output_tokens"],
+                     "occupancy": res["occupancy"], "queued_occupancy": res["queued_occupancy"],
+                     "live_rows_per_step": res["live_rows_per_step"],
+                     "num_decode_steps": res["num_decode_steps"], "num_preemptions": res["num_preemptions"],
+                     "response_p50": res["response_p50"], "response_p90": res["response_p90"],
+                     "response_max": res["response_max"], "peak_memory_gb": None if peak is None else peak / 1e9})
+    return rows

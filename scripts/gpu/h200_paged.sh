@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The H200 runs of the paged route (issue 32): its bf16 decode step by teacher-forced logits, the EOS
+# long-tail workload (Qwen2.5-0.5B, 512 GPQA-length prompts, 2,048 new tokens, sampled at T=1 and
+# ended by EOS: the paged and aligned caches at 128 slots and with every row / the memory budget's
+# slots), and nano-vllm's shape (Qwen3-0.6B, 256 requests, U(100, 1024) prompts and budgets) on the
+# paged and bucketed routes.
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/h200_paged.sh logits long_tail nano   # the same steps on a tiny CPU model
+#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/h200_paged.sh logits long_tail   # one device call
+#   ... bash scripts/gpu/h200_paged.sh nano                                                       # the next
+# Every script writes its record after each path, so a step its limit cuts loses nothing it finished.
+# LONG_TAIL_PATHS / NANO_MODES pick the long-tail paths and the nano-vllm routes.
+source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
+if [ -n "${TINY:-}" ]; then
+  LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 40 --steps 8"
+  LONG="--tiny qwen2 --dataset gsm8k --num-prompts 16 --max-new-tokens 128 --hazard 0.05 --slots 4"
+  NANO="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
+else
+  LOGITS="--preset qwen3-0.6b --dtype bfloat16 --steps 32"
+  LONG="--preset qwen2.5-0.5b --dtype bfloat16"
+  NANO="--preset qwen3-0.6b --dtype bfloat16"
+fi
+LONG_TAIL_PATHS=${LONG_TAIL_PATHS:-paged_128 aligned_128 paged_memory aligned_all}
+NANO_MODES=${NANO_MODES:-paged bucketed}
+versions
+for what in "$@"; do
+  case $what in
+    logits) step 240 $PY scripts/check_logits.py $LOGITS --cache paged --variants ours ours_no_compile \
+                --out "$OUT"/fidelity_paged ;;
+    long_tail) step 540 $PY scripts/bench_long_tail.py $LONG --paths $LONG_TAIL_PATHS --out "$OUT"/long_tail ;;
+    nano) for mode in $NANO_MODES; do
+            step 300 $PY scripts/bench_rl.py $NANO --mode "$mode" --paths ours --out "$OUT"/rl_nano_"$mode"
+          done ;;
+    *) echo "unknown step $what (logits, long_tail, nano)"; exit 2 ;;
+  esac
+done
