@@ -253,3 +253,23 @@ def test_compile_cost_totals_follow_from_the_calls(path):
         assert [r["rows"] for r in calls] == record["config"]["rows"], f"{path.name}: {mode} lacks calls"
         assert close(total, sum(r["seconds"] for r in calls)), f"{path.name}: {mode}'s total is not its calls' sum"
         assert all(r["equal_to_eager"] for r in calls), f"{path.name}: {mode} changed a token"
+
+
+LONG_TAIL = [p for p in RESULTS if load(p).get("kind") == "eos_long_tail"]
+
+
+@pytest.mark.parametrize("path", LONG_TAIL, ids=lambda p: p.name)
+def test_long_tail_figures_follow_from_the_samples(path):
+    """tok/s is the timed call's tokens over its mean, occupancy its live rows over its slots, and the
+    paged cache kept its slots fuller than the aligned one at the same slot count."""
+    results = load(path)["results"]
+    for name, r in results.items():
+        _check_samples(name, r, "samples_ms", "mean_ms", None)
+        assert close(r["output_tokens_per_s"], r["output_tokens"] / (r["mean_ms"] / 1e3)), name
+        assert close(r["occupancy"], r["live_rows_per_step"] / r["num_slots"]), name
+        if r["route"] == "paged":
+            assert close(r["peak_kv_bytes_over_live"], r["peak_kv_blocks"] * r["kv_block_size"] / r["peak_live_tokens"])
+    if {"paged_128", "aligned_128"} <= set(results):
+        paged, aligned = results["paged_128"], results["aligned_128"]
+        assert paged["queued_occupancy"] > aligned["queued_occupancy"]
+        assert paged["num_decode_steps"] < aligned["num_decode_steps"]
