@@ -230,6 +230,13 @@ def test_03_latency_outputs(executed):
     assert [r["path"] for r in rl] == ["ours", "hf_generate_batch"] and float(rl[0]["output_tokens_per_s"]) > 0
     assert json.loads((out / "data" / "results" / "rl_tiny-qwen2_float32_cpu.json").read_text())["workload"][
         "num_requests"] == SMOKE_PARAMETERS["03_latency_tables"]["rl_shape"]["num_seqs"]
+    # long_tail_shape: the EOS long tail measured on the notebook's model, written as a record and drawn;
+    # the paged cache kept its slots full while rows waited, the aligned one did not
+    tail = {r["path"]: r for r in read_csv(out / "data" / "tables" / "03_long_tail_tiny_qwen2_float32_cpu.csv")}
+    assert set(tail) == {"paged_128", "aligned_128"} and tail["paged_128"]["output_tokens"] == tail["aligned_128"]["output_tokens"]
+    assert float(tail["paged_128"]["queued_occupancy"]) > 0.95 > float(tail["aligned_128"]["queued_occupancy"])
+    assert (out / "data" / "results" / "long_tail_tiny-qwen2_float32_cpu.json").is_file()
+    assert_figure(out / "figures", "03_long_tail_tiny_qwen2_float32_cpu")
     # grpo_shape: GRPO measured on the notebook's model, written as a record, drawn, and in the whole table
     grpo = json.loads((out / "data" / "results" / "grpo_tiny-qwen2_float32_cpu.json").read_text())
     assert set(grpo["results"]) == {"shared", "unshared", "hf_generate"} and grpo["workload"]["num_rows"] == 4
@@ -261,8 +268,10 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
     gpqa = [str(committed / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json"),
             str(committed / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json")]  # joined
     grpo = committed / "grpo_qwen2.5-3b_bfloat16_cuda.json"
+    tail = committed / "long_tail_qwen2.5-0.5b_bfloat16_cuda.json"
     run_notebooks(names=["03_latency_tables"], out_dir=tmp_path,
                   extra={"03_latency_tables": {"results_file": str(saved), "rl_results_file": rl_records,
+                                               "long_tail_results_file": str(tail),
                                                "decode_step_file": str(steps), "grpo_results_file": str(grpo),
                                                "more_results_file": [gpqa],
                                                "prefill_routes_file": str(tmp_path / "prefill.json")}},
@@ -282,6 +291,11 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
                               for name in ("ours_no_compile", "ours_masked", "hf_generate_batch"))
     assert ours > no_compile > masked > hf > 0
     assert_figure(tmp_path / "figures", "03_rl_throughput_qwen3_0_6b_bfloat16_cuda")
+    # the committed H200 EOS long tail: paged against aligned at 128 slots, as the record says
+    tail_rows = {r["path"]: r for r in read_csv(tmp_path / "data" / "tables" / "03_long_tail_qwen2_5_0_5b_bfloat16_cuda.csv")}
+    assert float(tail_rows["paged_128"]["output_tokens_per_s"]) > float(tail_rows["aligned_128"]["output_tokens_per_s"])
+    assert float(tail_rows["paged_128"]["queued_occupancy"]) > 0.9 > float(tail_rows["aligned_128"]["queued_occupancy"])
+    assert_figure(tmp_path / "figures", "03_long_tail_qwen2_5_0_5b_bfloat16_cuda")
     # the decode-step record: every case and variant, the compiled span step the fastest
     steps = read_csv(tmp_path / "data" / "tables" / "03_decode_step_qwen2_5_3b_bfloat16_cuda.csv")
     assert {r["case"] for r in steps} == {"32x80", "128x710"}

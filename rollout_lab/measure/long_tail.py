@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -33,12 +34,13 @@ import torch
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.rl import _peak_memory
-from rollout_lab.measure.sweep import release_memory
+from rollout_lab.measure.rl import peak_memory_over
+from rollout_lab.measure.sweep import load_record, release_memory
 from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts
 from rollout_lab.planner.checks import is_int
+from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # path name -> engine settings; ``slots`` replaces the continuous_batch_size of the *_128 paths
 LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
@@ -132,7 +134,7 @@ def _run_path(model, prompts, config: RolloutConfig, generate: Mapping[str, Any]
         ms, result = timed_ms(lambda: rollout.generate(prompts, **generate), device)
         samples.append(ms)
         print(f"{path:13s} rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
-    peak = _peak_memory(device, baseline)
+    peak = peak_memory_over(device, baseline)
     prof = rollout.generate(prompts, profile=True, **generate).profile
     rollout.close()
     response_lengths = [len(s) for s in result.sequences]
@@ -178,3 +180,30 @@ def long_tail_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                      "response_p50": res["response_p50"], "response_p90": res["response_p90"],
                      "response_max": res["response_max"], "peak_memory_gb": None if peak is None else peak / 1e9})
     return rows
+
+
+def long_tail_or_load(
+    *, long_tail_shape: Mapping[str, Any] | None, long_tail_results_file: str | None, model: str, dtype: str,
+    device: str, output_dir: Any = None,
+) -> tuple[str, dict[str, Any]] | None:
+    """(name, record) of the EOS long-tail run notebook 03 shows: ``long_tail_shape`` (``run_long_tail``'s
+    settings, ``LONG_TAIL_DEFAULTS`` where it says nothing) measured on ``model`` into
+    ``<workspace>/data/results/long_tail_<model>_<dtype>_<device>`` (written after every path; an existing
+    record there is an error), else the saved record ``long_tail_results_file``, else None. Bad
+    settings and a record in the way are a ValueError raised before the model is built."""
+    if long_tail_shape is None:
+        if long_tail_results_file is None:
+            return None
+        return str(long_tail_results_file), load_record(Path(long_tail_results_file), "eos_long_tail")
+    unknown = sorted(set(long_tail_shape) - set(LONG_TAIL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"long_tail_shape has unknown settings {unknown}; valid: {', '.join(LONG_TAIL_DEFAULTS)}")
+    shape = {**LONG_TAIL_DEFAULTS, **long_tail_shape}
+    check_long_tail_settings(**{k: shape[k] for k in ("num_prompts", "dataset", "hazard", "max_new_tokens", "slots",
+                                                      "seed", "reps", "paths")})
+    _, name = model_config(model)
+    out = record_paths(Workspace.resolve(output_dir).results / f"long_tail_{run_tag(name, dtype, device)}")
+    net, name = load_model(model, dtype=dtype, device=device)
+    record = run_long_tail(net, model_name=name, dtype=dtype, save=lambda r: write_record(out, r, long_tail_rows(r)),
+                           script="notebook 03 (long_tail_shape)", **shape)
+    return str(out[0]), record

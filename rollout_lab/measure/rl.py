@@ -112,7 +112,8 @@ def run_rl(
     return record
 
 
-def _peak_memory(device: torch.device, baseline: int | None) -> int | None:
+def peak_memory_over(device: torch.device, baseline: int | None) -> int | None:
+    """Peak CUDA bytes allocated since the last reset, over ``baseline`` (None off CUDA)."""
     return None if baseline is None else int(torch.cuda.max_memory_allocated(device) - baseline)
 
 
@@ -129,7 +130,7 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
         ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
         samples.append(ms)
         print(f"{variant:16s} rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
-    peak = _peak_memory(device, baseline)
+    peak = peak_memory_over(device, baseline)
     if [len(s) for s in result.sequences] != list(budgets):
         raise RuntimeError(f"{variant}: a row did not run its own budget")
     profiled = rollout.generate(prompts, max_new_tokens=budgets, profile=True)
@@ -190,7 +191,7 @@ def _run_peer(model, prompts, budgets, pad_id: int, device: torch.device, *, cal
     if [len(s) for s in sequences] != list(budgets):
         return {"skipped": "generate_batch did not run every request to its own budget"}
     return {"samples_ms": samples, "mean_ms": statistics.fmean(samples), "first_call_ms": samples[0],
-            "peak_memory_bytes": _peak_memory(device, baseline)}
+            "peak_memory_bytes": peak_memory_over(device, baseline)}
 
 
 # run_rl's settings and their defaults (its signature's), as notebook 03's rl_shape gives them

@@ -507,7 +507,7 @@ def write_results(record: dict[str, Any], stem: str | os.PathLike) -> tuple[Path
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``write_results`` (``path`` may be the stem or the .json file)."""
-    return _load_record(pair_paths(path)[0], "sweep")
+    return load_record(pair_paths(path)[0], "sweep")
 
 
 def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
@@ -559,28 +559,29 @@ def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> d
 
 def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``scripts/bench_rl.py`` (kind "rl_throughput")."""
-    return _load_record(Path(path), "rl_throughput")
+    return load_record(Path(path), "rl_throughput")
 
 
 def load_prefill_routes_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``scripts/bench_prefill_routes.py`` (kind "prefill_routes")."""
-    return _load_record(Path(path), "prefill_routes")
+    return load_record(Path(path), "prefill_routes")
 
 
 def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
     """A record written by ``scripts/bench_decode_step.py`` (kind "decode_step")."""
-    return _load_record(Path(path), "decode_step")
+    return load_record(Path(path), "decode_step")
 
 
 def load_grpo_results(path: str | os.PathLike) -> dict[str, Any]:
     """A GRPO record (kind "grpo") of ``measure.grpo.run_grpo``: ``scripts/bench_grpo.py`` or notebook 03."""
-    return _load_record(Path(path), "grpo")
+    return load_record(Path(path), "grpo")
 
 
 MAX_RECORD_BYTES = 256 * 2**20  # a sweep with every profile is ~100 KiB; refuse anything absurd
 
 
-def _load_record(path: Path, kind: str) -> dict[str, Any]:
+def load_record(path: Path, kind: str) -> dict[str, Any]:
+    """A record of ``kind`` read from ``path`` and checked against its CSV twin."""
     record = read_json_file(path, what="results file", max_bytes=MAX_RECORD_BYTES)
     if not isinstance(record, dict) or record.get("kind") != kind:
         raise ValueError(f"{str(path)!r} is not a {kind} record (kind != {kind!r})")

@@ -48,6 +48,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
     "03_latency_tables": {"workloads": ["long_tail", "spread"], "workload_scale": 0.05, "repetitions": 1,
                           "max_new_tokens": 3,
                           "rl_shape": {"num_seqs": 4, "min_len": 4, "max_len": 12, "paths": ["ours", "hf_generate_batch"]},
+                          "long_tail_shape": {"num_prompts": 16, "dataset": "gsm8k", "max_new_tokens": 128, "hazard": 0.05,
+                                              "slots": 4, "paths": ["paged_128", "aligned_128"]},
                           "grpo_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 3, "scale": 0.05,
                                          "reps": 1},
                           "more_shape": {"workloads": ["short_tail"], "max_new_tokens": 2, "paths": ["bucketed", "auto"]}},
@@ -92,7 +94,8 @@ def notebook_parameters(
 
 
 # the parameters that name files or folders: those read, and those written
-INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "decode_step_file",
+INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "long_tail_results_file",
+                    "decode_step_file",
                     "prefill_routes_file", "grpo_results_file", "peer_results_file", "more_results_file",
                     "more_peer_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")

@@ -161,6 +161,36 @@ def plot_rl_throughput(rows: Sequence[Mapping[str, Any]], *, title: str = "") ->
     return fig
 
 
+def plot_occupancy(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Output tok/s, and how full the slots ran, per path of an EOS long-tail record
+    (``measure.long_tail.long_tail_rows``): live rows per step over the slots for the whole call and
+    for the steps taken while rows still waited in the queue (the route's own effect; none when
+    every row fits at once)."""
+    names = [f"{r['path']} ({r['slots']} slots)" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.55 * max(3, len(rows))))
+    left.barh(names, [r["output_tokens_per_s"] for r in rows], color=[PALETTE(i) for i in range(len(rows))])
+    for i, r in enumerate(rows):
+        left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), va="center", fontsize=8)
+    left.set_xlabel("output tokens / s")
+    left.margins(x=0.2)
+    y = np.arange(len(rows))
+    whole = [r["occupancy"] for r in rows]
+    queued = [r["queued_occupancy"] if r["queued_occupancy"] else np.nan for r in rows]
+    right.barh(y - 0.2, whole, height=0.4, color="0.55", label="every decode step")
+    right.barh(y + 0.2, queued, height=0.4, color=PALETTE(0), label="while rows waited")
+    for i, (w, q) in enumerate(zip(whole, queued)):
+        right.annotate(f"{w:.0%}", (w, i - 0.2), va="center", fontsize=8)
+        if not np.isnan(q):
+            right.annotate(f"{q:.0%}", (q, i + 0.2), va="center", fontsize=8)
+    right.set_yticks(y, [""] * len(rows))
+    right.set_xlim(0, 1.15)
+    right.set_xlabel("live rows per step / slots")
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Median decode ms per step (error bar: one standard deviation over the timed steps) per case
     and variant of a decode-step record (``measure.sweep.decode_step_rows``)."""
