@@ -70,7 +70,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     packing = plan_packed(lengths, geometry, coeffs)
     route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
                          continuous_batch_size=args.continuous_batch_size,
-                         geometry=geometry, coeffs=coeffs)
+                         geometry=geometry, coeffs=coeffs, paged_allowed=True,
+                         response_lengths=args.response_lengths)
     print(f"{len(lengths)} prompts, {args.model or args.preset} {args.dtype} geometry")
     print(costs_line)
     print(f"{'bucket':>6} {'rows':>6} {'width':>6} {'padded':>7} {'est ms':>9}")
@@ -86,8 +87,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     nocb = "not eligible" if route.nocb_cost_ms is None else f"{route.nocb_cost_ms:.2f} ms"
     packed = ("not a candidate: the costs have no packed_prompt_cost_ms (calibrate to price it)"
               if route.packed_cost_ms is None else f"{route.packed_cost_ms:.2f} ms")
+    paged = ("not a candidate: no refill (give --continuous-batch-size below the prompts)"
+             if route.paged_cost_ms is None else f"{route.paged_cost_ms:.2f} ms")
     print(f"route for {args.max_new_tokens} new tokens: {route.route} "
-          f"(nocb {nocb}, bucketed CB {route.cb_cost_ms:.2f} ms, packed CB {packed})")
+          f"(nocb {nocb}, bucketed CB {route.cb_cost_ms:.2f} ms, packed CB {packed}, paged CB {paged})")
     return 0
 
 
@@ -451,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="use --costs even if its provenance does not match this setting")
     plan.add_argument("--max-new-tokens", type=positive_int, default=16, help="generation budget for the route choice")
     plan.add_argument("--continuous-batch-size", type=positive_int, default=None, help="number of slots (default: all)")
+    plan.add_argument("--response-lengths", type=positive_int, nargs="+", default=None, metavar="N",
+                      help="recent response lengths (a prior): price decode by them instead of the budget, "
+                           "and the paged route against the aligned cache's refill")
     plan.set_defaults(func=cmd_plan)
 
     cal = sub.add_parser("calibrate", help="fit the prefill cost model on this model/device/dtype and save it",

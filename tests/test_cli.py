@@ -50,6 +50,17 @@ def test_plan_prices_the_packed_route_once_calibrated(tmp_path, capsys):
     assert f"costs: {tmp_path / 'c.json'} (checked: model_name, geometry, dtype;" in out
 
 
+def test_plan_prices_the_paged_route_under_refill(capsys):
+    """With fewer slots than prompts and a long-tailed prior, the aligned cache would wait: paged."""
+    lengths = ["100"] * 64
+    assert main(["plan", *lengths, "--continuous-batch-size", "16", "--max-new-tokens", "1024",
+                 "--response-lengths", "20", "30", "40", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "route for 1024 new tokens: paged" in out
+    assert main(["plan", *lengths, "--max-new-tokens", "1024"]) == 0
+    assert "paged CB not a candidate: no refill" in capsys.readouterr().out
+
+
 def test_plan_reads_a_csv_with_a_header_and_plain_numbers(tmp_path, capsys):
     (tmp_path / "h.csv").write_text("name,index,num_tokens\nx,0,512\nx,1,16\nx,2,16\n")
     (tmp_path / "t.csv").write_text("id,tokens\n0,512\n1,16\n")

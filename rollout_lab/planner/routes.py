@@ -106,9 +106,9 @@ def choose_route(
     nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
     (a calibration measured it); its plan is ``planner.packing.plan_packed``; its decode is CB's.
     Paged is a candidate when ``paged_allowed`` and rows refill (more requests than slots): its
-    prefill is the bucketed plan's, and it saves ``continuous_decode_cost_ms`` for every decode step
-    the aligned cache's admission rule adds over its own (``planner.occupancy.simulate_refill``, on
-    the prior's response lengths, else the budgets); it wins only by a strictly positive saving.
+    prefill is the bucketed plan's, and both caches' decode steps come from a replay of their
+    admission rules (``planner.occupancy.simulate_refill``, on the prior's response lengths, else
+    the budgets), priced at ``continuous_decode_cost_ms`` a step; it wins only when strictly cheaper.
 
     nocb is eligible when ``nocb_allowed`` (no explicit capacity or trimming), every request
     fits the slots at once and the padded batch fits ``prefill_max_tokens``.
@@ -149,6 +149,13 @@ def choose_route(
         nocb_steps = steps
     else:
         steps = budget_decode_steps(budgets, num_slots=continuous_batch_size)
+    paged_decode = None
+    if paged_allowed and continuous_batch_size is not None and continuous_batch_size < n:
+        # refill: both caches' decode steps from a replay of their admission rules (planner.occupancy)
+        responses = budgets if response_lengths is None else response_quantiles(response_lengths, budgets)
+        steps, paged_steps = (simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size,
+                                              layout=layout).steps for layout in ("aligned", "paged"))
+        paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_steps)
     decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
     nocb = None
     if eligible:
@@ -171,12 +178,7 @@ def choose_route(
     else:
         plan = plan_buckets(lengths, geometry, coeffs)
     cb = plan.cost_ms + decode
-    paged = None
-    if paged_allowed and continuous_batch_size is not None and continuous_batch_size < n:
-        responses = budgets if response_lengths is None else response_quantiles(response_lengths, budgets)
-        saved = [simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size, layout=layout).steps
-                 for layout in ("aligned", "paged")]
-        paged = cb - coeffs.continuous_decode_cost_ms * (saved[0] - saved[1])
+    paged = None if paged_decode is None else plan.cost_ms + paged_decode
     if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
         return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
     if paged is not None and paged < cb and (packed is None or paged < packed):
