@@ -314,10 +314,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         raise ValueError("the routes disagree on the generated tokens")
     print(f"\n== The notebooks, with papermill (tiny CPU default), into {workspace.root} ==", flush=True)
     extra = dict(SMOKE_PARAMETERS) if args.quick else {}
-    # 03 prices Auto with the calibration 01 has just written, not the reference defaults
-    extra["03_latency_tables"] = {**extra.get("03_latency_tables", {}),
-                                  "cost_file": str(workspace.calibration / "tiny-qwen2_float32_cpu.json")}
-    executed = run_notebooks(extra=extra, out_dir=workspace.root)
+    executed = run_notebooks(extra=extra, out_dir=workspace.root)  # 03 is priced by 01's calibration
     _committed_gpu_table(workspace)
     print(f"== done in {time.perf_counter() - start:.0f} s: {len(executed)} notebooks in "
           f"{executed[0].parent}; figures in {workspace.figures}, tables in {workspace.tables} ==")

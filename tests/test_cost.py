@@ -96,6 +96,24 @@ def test_a_cost_file_is_checked_against_the_setting_it_is_used_in(tmp_path):
     assert CostFile.read(bare).check(setting_metadata(geometry=tiny), override=True) == CostCoefficients()
 
 
+def test_a_patch_release_apart_is_used_with_a_warning(tmp_path):
+    """torch / transformers a patch release apart (and another local build tag): accepted, warned;
+    another minor release, or another dtype or device: refused as before."""
+    tiny = ModelGeometry(2, 4, 2, 16, 4)
+    setting = setting_metadata(geometry=tiny, dtype="float32", model_name="tiny-qwen2", device_type="cuda")
+    path = CostCoefficients(prefill_fixed_cost_ms=6.0).to_json(tmp_path / "c.json", metadata={
+        **setting, "torch": "2.11.0+cu130", "transformers": "5.17.0"})
+    here = {**setting, "torch": "2.11.1+cu128", "transformers": "5.17.2"}
+    with pytest.warns(UserWarning, match=r"torch 2\.11\.0\+cu130, transformers 5\.17\.0; this setting runs torch 2\.11\.1"):
+        assert CostFile.read(path).check(here).prefill_fixed_cost_ms == 6.0
+    with pytest.raises(ValueError, match="transformers: file has '5.17.0', this setting has '5.18.0'"):
+        CostFile.read(path).check({**here, "transformers": "5.18.0"})
+    with pytest.raises(ValueError, match="dtype: file has 'float32', this setting has 'bfloat16'"):
+        CostFile.read(path).check({**here, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="device_type: file has 'cuda', this setting has 'cpu'"):
+        CostFile.read(path).check({**here, "device_type": "cpu"})
+
+
 GOOD = {"coefficients": CostCoefficients().to_dict(), "metadata": {}}
 
 

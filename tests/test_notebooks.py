@@ -22,7 +22,8 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("matplotlib")
 
 from rollout_lab.notebooks import (NOTEBOOKS, SMOKE_PARAMETERS,  # noqa: E402
-                                   notebook_path, run_notebooks)
+                                   calibration_of, notebook_path, run_notebooks)
+from rollout_lab.workspace import Workspace  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -207,7 +208,7 @@ def test_03_latency_outputs(executed):
     table = read_csv(out / "data" / "tables" / "03_e2e_tiny_qwen2_float32_cpu.csv")
     assert [r["workload"] for r in table] == ["long_tail", "spread"]
     for r in table:
-        assert r["auto_route"] in ("nocb", "bucketed")
+        assert r["auto_route"] in ("nocb", "bucketed", "packed")  # priced by 01's calibration, which times packed
         assert all(float(r[f"{p}_ms"]) > 0 for p in ("nocb", "equal_width", "aligned", "bucketed", "auto"))
         assert float(r["auto_vs_best"]) > 0
     assert all(r["auto_vs_best_beyond_spread"] in ("True", "False") for r in table)
@@ -350,3 +351,14 @@ def test_01_cost_file_feeds_02_and_03(executed):
     cost_file = out / "data" / "calibration" / "tiny-qwen2_float32_cpu.json"
     coeffs = CostFile.read(cost_file).coeffs
     assert coeffs == CostCoefficients.from_dict(json.loads(cost_file.read_text())["coefficients"])
+    # the runner gave 03 that calibration (01 and 03 ran together, no cost_file of 03's own)
+    sweep = json.loads((out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.json").read_text())
+    assert sweep["config"]["costs"] == coeffs.to_dict() and sweep["config"]["costs_source"] == str(cost_file)
+
+
+def test_calibration_of_names_what_01_writes_or_renders(tmp_path):
+    assert calibration_of({"model": "tiny-qwen3", "dtype": "float32", "device": "cpu", "calibration_file": None,
+                           "output_path": None}, Workspace.resolve(tmp_path)) == \
+        str(tmp_path / "data" / "calibration" / "tiny-qwen3_float32_cpu.json")
+    assert calibration_of({"model": "tiny-qwen3", "dtype": "float32", "device": "cpu", "calibration_file": "c.json"},
+                          Workspace.resolve(tmp_path)) == "c.json"

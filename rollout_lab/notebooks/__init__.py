@@ -21,6 +21,7 @@ papermill command (the kernel is the running interpreter's ``python3``)::
 """
 from __future__ import annotations
 
+import ast
 import os
 import tempfile
 import time
@@ -131,6 +132,19 @@ def check_inputs(name: str, params: Mapping[str, Any]) -> None:
                 raise ValueError(f"{name}: {parameter}={str(path)!r} does not exist (or is not a file)")
 
 
+def calibration_of(params: Mapping[str, Any], workspace: Workspace) -> str:
+    """The cost file notebook 01 renders or writes with ``params``: its ``calibration_file``, else its
+    ``output_path``, else the workspace's calibration of its model (``measure.calibrate.calibration_path``)."""
+    from rollout_lab.measure.calibrate import calibration_path  # torch: only when 01 and 03 run together
+    from rollout_lab.measure.models import model_config
+
+    for given in ("calibration_file", "output_path"):
+        if params.get(given):
+            return str(params[given])
+    _, name = model_config(params["model"])
+    return str(calibration_path(name, params["dtype"], params["device"], workspace))
+
+
 def run_notebooks(
     *, names: Sequence[str] | None = None, device: str = "cpu", preset: str | None = None,
     dtype: str | None = None, out_dir: str | Path | None = None,
@@ -140,7 +154,8 @@ def run_notebooks(
 
     ``out_dir`` is the workspace every output goes to (see the module docstring). ``extra`` maps a
     notebook name (or "*") to parameters that override the defaults; a parameter the notebook does
-    not declare is an error.
+    not declare is an error. When 01 and 03 run together, 03 prices Auto with 01's calibration
+    (``calibration_of``) unless ``extra`` gives 03 a ``cost_file``.
     """
     try:
         import papermill as pm  # optional: the [notebooks] extra
@@ -156,17 +171,22 @@ def run_notebooks(
     workspace = Workspace.resolve(out_dir)
     extra = dict(extra or {})
     runs = []  # every notebook's parameters are checked before the first one runs
+    calibrated = None  # 01's parameters, when it runs
     for name in names:
         source = notebook_path(name)
-        declared = {p for p in pm.inspect_notebook(str(source))}
+        declared = pm.inspect_notebook(str(source))  # name -> its default (source text) and help
         more = {**extra.get("*", {}), **extra.get(name, {})}
         wanted = notebook_parameters(name, device=device, preset=preset, dtype=dtype,
                                      output_dir=workspace.root, extra=more)
-        bad = sorted(set(more) - declared)
+        bad = sorted(set(more) - set(declared))
         if bad:
             raise ValueError(f"{name} has no parameters {bad}; it declares {sorted(declared)}")
-        runs.append((name, source, resolve_path_parameters(
-            {k: v for k, v in wanted.items() if k in declared}, cwd=os.getcwd())))
+        params = resolve_path_parameters({k: v for k, v in wanted.items() if k in declared}, cwd=os.getcwd())
+        if name == "01_calibrate":  # what it runs with: its own defaults (literals) where nothing is passed
+            calibrated = {**{k: ast.literal_eval(v["default"]) for k, v in declared.items()}, **params}
+        if name == "03_latency_tables" and "cost_file" not in more and calibrated is not None:
+            params["cost_file"] = calibration_of(calibrated, workspace)  # 03 prices Auto with 01's calibration
+        runs.append((name, source, params))
     executed_dir = workspace.executed_notebooks
     executed_dir.mkdir(parents=True, exist_ok=True)
     # The kernel talks to us over IPC sockets in a private folder, not TCP: ipykernel warns on every

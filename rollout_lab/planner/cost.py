@@ -18,6 +18,8 @@ used only after ``CostFile.check`` finds its provenance (``CHECKED_FIELDS``) equ
 from __future__ import annotations
 
 import math
+import re
+import warnings
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -160,12 +162,19 @@ class CostFile:
 
     def check(self, expected: Mapping[str, Any], *, override: bool = False) -> CostCoefficients:
         """The coefficients, if the file's provenance agrees with ``expected`` on every checked field
-        ``expected`` holds; else a ValueError naming each differing field (a file without
-        metadata differs in all of them). ``override=True`` accepts the file as it is."""
+        ``expected`` holds (torch and transformers a patch release apart: with a warning); else a
+        ValueError naming each differing field (a file without metadata differs in all of them).
+        ``override=True`` accepts the file as it is."""
         if override:
             return self.coeffs
         diffs = metadata_mismatches(self.metadata, expected)
         if not diffs:
+            patches = patch_differences(self.metadata, expected)
+            if patches:  # the same minor release: the kernels a calibration timed are the same ones
+                warnings.warn(f"cost file {str(self.path)!r} was calibrated with " + ", ".join(
+                    f"{k} {v[0]}" for k, v in patches.items()) + "; this setting runs " + ", ".join(
+                    f"{k} {v[1]}" for k, v in patches.items()) + " (a patch release apart: used as it is)",
+                    stacklevel=2)
             return self.coeffs
         where = f"cost file {str(self.path)!r}"
         if not any(name in self.metadata for name in CHECKED_FIELDS):
@@ -178,13 +187,36 @@ class CostFile:
                          f"`rollout-lab calibrate{graphs}`, or pass override=True (--override-costs) to use it anyway")
 
 
+# library versions whose patch releases (x.y.Z, and local tags such as +cu130) keep a cost file valid
+PATCH_TOLERANT_FIELDS = ("torch", "transformers")
+
+
+def release_of(version: Any) -> tuple[int, ...] | None:
+    """(major, minor) of a version string such as "2.11.0+cu130" or "5.17.0.dev0"; None if unparsable."""
+    parts = re.match(r"^\s*(\d+)\.(\d+)", str(version))
+    return None if parts is None else (int(parts[1]), int(parts[2]))
+
+
+def patch_differences(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved, expected)} for the library versions that differ only below their minor release."""
+    out = {}
+    for name in PATCH_TOLERANT_FIELDS:
+        if name in expected and name in saved and saved[name] != expected[name]:
+            same = release_of(saved[name])
+            if same is not None and same == release_of(expected[name]):
+                out[name] = (saved[name], expected[name])
+    return out
+
+
 def metadata_mismatches(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """{field: (saved, expected)} for every checked field present in ``expected`` that differs; the
-    grid fields (``CHECKED_GRID_FIELDS``) only when ``saved`` has a grid (a calibration's)."""
+    grid fields (``CHECKED_GRID_FIELDS``) only when ``saved`` has a grid (a calibration's). A library
+    version that differs only in its patch release is not a mismatch (``patch_differences``)."""
+    patches = patch_differences(saved, expected)
     diffs = {
         name: (saved.get(name, "<missing>"), expected[name])
         for name in CHECKED_FIELDS
-        if name in expected and saved.get(name, "<missing>") != expected[name]
+        if name in expected and saved.get(name, "<missing>") != expected[name] and name not in patches
     }
     grid = saved.get("grid")
     if isinstance(grid, Mapping):
