@@ -3,9 +3,9 @@
 # seed's five workloads, GSM8K 32 and GPQA-like 32 / 128 through nocb, bucketed, packed and Auto at
 # the shape-class ladder with captured prefill, then HF static + compile in its own process (its
 # CUDA-graph trees must not share a process with our captures).
-#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue15.sh calibrate sweep prefill peer   # a tiny CPU check
-#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue15.sh tests calibrate   # one device call
-#   ... bash scripts/gpu/issue15.sh sweep ; ... prefill ; ... peer                   # the next ones
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/h200_prefill.sh calibrate sweep prefill peer   # a tiny CPU check
+#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/h200_prefill.sh tests calibrate   # one device call
+#   ... bash scripts/gpu/h200_prefill.sh sweep ; ... prefill ; ... peer                   # the next ones
 # Every step has its own time limit; the sweeps write their record after every workload. The
 # calibration times prefill by graph replay (the sweep's prefill), and its decode probe pays the
 # first compile of the step (~4 min for the 3B): give it a call of its own. Measured 2026-12-03:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The H200 runs behind issue 18 that are not notebooks (those are scripts/gpu/notebooks.sh): Qwen3-32B
+# The H200 runs behind issue 18 that are not notebooks (those are scripts/gpu/h200_notebooks.sh): Qwen3-32B
 # in bf16 (the reference's own validation model, ~65 GB) on the seed's five workloads at 16 new tokens,
 # our four routes with captured prefill graphs, then HF static + compile in its own process.
-#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue18.sh qwen3_32b_calibrate qwen3_32b qwen3_32b_peer  # tiny CPU check
-#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue18.sh qwen3_32b     # one device call
-#   ... bash scripts/gpu/issue18.sh qwen3_32b_peer                              # the next
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/h200_qwen3_32b.sh qwen3_32b_calibrate qwen3_32b qwen3_32b_peer  # tiny CPU check
+#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/h200_qwen3_32b.sh qwen3_32b     # one device call
+#   ... bash scripts/gpu/h200_qwen3_32b.sh qwen3_32b_peer                              # the next
 # Our graphs capture the eager model (--no-compile): a compile of the 64-layer model would take
 # minutes of the call, and at 32B the decode step is bound by streaming 65 GB of weights (~15 ms)
 # more than by its small kernels. Auto is priced by the 32B calibration of qwen3_32b_calibrate (or

@@ -5,9 +5,9 @@
 # graphs, buckets priced at the class ladder, bf16 KV), one notebook per step.
 # The device has no papermill or Jupyter: the wheels of scripts/gpu/notebook_wheels.txt travel in
 # the ignored folder .whl/ (that file says how to download them) and install into /tmp/site.
-#   OUT=/tmp/nbcheck TINY=1 PY=.venv/bin/python bash scripts/gpu/notebooks.sh 01 02 peer 03 04   # tiny CPU check
-#   run(carry=[".whl"], command="OUT=$OUT DEADLINE=540 ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/notebooks.sh 01 02")
-#   ... COSTS=<calibration> bash scripts/gpu/notebooks.sh peer 03 ; ... notebooks.sh 04   # the next calls
+#   OUT=/tmp/nbcheck TINY=1 PY=.venv/bin/python bash scripts/gpu/h200_notebooks.sh 01 02 peer 03 04   # tiny CPU check
+#   run(carry=[".whl"], command="OUT=$OUT DEADLINE=540 ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/h200_notebooks.sh 01 02")
+#   ... COSTS=<calibration> bash scripts/gpu/h200_notebooks.sh peer 03 ; ... h200_notebooks.sh 04   # the next calls
 # Each notebook step writes its own workspace /tmp/nb_ws/<step> (figures/, data/tables/,
 # data/calibration/, data/results/, build/notebooks/ with the executed notebook, and log.txt) and
 # packs it into $OUT/notebooks_<step>.tar.gz (the device returns at most 8 files, 2 folders deep).

@@ -5,9 +5,9 @@
 # (Qwen2.5-3B; `gpqa` runs our routes at the prefill-graph ladder, `gpqa_peer` HF static + compile in
 # its own process; COSTS=<calibration> prices Auto). A cold 3B decode compile plus the prefill graphs
 # ran past 300 s for `gpqa`: it gets 540 s (GPQA_LIMIT) and wants INDUCTOR_CACHE carried in.
-#   OUT=/tmp/o TINY=1 bash scripts/gpu/issue14.sh tests step rl    # the same steps on a tiny CPU model
-#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/issue14.sh tests step   # one device call
-#   ... bash scripts/gpu/issue14.sh rl                                           # the next
+#   OUT=/tmp/o TINY=1 bash scripts/gpu/h200_rl.sh tests step rl    # the same steps on a tiny CPU model
+#   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/h200_rl.sh tests step   # one device call
+#   ... bash scripts/gpu/h200_rl.sh rl                                           # the next
 # Each step has its own time limit, sized from measured times (the device tool allows 600 s a call),
 # and every script writes its record after each case or path, so a step that runs out loses nothing
 # it finished. RL_PATHS picks bench_rl.py's paths (e.g. "ours hf_generate_batch" for the peer).
