@@ -127,7 +127,7 @@ def test_the_eager_calibration_merged_the_buckets_that_01s_keeps_apart():
 
 
 def test_the_gpqa_row_joins_every_route_and_peer():
-    """notebooks.sh's default GPQA-like 128 x 256 row: 03's own run, HF static, and the more:<routes>
+    """h200_notebooks.sh's default GPQA-like 128 x 256 row: 03's own run, HF static, and the more:<routes>
     records join into one workload with every route and peer once, and Auto / best route follows."""
     from rollout_lab.measure.sweep import PATHS, join_sweeps, load_results
 
