@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
 from rollout_lab.measure.workloads import (DATASETS, SEED_FIVE, WORKLOADS,
                                            read_lengths_file, sample_lengths)
@@ -321,10 +322,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
-# The checkout's H200 sweep of today's engine (notebook 03 executed there: every route and HF
-# generate_batch), and HF's compiled peer, run in its own process
-COMMITTED_GPU_SWEEPS = ("data/results/sweep_qwen2.5-3b_bfloat16_cuda_notebook-03.json",
-                        "data/results/sweep_qwen2.5-3b_bfloat16_cuda_hf_static_notebook-03.json")
+# The committed records' index names the H200 sweeps make reproduce renders by their roles: notebook
+# 03 executed there (every route and HF generate_batch), then HF's compiled peer, run in its own process
+HEADLINE_ROLES = ("headline", "headline_peer")
 
 
 def _committed_gpu_table(workspace: Workspace) -> None:
@@ -332,12 +332,13 @@ def _committed_gpu_table(workspace: Workspace) -> None:
     numbers re-rendered from their records, on a machine without a GPU."""
     from rollout_lab.measure.sweep import e2e_table, join_sweeps, load_results  # torch
 
-    if not all(Path(f).is_file() for f in COMMITTED_GPU_SWEEPS):
+    files = [str(p) for role in HEADLINE_ROLES for p in records_with_role(Path("data") / "results", role)]
+    if not files or not all(Path(f).is_file() for f in files):
         print("\n== The committed H200 records: not in this folder (run from a checkout to render them) ==")
         return
     with warnings.catch_warnings():  # the workloads only one record holds are said below instead
         warnings.simplefilter("ignore", UserWarning)
-        record = join_sweeps([load_results(f) for f in COMMITTED_GPU_SWEEPS], list(COMMITTED_GPU_SWEEPS))
+        record = join_sweeps([load_results(f) for f in files], files)
     table = e2e_table(record)
     out = write_csv(table, workspace.tables / "h200_e2e_qwen2_5_3b_bfloat16_cuda.csv")
     prov = record["provenance"]

@@ -343,10 +343,15 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
 
 
 def test_reproduce_renders_the_committed_gpu_records_without_a_gpu(tmp_path, monkeypatch, capsys):
-    from rollout_lab.cli import COMMITTED_GPU_SWEEPS, _committed_gpu_table
+    from rollout_lab.cli import HEADLINE_ROLES, _committed_gpu_table
+    from rollout_lab.measure.evidence import records_with_role
     from rollout_lab.measure.sweep import load_results
     from rollout_lab.workspace import Workspace
 
+    COMMITTED_GPU_SWEEPS = [p for role in HEADLINE_ROLES  # the index names them
+                            for p in records_with_role(REPO / "data" / "results", role)]
+    assert [p.name for p in COMMITTED_GPU_SWEEPS] == ["sweep_qwen2.5-3b_bfloat16_cuda_notebook-03.json",
+                                                      "sweep_qwen2.5-3b_bfloat16_cuda_hf_static_notebook-03.json"]
     monkeypatch.chdir(REPO)
     _committed_gpu_table(Workspace.resolve(tmp_path))
     with (tmp_path / "data/tables/h200_e2e_qwen2_5_3b_bfloat16_cuda.csv").open() as handle:

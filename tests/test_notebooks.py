@@ -266,7 +266,7 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
                            "--batch-sizes", "4", "--repetitions", "1", "--out", str(tmp_path / "prefill")],
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    gpqa = [str(committed / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json"),
+    gpqa = [str(committed / "archive" / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256.json"),
             str(committed / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa128x256_hf_static.json")]  # joined
     grpo = committed / "grpo_qwen2.5-3b_bfloat16_cuda.json"
     tail = committed / "long_tail_qwen2.5-0.5b_bfloat16_cuda.json"

@@ -18,7 +18,7 @@ from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = sorted((ROOT / "data" / "results").glob("*.json"))
+RESULTS = sorted(p for p in (ROOT / "data" / "results").rglob("*.json") if p.name != "index.json")  # archive/ too
 CALIBRATIONS = sorted((ROOT / "data" / "calibration").glob("*.json"))
 PROVENANCE = ("git_sha", "date", "device_type", "device_name", "torch", "transformers", "dtype")
 
@@ -273,3 +273,19 @@ def test_long_tail_figures_follow_from_the_samples(path):
         paged, aligned = results["paged_128"], results["aligned_128"]
         assert paged["queued_occupancy"] > aligned["queued_occupancy"]
         assert paged["num_decode_steps"] < aligned["num_decode_steps"]
+
+
+def test_the_records_index_is_current():
+    """data/results/index.json and its README are what regeneration gives (every record, its status
+    from where it is cited, the hand-kept roles), so neither can go stale."""
+    from rollout_lab.measure.evidence import INDEX_PAGE, build_index, index_markdown, read_index
+
+    results = ROOT / "data" / "results"
+    fresh = build_index(ROOT)
+    assert fresh == read_index(results), "run: python -m rollout_lab.measure.evidence"
+    assert (results / INDEX_PAGE).read_text(encoding="utf-8") == index_markdown(fresh)
+    assert sorted(fresh["records"]) == sorted(str(p.relative_to(results)) for p in RESULTS)
+    assert {n for n, e in fresh["records"].items() if e["status"] == "archived"} == \
+        {str(p.relative_to(results)) for p in (results / "archive").glob("*.json")}
+    roles = [r for e in fresh["records"].values() for r in e["roles"]]
+    assert sorted(roles) == ["headline", "headline_peer"]
