@@ -4,7 +4,7 @@ import pytest
 
 from rollout_lab.planner.bucket_dp import plan_buckets, plan_buckets_quadratic
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
-from rollout_lab.planner.routes import choose_route
+from rollout_lab.planner.routes import choose_route, plan_admission
 
 GEO = ModelGeometry(36, 16, 2, 128, 4)  # Qwen2.5-3B, fp32
 
@@ -223,3 +223,16 @@ def test_choose_route_prices_per_request_budgets():
     assert refill.cb_cost_ms == pytest.approx(plan_buckets(lengths, GEO, coeffs).cost_ms + 99 * 1.0)
     with pytest.raises(ValueError, match="3 budgets for 8 requests"):
         choose_route(lengths, max_new_tokens=[1, 2, 3], continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+
+
+def test_plan_admission_by_route():
+    """The buckets of one admission, as request indices: one (equal_width), one per request
+    (aligned), the DP's (bucketed, paged: the same plan)."""
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    requests, lengths = [3, 5, 7], {3: 512, 5: 16, 7: 16}
+    lengths = [lengths.get(i, 1) for i in range(8)]
+    assert plan_admission("equal_width", requests, lengths, geometry, costs).buckets == ((3, 5, 7),)
+    assert plan_admission("aligned", requests, lengths, geometry, costs).buckets == ((3,), (5,), (7,))
+    bucketed = plan_admission("bucketed", requests, lengths, geometry, costs)
+    assert sorted(bucketed.buckets) == [(3,), (5, 7)]
+    assert plan_admission("paged", requests, lengths, geometry, costs).buckets == bucketed.buckets

@@ -40,10 +40,9 @@ from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.engine.steppers import EagerStepper, StepperKey
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.chunks import plan_chunked
-from rollout_lab.planner.packing import plan_packed
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.routes import plan_admission
 from rollout_lab.planner.shape_classes import ShapeClasses
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 
 
 @dataclass
@@ -68,27 +67,6 @@ class BatchSettings:
     sampling: SamplingParams | None = None  # None: greedy
     prefill_classes: ShapeClasses | None = None  # bucketed prefill at class shapes
     logprobs_mode: str | None = None  # engine.decode.LOGPROB_MODES: each token's log-probability too
-
-
-def plan_admission(
-    route: str, requests: Sequence[int], lengths: Sequence[int],
-    geometry: ModelGeometry, costs: CostCoefficients, classes: ShapeClasses | None = None,
-) -> BucketPlan:
-    """The buckets, as tuples of request indices, for the requests admitted together."""
-    widths = [lengths[r] for r in requests]
-    if route == "equal_width":
-        width = max(widths)
-        return BucketPlan((tuple(requests),), (width,), prefill_cost_ms(len(requests), width, geometry, costs))
-    if route == "aligned":
-        cost = sum(prefill_cost_ms(1, w, geometry, costs) for w in widths)
-        return BucketPlan(tuple((r,) for r in requests), tuple(widths), cost)
-    if route == "packed":  # as few packed forwards as prefill_max_tokens allows (planner.packing)
-        plan = plan_packed(widths, geometry, costs)
-    else:
-        plan = plan_chunked(widths, geometry, costs, classes)  # plan_buckets unless a prompt is over the limit
-    buckets = tuple(tuple(requests[i] for i in bucket) for bucket in plan.buckets)
-    chunks = tuple((requests[i], tail) for i, tail in plan.chunks)
-    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks, packed=plan.packed, rows=plan.rows)
 
 
 class ContinuousBatcher:

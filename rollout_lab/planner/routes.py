@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rollout_lab.planner.bucket_dp import plan_buckets, validate_lengths
+from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, validate_lengths
 from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
@@ -186,6 +186,30 @@ def choose_route(
     if packed is not None and packed < cb:
         return RoutePlan("packed", packs, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
     return RoutePlan("bucketed", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+
+
+def plan_admission(
+    route: str, requests: Sequence[int], lengths: Sequence[int],
+    geometry: ModelGeometry, costs: CostCoefficients, classes: ShapeClasses | None = None,
+) -> BucketPlan:
+    """The buckets, as tuples of request indices, for the requests admitted together on a
+    continuous-batching ``route``: one bucket (``equal_width``), one per request (``aligned``), as
+    few packed forwards as the limit allows (``packed``), else the DP (``bucketed``, ``paged``),
+    with over-long prompts chunked."""
+    widths = [lengths[r] for r in requests]
+    if route == "equal_width":
+        width = max(widths)
+        return BucketPlan((tuple(requests),), (width,), prefill_cost_ms(len(requests), width, geometry, costs))
+    if route == "aligned":
+        cost = sum(prefill_cost_ms(1, w, geometry, costs) for w in widths)
+        return BucketPlan(tuple((r,) for r in requests), tuple(widths), cost)
+    if route == "packed":  # as few packed forwards as prefill_max_tokens allows (planner.packing)
+        plan = plan_packed(widths, geometry, costs)
+    else:
+        plan = plan_chunked(widths, geometry, costs, classes)  # plan_buckets unless a prompt is over the limit
+    buckets = tuple(tuple(requests[i] for i in bucket) for bucket in plan.buckets)
+    chunks = tuple((requests[i], tail) for i, tail in plan.chunks)
+    return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks, packed=plan.packed, rows=plan.rows)
 
 
 # -- shared prefill --------------------------------------------------------------------------------
