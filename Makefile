@@ -1,13 +1,17 @@
 # Two commands do all set-up on a fresh machine with only Python 3.11 and pip:
 #   make reproduce   run the main job (notebooks on the embedded tiny CPU default) into the
 #                    ignored workspace rollout_lab_out/: the tracked tree stays as it is
-#   make test        run the test suite
+#   make test        run the test suite: lint, then every test (what .ci/run calls)
+# While working:
+#   make test-fast   the tests not marked slow (no notebook execution, no subprocess runs of the
+#                    scripts, no distributed, torch.compile or Triton-interpreter tests): under a minute
+#   make lint        ruff check (rules in pyproject.toml's [tool.ruff])
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: reproduce test install clean bench
+.PHONY: reproduce test test-fast lint install clean bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +29,14 @@ install: $(STAMP)
 reproduce: $(STAMP)
 	$(PY) -m rollout_lab.cli reproduce
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check rollout_lab tests scripts
+
+test: lint
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_planner.py

@@ -22,7 +22,7 @@ PACKAGE = REPO / "rollout_lab"
 # the parts, top to bottom: every import of the code points from a row to a row below it
 ROWS = {
     "cli": "rollout-lab: plan, calibrate, sweep, notebooks, reproduce",
-    "notebooks": "01-04 .ipynb (package data) and their papermill runner",
+    "notebooks": "the papermill runner of notebooks/01-04 .ipynb (top level; the wheel ships them)",
     "plots": "one module per figure family; draws records, measures nothing",
     "measure": "models, workloads, calibration, sweeps, HF peers, the studies behind the notebooks",
     "engine": "Rollout over a Hugging Face model (torch, transformers)",
@@ -79,13 +79,13 @@ def draw() -> plt.Figure:
         ax.text(LEFT + WIDTH - 0.01, top[part] - 0.02, f"{lines} lines", fontsize=8, va="top", ha="right",
                 color="0.35")
         ax.text(LEFT + 0.01, top[part] - 0.05, what, fontsize=8.5, va="top", style="italic", color="0.25")
-        if is_folder and part != "notebooks":  # module names, wrapped to the box (about 100 characters)
+        if is_folder:  # module names, wrapped to the box (about 112 characters)
             rows: list[list[str]] = [[]]
             for name in (p.stem for p in modules_of(part)):
-                if rows[-1] and len("  ".join(rows[-1] + [name])) > 100:
+                if rows[-1] and len("  ".join(rows[-1] + [name])) > 112:
                     rows.append([])
                 rows[-1].append(name)
-            ax.text(LEFT + 0.01, y + 0.008, "\n".join("  ".join(r) for r in rows), fontsize=7.8,
+            ax.text(LEFT + 0.01, y + 0.008, "\n".join("  ".join(r) for r in rows), fontsize=7.2,
                     va="bottom", family="monospace", linespacing=1.25)
     found = arrows()
     order = list(ROWS)

@@ -24,6 +24,7 @@ def test_a_model_without_a_layer_list_is_refused():
         compile_forward(torch.nn.Linear(2, 2), "blocks")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "opt"])
 def test_layerwise_forward_equals_the_model_and_leaves_it_alone(family):
     torch._dynamo.reset()
@@ -53,6 +54,7 @@ def test_sweep_compile_layers_is_checked_before_the_model(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_layerwise_prefill_into_a_dynamic_cache_equals_the_model():
     """What the prefill graphs run: a forward that fills a fresh DynamicCache, layer by layer."""
     from transformers import DynamicCache
@@ -72,6 +74,7 @@ def test_layerwise_prefill_into_a_dynamic_cache_equals_the_model():
                for g, w in zip(got_cache.layers, want_cache.layers))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["model", "layers"])
 def test_one_compile_serves_every_row_count_past_one(mode):
     """The decode step first traced with as many rows as slots must not pin rows == slots: 8, 4 and

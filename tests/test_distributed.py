@@ -214,6 +214,7 @@ def eos_id():
     return min(counts, key=lambda t: (-counts[t], t))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_matches_single_process(world_size, eos_id):
     prompts = _prompts(LENGTHS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from conftest import get_tiny
 
 from rollout_lab import RolloutConfig

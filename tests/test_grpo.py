@@ -18,6 +18,7 @@ SHAPE = {"num_prompts": 3, "num_samples": 2, "max_new_tokens": 4, "scale": 0.05,
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_run_grpo_samples_every_row_and_shares_each_prompts_prefill():
     record = run_grpo(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", config={"device": "cpu"},
                       progress=lambda line: None, **SHAPE)
@@ -56,6 +57,7 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
         run_grpo(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", **(GRPO_DEFAULTS | bad))
 
 
+@pytest.mark.slow
 def test_grpo_or_load_measures_the_shape_or_renders_a_record(tmp_path, monkeypatch):
     assert grpo_or_load(grpo_shape=None, grpo_results_file=None, model="tiny-qwen2", dtype="float32",
                         device="cpu") is None
@@ -85,6 +87,7 @@ def test_grpo_or_load_measures_the_shape_or_renders_a_record(tmp_path, monkeypat
                      device="cpu", output_dir=tmp_path / "fourth")
 
 
+@pytest.mark.slow
 def test_bench_grpo_script_writes_the_record_and_refuses_bad_settings(tmp_path):
     out = tmp_path / "grpo"
     env = {"PYTHONPATH": str(ROOT), "PATH": ""}

@@ -53,6 +53,7 @@ def test_the_planner_never_imports_torch_even_lazily():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_planner_and_cli_import_without_torch():
     code = ("import importlib, pkgutil, sys, rollout_lab, rollout_lab.planner, rollout_lab.cli\n"
             "for m in pkgutil.walk_packages(rollout_lab.planner.__path__, 'rollout_lab.planner.'):\n"
@@ -95,7 +96,7 @@ def test_non_editable_install_runs_from_another_folder(tmp_path):
                    env={**os.environ, "PIP_NO_INDEX": "1"})
     installed = target / "rollout_lab"
     assert (installed / "measure" / "prompt_lengths" / "gsm8k.csv").is_file()
-    assert sorted(p.name for p in (installed / "notebooks").glob("*.ipynb")) == [
+    assert sorted(p.name for p in (installed / "_notebooks").glob("*.ipynb")) == [  # notebooks/, by pyproject
         "01_calibrate.ipynb", "02_bucket_choices.ipynb", "03_latency_tables.ipynb", "04_adaptation.ipynb"]
     before = sorted(str(p.relative_to(target)) for p in target.rglob("*") if "__pycache__" not in p.parts)
     env = {**os.environ, "PYTHONPATH": str(target)}
@@ -116,5 +117,9 @@ def test_non_editable_install_runs_from_another_folder(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import rollout_lab; print(rollout_lab.__file__)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
     assert Path(where.strip()).parent == installed
+    notebook = subprocess.run([sys.executable, "-c", "from rollout_lab.notebooks import notebook_path\n"
+                               "print(notebook_path('01_calibrate'))"],
+                              cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
+    assert Path(notebook.strip()) == installed / "_notebooks" / "01_calibrate.ipynb"
     after = sorted(str(p.relative_to(target)) for p in target.rglob("*") if "__pycache__" not in p.parts)
     assert after == before, "the installed package was written to"

@@ -64,6 +64,7 @@ def test_eos_long_tail_bad_arguments_name_the_value(bad, message):
         eos_long_tail(args.pop("vocab_size"), **args)
 
 
+@pytest.mark.slow
 def test_run_long_tail_fills_the_slots_better_paged_and_every_path_samples_the_same_tokens():
     saved = []
     record = run_long_tail(get_tiny("qwen2"), model_name="tiny-qwen2", dtype="float32", config={"device": "cpu"},

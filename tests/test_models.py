@@ -63,6 +63,7 @@ def test_qwen3_32b_builds_on_meta_with_the_right_size():
     assert hasattr(model.model.layers[0].self_attn, "q_norm")  # Qwen3's q/k norm
 
 
+@pytest.mark.slow
 def test_preset_random_weights_are_finite_in_bf16():
     model = from_preset("qwen2.5-0.5b", dtype=torch.bfloat16, device="cpu", num_hidden_layers=2)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied

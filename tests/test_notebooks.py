@@ -1,8 +1,9 @@
 """Every notebook, executed by papermill with smoke parameters into tmp_path; its outputs checked.
 
 The notebooks run once per module (a fixture); each test then reads what they wrote. About a
-minute on 2 CPU cores in all. Also static checks of the committed notebooks (no outputs, a
-``parameters`` cell, no def/class) and that the kernel papermill picks is this interpreter.
+minute on 2 CPU cores in all. Also static checks of the committed notebooks (the top-level
+``notebooks/`` folder, which the wheel ships by pyproject.toml's mapping; no outputs, a ``parameters``
+cell, no def/class) and that the kernel papermill picks is this interpreter.
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ import pytest
 pm = pytest.importorskip("papermill")
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("matplotlib")
+pytestmark = pytest.mark.slow  # the module fixture executes every notebook: ~1.5 min of the suite
 
 from rollout_lab.notebooks import (NOTEBOOKS, SMOKE_PARAMETERS,  # noqa: E402
                                    calibration_of, notebook_path, run_notebooks)
 from rollout_lab.workspace import Workspace  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -73,6 +76,28 @@ def test_committed_notebook_is_clean(name):
     assert set(declared) == assigned, "papermill could not parse a parameter line (its comment?)"
     assert {"output_dir", "interactive"} <= set(declared)
     assert set(SMOKE_PARAMETERS[name]) <= set(declared)
+
+
+def test_the_notebooks_are_the_top_level_folder_which_the_wheel_ships():
+    """In a checkout the runner executes notebooks/*.ipynb, the files JupyterLab opens; the wheel ships that
+    folder as rollout_lab._notebooks by pyproject.toml's package-dir, not by a copy inside the package."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    folder = ROOT / "notebooks"
+    assert sorted(p.stem for p in folder.glob("*.ipynb")) == sorted(NOTEBOOKS)
+    for name in NOTEBOOKS:
+        assert notebook_path(name) == folder / f"{name}.ipynb"
+        assert notebook_path(name).read_bytes() == (folder / f"{name}.ipynb").read_bytes()
+    package = ROOT / "rollout_lab"
+    copies = sorted(str(p.relative_to(ROOT)) for p in package.rglob("*.ipynb"))
+    assert not copies, f"notebooks inside the package: {copies}; they live in notebooks/ only"
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"rollout_lab._notebooks": "notebooks"}
+    assert setuptools["package-data"]["rollout_lab._notebooks"] == ["*.ipynb"]
+    # the packages are listed (find cannot map a folder outside rollout_lab/): every folder of the
+    # package, as find would have found it, and the notebooks
+    folders = {".".join(("rollout_lab", *p.relative_to(package).parts)) for p in package.rglob("*")
+               if p.is_dir() and all(s.isidentifier() and s != "__pycache__" for s in p.relative_to(package).parts)}
+    assert sorted(setuptools["packages"]) == sorted({"rollout_lab", "rollout_lab._notebooks", *folders})
 
 
 def test_gpu_preset_parameters_run_the_engine_as_the_records_do():

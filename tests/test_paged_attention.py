@@ -184,6 +184,7 @@ interpreted = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
                                  reason="needs Triton (make test installs it) on a machine without CUDA")
 
 
+@pytest.mark.slow
 @interpreted
 def test_kernel_equals_reference_in_the_triton_interpreter():
     assert "kernel ok" in run_interpreted(INTERPRETED)

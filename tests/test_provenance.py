@@ -65,8 +65,6 @@ def test_rollout_refuses_a_calibration_of_captured_prefill_for_its_eager_forward
     """A calibration whose grid timed captured prefill forwards (calibrate --prefill-graphs) prices a
     fixed cost that eager forwards do not have: Rollout without prefill_graphs refuses it, naming the
     field, unless override_costs=True; a grid of eager forwards is accepted."""
-    import json
-
     import pytest
 
     from rollout_lab.engine.config import RolloutConfig

@@ -79,6 +79,7 @@ def test_rl_or_load_measures_the_shape_and_joins_saved_records_of_the_same_workl
                    device="cpu", output_dir=tmp_path / "third")
 
 
+@pytest.mark.slow
 def test_bench_rl_script_writes_the_record(tmp_path):
     import subprocess
     import sys

@@ -168,6 +168,7 @@ interpreted = pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(),
                                  reason="needs Triton (make test installs it) on a machine without CUDA")
 
 
+@pytest.mark.slow
 @interpreted
 def test_kernel_equals_reference_in_the_triton_interpreter():
     assert "kernel ok" in run_interpreted(INTERPRETED)
@@ -200,6 +201,7 @@ ENGINE_INTERPRETED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @interpreted
 def test_engine_with_the_interpreted_kernel_matches_oracle():
     assert "engine ok" in run_interpreted(ENGINE_INTERPRETED)

@@ -42,6 +42,7 @@ def sweep(tmp_path_factory):
     return record, out
 
 
+@pytest.mark.slow
 def test_sweep_writes_json_and_csv(sweep):
     record, out = sweep
     assert load_results(out) == json.loads(json.dumps(record))
@@ -54,6 +55,7 @@ def test_sweep_writes_json_and_csv(sweep):
     assert prov["model_name"] == "tiny-qwen2" and prov["git_sha"] and prov["dtype"] == "float32"
 
 
+@pytest.mark.slow
 def test_sweep_record_per_path(sweep):
     record, _ = sweep
     for name, w in record["workloads"].items():
@@ -103,6 +105,7 @@ def test_bad_workload_or_path_errors_before_work():
         run_sweep(None, workloads={"bad": [3, 0]})
 
 
+@pytest.mark.slow
 def test_atomic_write_leaves_no_partial_file(sweep, tmp_path):
     record, _ = sweep
     stem = tmp_path / "res"
@@ -246,6 +249,7 @@ sweep.run_sweep(tiny_model("qwen2"), workloads={"first": [3, 1]}, paths=["nocb",
 """
 
 
+@pytest.mark.slow
 def test_two_sweeps_to_one_output_lose_nothing(tmp_path, monkeypatch, capsys):
     """A second sweep to an output another process is writing is refused, naming the holder; once
     the first is done, the second resumes into the same record and both results are there."""

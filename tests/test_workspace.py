@@ -125,7 +125,7 @@ def test_a_killed_writer_leaves_no_temporary_file_and_no_undetected_mismatch(tmp
         proc.wait()
         record = json.loads(paths[0].read_text())  # never a torn JSON
         try:
-            run_id = check_record_pair(paths[0])
+            check_record_pair(paths[0])
             with paths[1].open(newline="") as handle:
                 assert {int(r["i"]) for r in csv.DictReader(handle)} == {record["i"]}, "same run id, other data"
             outcomes.add("pair")

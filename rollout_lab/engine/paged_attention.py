@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_lab.engine.span_attention import BLOCK_N, MAX_SPLITS, kernel_available, num_splits, tl, triton
+from rollout_lab.engine.span_attention import BLOCK_N, kernel_available, num_splits, tl, triton
 
 BLOCK_SIZES = (16, 32, 64, 128)  # tokens per paged block the kernel supports
 OP_NAME = "rollout_lab::paged_attention"

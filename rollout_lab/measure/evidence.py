@@ -19,7 +19,6 @@ fails when the committed index differs from what regeneration gives.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Mapping

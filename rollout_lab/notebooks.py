@@ -1,4 +1,6 @@
-"""The notebooks, and their papermill runner: ``NN_topic.ipynb`` beside this file ship with the package.
+"""The papermill runner of the notebooks: ``notebooks/NN_topic.ipynb`` at the top of the checkout, what
+JupyterLab opens and what the runner executes there; the wheel ships that folder as the data-only package
+``rollout_lab._notebooks`` (pyproject.toml maps the package onto the folder), which it executes when installed.
 
     rollout-lab notebooks                                   # tiny CPU default, all four notebooks
     rollout-lab notebooks --device cuda --preset qwen2.5-3b --dtype bfloat16
@@ -16,7 +18,7 @@ paths in ``--param`` values mean what they say; a file to read that is missing i
 the parameter. Equivalent plain
 papermill command (the kernel is the running interpreter's ``python3``)::
 
-    papermill rollout_lab/notebooks/03_latency_tables.ipynb out.ipynb -k python3 \
+    papermill notebooks/03_latency_tables.ipynb out.ipynb -k python3 \
         -p device cuda -p model qwen2.5-3b -p dtype bfloat16 -p paths None -p output_dir $PWD/rollout_lab_out
 """
 from __future__ import annotations
@@ -25,7 +27,6 @@ import ast
 import os
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -210,8 +211,23 @@ def run_notebooks(
     return executed
 
 
+def notebooks_folder() -> Path:
+    """Where the notebooks are: ``_notebooks/`` in the package when it is an installed wheel, else the
+    top-level ``notebooks/`` of the checkout the package is imported from (an editable install, or the
+    checkout on PYTHONPATH as scripts/gpu runs it). Found beside this file, not imported as
+    ``rollout_lab._notebooks``: setuptools' editable install cannot import a folder without
+    ``__init__.py`` mapped outside its parent package (pypa/setuptools#4943), and PYTHONPATH maps nothing."""
+    package = Path(__file__).resolve().parent
+    shipped = package / "_notebooks"
+    return shipped if shipped.is_dir() else package.parent / "notebooks"
+
+
 def notebook_path(name: str) -> Path:
-    """The shipped ``<name>.ipynb`` (a real file in a checkout and in an installed package)."""
+    """``<name>.ipynb`` in ``notebooks_folder()``; FileNotFoundError naming the path when it is missing."""
     if name not in NOTEBOOKS:
         raise ValueError(f"unknown notebook {name!r}; expected one of {list(NOTEBOOKS)}")
-    return Path(str(resources.files("rollout_lab.notebooks") / f"{name}.ipynb"))
+    path = notebooks_folder() / f"{name}.ipynb"
+    if not path.is_file():
+        raise FileNotFoundError(f"notebook {name!r} is missing: {path} (a checkout keeps it in notebooks/, "
+                                "a wheel in rollout_lab/_notebooks/)")
+    return path
