@@ -7,10 +7,14 @@
     rollout-lab sweep --tiny qwen2 --workloads long_tail spread # -> <out-dir>/data/results/
     rollout-lab notebooks --only 02                             # -> <out-dir>/figures, data/tables
     rollout-lab reproduce                                       # what `make reproduce` runs
+    rollout-lab bench rl --tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48 --out /tmp/rl  # -> /tmp/rl.json, .csv
+    rollout-lab bench {rl,grpo,decode-step,prefill-routes,logits,long-tail} --help
 
 Outputs go to the workspace: ``--out-dir``, else ``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out``
-(``rollout_lab.workspace``). ``plan`` needs no torch; the commands that run a model import it when
-they start.
+(``rollout_lab.workspace``); a ``bench`` writes its record where ``--out`` says (never over one).
+Each bench is a measure module's run (``measure.rl``, ``grpo``, ``decode_step``, ``prefill_routes``,
+``fidelity``, ``long_tail``), whose docstring gives its H200 command. ``plan`` needs no torch; the
+commands that run a model import it when they start.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
@@ -37,7 +41,8 @@ from rollout_lab.planner.cost import (CostCoefficients, CostFile, ModelGeometry,
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
 from rollout_lab.workspace import (Workspace, check_not_locked, check_writable,
-                                   output_lock, pair_paths, record_paths, run_tag, write_csv)
+                                   output_lock, pair_paths, record_paths, run_tag, write_csv,
+                                   write_record)
 
 DTYPES = ("float32", "bfloat16", "float16")
 # A missing optional dependency names the extra that installs it.
@@ -142,8 +147,8 @@ def check_prefill_graphs_device(args: argparse.Namespace) -> None:
 
 
 def model_spec(args: argparse.Namespace) -> str:
-    """The resolved --model/--tiny/--preset as ``load_model`` takes it."""
-    return args.model or (f"tiny-{args.tiny}" if args.tiny else args.preset)
+    """The resolved --model/--tiny/--preset as ``load_model`` takes it (a bench has no --model)."""
+    return getattr(args, "model", None) or (f"tiny-{args.tiny}" if args.tiny else args.preset)
 
 
 def model_limits(args: argparse.Namespace) -> tuple[Any, str, int | None]:
@@ -358,6 +363,241 @@ def _workspace(args: argparse.Namespace) -> Workspace:
     return Workspace.resolve(args.out_dir)
 
 
+# -- bench: one benchmark, one record ------------------------------------------------------------
+# A bench's options take their choices and defaults from its measure module (torch): BenchParser adds
+# them when that bench parses, so `plan` and `bench --help` import no torch.
+
+def _rl_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.engine.config import DECODE_MODES  # torch: a bench's options, when it parses
+    from rollout_lab.measure.rl import NANO_VLLM_MODEL, RL_DEFAULTS, RL_PATHS  # torch, as above
+
+    d = RL_DEFAULTS  # run_rl's own defaults
+    _add_bench_options(p, preset=NANO_VLLM_MODEL)
+    _add_uniform_lengths(p, d, what="prompt length and budget")
+    p.add_argument("--slots", type=positive_int, default=d["slots"], help="continuous_batch_size (default: every request)")
+    p.add_argument("--decode", default=d["decode"], choices=DECODE_MODES, help="our decode stepper")
+    p.add_argument("--decode-widths", type=int, default=d["decode_widths"],
+                   help="attention windows of 'ours' (default: the engine's)")
+    p.add_argument("--peer-calls", type=positive_int, default=d["peer_calls"],
+                   help="HF's timed calls, no warm-up (default %(default)s)")
+    _add_run_options(p, d, paths=RL_PATHS)
+
+
+def cmd_bench_rl(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.rl import RL_DEFAULTS, check_rl_settings, run_rl  # torch
+    from rollout_lab.measure.sweep import rl_throughput_rows  # torch, as above
+
+    settings = {k: getattr(args, k) for k in RL_DEFAULTS}
+    check_rl_settings(**{k: v for k, v in settings.items() if k not in ("seed", "decode", "decode_widths")})
+    _run_bench(args, rl_throughput_rows, lambda model, name, save: run_rl(
+        model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
+        **settings))
+    return 0
+
+
+def _grpo_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.grpo import GRPO_DEFAULTS, GRPO_PATHS  # torch: a bench's options, when it parses
+
+    d = GRPO_DEFAULTS  # run_grpo's own defaults
+    _add_bench_options(p, preset="qwen2.5-3b")
+    p.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="prompt-length distribution")
+    p.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="unique prompts (default %(default)s)")
+    p.add_argument("--num-samples", type=int, default=d["num_samples"], help="samples per prompt (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="tokens per sample (default %(default)s)")
+    p.add_argument("--scale", type=float, default=d["scale"], help="multiply every prompt length (CPU checks)")
+    p.add_argument("--temperature", type=float, default=d["temperature"], help="sampling temperature (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=d["top_p"], help="nucleus mass (default %(default)s = off)")
+    _add_bench_costs(p)
+    _add_run_options(p, d, paths=GRPO_PATHS)
+
+
+def cmd_bench_grpo(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.calibrate import load_calibration  # torch
+    from rollout_lab.measure.grpo import GRPO_DEFAULTS, check_grpo_settings, run_grpo  # torch, as above
+    from rollout_lab.measure.sweep import grpo_rows  # torch, as above
+
+    settings = {k: getattr(args, k) for k in GRPO_DEFAULTS}
+    check_grpo_settings(**settings)
+    if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as --threads)
+        import torch  # torch, as above
+
+        torch.set_num_threads(1)
+
+    def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:  # one write, at the end
+        costs = load_calibration(args.costs, model=model, model_name=name) if args.costs else None
+        return run_grpo(model, model_name=name, dtype=args.dtype, costs=costs, costs_source=args.costs,
+                        config=_bench_config(args), **_bench_provenance(args), **settings)
+
+    record = _run_bench(args, grpo_rows, run)
+    print(f"ratios: {record['ratios']}  checks: {record['checks']}")
+    return 0
+
+
+def _decode_step_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.decode_step import DECODE_STEP_DEFAULTS  # torch: a bench's options, when it parses
+
+    d = DECODE_STEP_DEFAULTS  # run_decode_step's own defaults
+    _add_bench_options(p, preset="qwen2.5-3b")
+    p.add_argument("--cases", nargs="+", type=_slots_by_span, default=list(d["cases"]), metavar="SLOTSxSPAN",
+                   help="S slots whose rows all hold L live columns (default 32x80 128x710)")
+    _add_variants(p, d)
+    p.add_argument("--steps", type=positive_int, default=d["steps"], help="timed steps per variant (default %(default)s)")
+
+
+def cmd_bench_decode_step(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.decode_step import (DECODE_STEP_DEFAULTS,  # torch
+                                                 check_decode_step_settings, run_decode_step)
+    from rollout_lab.measure.sweep import decode_step_rows  # torch, as above
+
+    settings = {k: getattr(args, k) for k in DECODE_STEP_DEFAULTS}
+    check_decode_step_settings(**settings)
+    _run_bench(args, decode_step_rows, lambda model, name, save: run_decode_step(
+        model, model_name=name, dtype=args.dtype, save=save, **_bench_provenance(args), **settings))
+    return 0
+
+
+def _slots_by_span(text: str) -> tuple[int, int]:
+    try:
+        slots, span = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a case is SLOTSxSPAN such as 32x80, got {text!r}") from None
+    return slots, span
+
+
+def _prefill_routes_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.prefill_routes import (PREFILL_ROUTES,  # torch: a bench's options, when it parses
+                                                    PREFILL_ROUTES_DEFAULTS)
+
+    d = PREFILL_ROUTES_DEFAULTS  # run_prefill_routes's own defaults
+    _add_bench_options(p, preset="qwen2.5-3b")
+    p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=list(d["batch_sizes"]),
+                   help="prompts per batch, each drawn lognormal and bimodal (default %(default)s)")
+    p.add_argument("--repetitions", type=positive_int, default=d["repetitions"],
+                   help="timed rounds after one warm-up (default %(default)s)")
+    p.add_argument("--routes", nargs="+", default=list(d["routes"]), choices=PREFILL_ROUTES,
+                   help="prefill routes to run (default all three)")
+    _add_bench_costs(p)
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="CUDA: buckets at the shape-class ladder, each class's forward captured (as sweep --prefill-graphs)")
+
+
+def cmd_bench_prefill_routes(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.calibrate import load_calibration  # torch
+    from rollout_lab.measure.prefill_routes import PREFILL_ROUTES_DEFAULTS, run_prefill_routes  # torch, as above
+
+    if args.prefill_graphs and args.tiny:
+        raise ValueError("--prefill-graphs captures CUDA graphs: give a preset on a CUDA device, not --tiny")
+    settings = {k: getattr(args, k) for k in PREFILL_ROUTES_DEFAULTS}
+
+    def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:
+        costs = load_calibration(args.costs, model=model, model_name=name,
+                                 prefill_graphs=args.prefill_graphs) if args.costs else None
+        return run_prefill_routes(model, model_name=name, dtype=args.dtype, costs=costs, costs_source=args.costs,
+                                  prefill_graphs=args.prefill_graphs, save=save, **_bench_provenance(args),
+                                  **settings)
+
+    _run_bench(args, lambda record: record["rows"], run)
+    return 0
+
+
+def _logits_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.fidelity import CACHES, LOGITS_DEFAULTS  # torch: a bench's options, when it parses
+
+    d = LOGITS_DEFAULTS  # run_logits_check's own defaults
+    _add_bench_options(p, preset="qwen3-0.6b")
+    _add_uniform_lengths(p, d, what="prompt length")
+    p.add_argument("--steps", type=positive_int, default=d["steps"], help="forced tokens per request (default %(default)s)")
+    _add_variants(p, d)
+    p.add_argument("--cache", default=d["cache"], choices=CACHES,
+                   help="the KV cache the decode step reads: the aligned one, or the paged route's")
+
+
+def cmd_bench_logits(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.fidelity import (LOGITS_DEFAULTS,  # torch
+                                              check_logits_settings, logits_rows, run_logits_check)
+
+    settings = {k: getattr(args, k) for k in LOGITS_DEFAULTS}
+    check_logits_settings(**settings)
+    _run_bench(args, logits_rows, lambda model, name, save: run_logits_check(
+        model, model_name=name, dtype=args.dtype, save=save, **_bench_provenance(args), **settings))
+    return 0
+
+
+def _long_tail_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.long_tail import (  # torch: a bench's options, when it parses
+        LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS)
+
+    d = LONG_TAIL_DEFAULTS  # run_long_tail's own defaults
+    _add_bench_options(p, preset="qwen2.5-0.5b")
+    p.add_argument("--num-prompts", type=positive_int, default=d["num_prompts"],
+                   help="prompts, drawn with replacement (default %(default)s)")
+    p.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="whose prompt lengths (default %(default)s)")
+    p.add_argument("--hazard", type=float, default=d["hazard"], help="per-step EOS probability, in (0, 0.5] (default 1/295)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"],
+                   help="every row's budget (default %(default)s)")
+    p.add_argument("--slots", type=positive_int, default=d["slots"],
+                   help="slots of aligned_128 and paged_128 (default %(default)s)")
+    _add_run_options(p, d, paths=LONG_TAIL_PATHS)
+
+
+def cmd_bench_long_tail(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS,  # torch
+                                              check_long_tail_settings, long_tail_rows, run_long_tail)
+
+    settings = {k: getattr(args, k) for k in LONG_TAIL_DEFAULTS}
+    check_long_tail_settings(**settings)
+    _run_bench(args, long_tail_rows, lambda model, name, save: run_long_tail(
+        model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
+        **settings))
+    return 0
+
+
+# name: (one-line help, its options, its command)
+BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "rl": ("RL-regime throughput (nano-vllm's shape, per-request budgets): ours, its ablations, HF generate_batch",
+           _rl_options, cmd_bench_rl),
+    "grpo": ("GRPO-shaped rollouts, N prompts x S samples: shared prefill against unshared and HF",
+             _grpo_options, cmd_bench_grpo),
+    "decode-step": ("the decode step alone: ms per step at a slot count and live span, per decode lever",
+                    _decode_step_options, cmd_bench_decode_step),
+    "prefill-routes": ("the three prefill routes (nocb, bucketed, packed) timed side by side on batches of each size",
+                       _prefill_routes_options, cmd_bench_prefill_routes),
+    "logits": ("teacher-forced logits of our decode step against a plain forward, per decode lever",
+               _logits_options, cmd_bench_logits),
+    "long-tail": ("sampled RL rows ending at EOS at very different times: the aligned cache against the paged pool",
+                  _long_tail_options, cmd_bench_long_tail),
+}
+
+
+def _run_bench(args: argparse.Namespace, rows: Callable[[dict], list[dict]],
+               run: Callable[[Any, str, Callable[[dict], str]], dict[str, Any]]) -> dict[str, Any]:
+    """Build the bench's model and ``run(model, name, save)`` it into its record, ``save`` writing
+    <out>.json and <out>.csv (the runs save after every path or case); then write it once more,
+    print its rows and where they went. The unset model options: fp32 on the CPU for --tiny, else
+    bf16 on CUDA."""
+    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    model, name = build_model(args)
+
+    def save(record: dict[str, Any]) -> str:
+        return write_record(args.out, record, rows(record))
+
+    record = run(model, name, save)
+    print(save(record), end="")
+    print(f"wrote {args.out[0]} and {args.out[1]}")
+    return record
+
+
+def _bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The model options a record's settings keep beside its run's."""
+    return {"preset": args.preset, "tiny": args.tiny, "device": args.device}
+
+
+def _bench_provenance(args: argparse.Namespace) -> dict[str, Any]:
+    """What a record's provenance says ran it: this command, and the options it was given."""
+    return {"script": f"rollout-lab bench {args.bench}", "argv": args.bench_argv}
+
+
 # -- the parser ----------------------------------------------------------------------------------
 
 class Parser(argparse.ArgumentParser):
@@ -388,8 +628,8 @@ def _int_at_least(text: str, minimum: int) -> int:
 
 
 def record_out(text: str) -> tuple[Path, Path]:
-    """An argparse type for a benchmark script's ``--out`` stem: its (json, csv) paths, neither of
-    which may exist yet (``workspace.record_paths``)."""
+    """An argparse type for a benchmark's ``--out`` stem: its (json, csv) paths, neither of which
+    may exist yet (``workspace.record_paths``)."""
     try:
         return record_paths(text)
     except ValueError as err:
@@ -427,6 +667,74 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's); 1 steadies timings on a busy host")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_out_dir(parser)
+
+
+class BenchParser(Parser):
+    """One bench's parser. ``add_options(parser)`` adds its options when it first parses (their
+    choices and defaults are its measure module's: torch); the options it was given are kept as
+    ``bench_argv``, for the record's provenance."""
+
+    def __init__(self, *args: Any, add_options: Callable[[argparse.ArgumentParser], None], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._add_options: Callable[[argparse.ArgumentParser], None] | None = add_options
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self._add_options is not None:
+            add, self._add_options = self._add_options, None
+            add(self)
+        namespace, extras = super().parse_known_args(args, namespace)
+        namespace.bench_argv = list(sys.argv[1:] if args is None else args)
+        return namespace, extras
+
+
+def _add_bench_options(parser: argparse.ArgumentParser, *, preset: str) -> None:
+    """--out and the model options of every bench (``_run_bench`` fills the unset ones)."""
+    from rollout_lab.measure.models import TINY_FAMILIES  # torch: a bench's options, when it parses
+
+    parser.add_argument("--out", required=True, type=record_out,
+                        help="output stem: writes <out>.json and <out>.csv (neither may exist)")
+    parser.add_argument("--preset", default=preset, choices=sorted(PRESETS),
+                        help=f"architecture, random weights (default {preset})")
+    parser.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
+    parser.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
+    parser.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
+
+
+def _add_run_options(parser: argparse.ArgumentParser, defaults: dict[str, Any], *, paths: Sequence[str]) -> None:
+    """--mode (where the run takes one), --seed, --reps and --paths of a bench timing several paths
+    on one seeded workload (rl, grpo, long-tail); ``defaults`` are its run function's."""
+    from rollout_lab.engine.config import MODES  # torch: a bench's options, when it parses
+
+    if "mode" in defaults:
+        parser.add_argument("--mode", default=defaults["mode"], choices=MODES, help="our route (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the workload and of any sampling")
+    parser.add_argument("--reps", type=positive_int, default=defaults["reps"],
+                        help="timed calls per path after one warm-up (default %(default)s)")
+    parser.add_argument("--paths", nargs="+", default=list(defaults["paths"]), choices=paths,
+                        help="paths to run, in order (default: %(default)s)")
+
+
+def _add_uniform_lengths(parser: argparse.ArgumentParser, defaults: dict[str, Any], *, what: str) -> None:
+    """--num-seqs, --min-len and --max-len of a bench drawing each request's ``what`` uniformly (rl, logits)."""
+    parser.add_argument("--num-seqs", type=positive_int, default=defaults["num_seqs"], help="requests (default %(default)s)")
+    parser.add_argument("--min-len", type=positive_int, default=defaults["min_len"],
+                        help=f"smallest {what} (default %(default)s)")
+    parser.add_argument("--max-len", type=positive_int, default=defaults["max_len"],
+                        help=f"largest {what} (default %(default)s)")
+
+
+def _add_variants(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """--variants: the decode levers a bench compares (decode-step, logits)."""
+    from rollout_lab.measure.sweep import DECODE_VARIANTS  # torch: a bench's options, when it parses
+
+    parser.add_argument("--variants", nargs="+", default=list(defaults["variants"]), choices=sorted(DECODE_VARIANTS),
+                        help="decode levers to compare (default: %(default)s)")
+
+
+def _add_bench_costs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--costs", default=None,
+                        help="a calibration (`rollout-lab calibrate`) pricing our planner (default: reference coefficients)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -529,7 +837,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quick", action="store_true", help="smallest parameters")
     _add_out_dir(rep)
     rep.set_defaults(func=cmd_reproduce)
-    for command in sub.choices.values():  # after the command too; SUPPRESS keeps a --debug given before it
+
+    bench = sub.add_parser("bench", help="run one benchmark into a record (<out>.json and <out>.csv)",
+                           description="Run one benchmark on a tiny or preset model into a record with provenance, "
+                                       "written after every path or case; an existing --out is an error.")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=BenchParser)
+    for name, (text, add_options, command) in BENCHES.items():
+        benches.add_parser(name, help=text, description=text, add_options=add_options).set_defaults(func=command)
+    # after the command too; SUPPRESS keeps a --debug given before it
+    for command in [*sub.choices.values(), *benches.choices.values()]:
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show the traceback of an error")
     return parser

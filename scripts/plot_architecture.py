@@ -21,10 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "rollout_lab"
 # the parts, top to bottom: every import of the code points from a row to a row below it
 ROWS = {
-    "cli": "rollout-lab: plan, calibrate, sweep, notebooks, reproduce",
+    "cli": "rollout-lab: plan, calibrate, sweep, notebooks, reproduce, bench",
     "notebooks": "the papermill runner of notebooks/01-04 .ipynb (top level; the wheel ships them)",
     "plots": "one module per figure family; draws records, measures nothing",
-    "measure": "models, workloads, calibration, sweeps, HF peers, the studies behind the notebooks",
+    "measure": "models, workloads, calibration, sweeps, HF peers, the benchmarks, the studies behind the notebooks",
     "engine": "Rollout over a Hugging Face model (torch, transformers)",
     "planner": "cost model, DP, routes, fits, sharding: pure Python + numpy, never torch",
     "workspace": "where outputs go; atomic record pairs, locks, JSON read with limits (standard library only)",

@@ -214,6 +214,20 @@ def no_model(monkeypatch):
     (["notebooks", "--only", "03", "--param", "03:results_file=missing.json"], "results_file="),
     (["reproduce", "--out-dir", "{file}/sub"], "is not writable"),
     (["sweep", "--threads", "0"], "argument --threads: must be >= 1"),
+    (["bench", "nope"], "argument bench: invalid choice: 'nope'"),
+    (["bench", "rl", "--tiny", "qwen2"], "the following arguments are required: --out"),
+    (["bench", "rl", "--tiny", "qwen2", "--min-len", "9", "--max-len", "3", "--out", "x"], "max_len 3 is below min_len 9"),
+    (["bench", "rl", "--tiny", "qwen2", "--reps", "0", "--out", "x"], "argument --reps: must be >= 1, got 0"),
+    (["bench", "grpo", "--tiny", "qwen2", "--top-p", "0", "--out", "x"], "top_p must be in (0, 1], got 0.0"),
+    (["bench", "decode-step", "--tiny", "qwen2", "--cases", "4x30", "--out", "x"],
+     "every case's span must exceed steps 32, got 4x30"),
+    (["bench", "decode-step", "--tiny", "qwen2", "--cases", "4by30", "--out", "x"], "a case is SLOTSxSPAN"),
+    (["bench", "prefill-routes", "--tiny", "qwen2", "--prefill-graphs", "--out", "x"],
+     "--prefill-graphs captures CUDA graphs"),
+    (["bench", "logits", "--tiny", "qwen3", "--min-len", "30", "--max-len", "20", "--out", "x"],
+     "max_len 20 is below min_len 30"),
+    (["bench", "logits", "--tiny", "qwen3", "--cache", "disk", "--out", "x"], "argument --cache: invalid choice: 'disk'"),
+    (["bench", "long-tail", "--tiny", "qwen2", "--hazard", "0.9", "--out", "x"], "in (0, 0.5], got 0.9"),
 ])
 def test_every_bad_input_is_one_line_and_status_2_before_any_work(argv, message, tmp_path, capsys, no_model,
                                                                    monkeypatch):
@@ -228,6 +242,29 @@ def test_every_bad_input_is_one_line_and_status_2_before_any_work(argv, message,
         argv = [a.replace(key, str(path)) for a in argv]
     assert main(argv) == 2
     assert message in one_error_line(capsys)
+
+
+BENCHES = ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail")
+
+
+def test_bench_lists_the_six_benchmarks_without_importing_torch():
+    code = ("import sys\nfrom rollout_lab.cli import main\n"
+            "assert main(['bench', '--help']) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr
+    for name in BENCHES:
+        assert re.search(rf"^ +{name} +\S", done.stdout, re.M), name
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_each_bench_has_its_options_and_the_shared_ones(name, capsys):
+    assert main(["bench", name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: rollout-lab bench {name} ")
+    for option in ("--out", "--preset", "--tiny", "--dtype", "--device", "--debug"):
+        assert option in out, option
 
 
 def test_the_preflight_on_an_unwritable_output_is_fast(tmp_path, capsys, no_model):

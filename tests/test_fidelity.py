@@ -1,15 +1,19 @@
 """Teacher-forced logits (measure.fidelity): our step against a plain forward, position by position."""
 from __future__ import annotations
 
+import inspect
+import json
 import random
 
 import pytest
 from conftest import get_tiny
 
 from rollout_lab import RolloutConfig
+from rollout_lab.cli import main
 from rollout_lab.engine import span_attention as span_module
-from rollout_lab.measure.fidelity import teacher_forced_check
+from rollout_lab.measure.fidelity import LOGITS_DEFAULTS, run_logits_check, teacher_forced_check
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.workspace import check_record_pair
 
 
 def _case(seed=0, lengths=(5, 12, 1, 8), steps=7):
@@ -45,3 +49,24 @@ def test_forced_sequences_must_match():
     prompts, forced = _case()
     with pytest.raises(ValueError, match="one forced sequence per prompt"):
         teacher_forced_check(get_tiny("qwen2"), prompts, [forced[0], forced[1][:3]] + forced[2:])
+
+
+@pytest.mark.parametrize("cache", ["aligned", "paged"])
+def test_bench_logits_forces_the_oracles_tokens_through_every_variant(tmp_path, cache):
+    out = tmp_path / "fid"
+    argv = ["--tiny", "qwen3", "--num-seqs", "3", "--min-len", "4", "--max-len", "20", "--steps", "5",
+            "--variants", "ours", "ours_masked", "--cache", cache, "--out", str(out)]
+    assert main(["bench", "logits", *argv]) == 0
+    record = json.loads((tmp_path / "fid.json").read_text())
+    assert check_record_pair(tmp_path / "fid.json", tmp_path / "fid.csv") == record["run_id"]
+    assert record["kind"] == "teacher_forced_logits" and record["config"]["cache"] == cache
+    assert record["provenance"]["script"] == "rollout-lab bench logits" and record["provenance"]["argv"] == argv
+    assert list(record["variants"]) == ["ours", "ours_masked"]
+    for report in record["variants"].values():  # fp32: our step is the plain forward
+        assert report["max_abs_error"] < 1e-3 and report["top1_agreement"] == 1.0
+        assert report["num_positions"] == 3 * 5 and report["stepper"]["paged"] == (cache == "paged")
+
+
+def test_logits_defaults_are_run_logits_checks_own():
+    signature = inspect.signature(run_logits_check).parameters
+    assert {k: signature[k].default for k in LOGITS_DEFAULTS} == LOGITS_DEFAULTS

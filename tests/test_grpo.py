@@ -1,4 +1,4 @@
-"""measure.grpo: the GRPO benchmark behind scripts/bench_grpo.py and notebook 03's grpo_shape."""
+"""measure.grpo: the GRPO benchmark behind `rollout-lab bench grpo` and notebook 03's grpo_shape."""
 from __future__ import annotations
 
 import json
@@ -88,20 +88,22 @@ def test_grpo_or_load_measures_the_shape_or_renders_a_record(tmp_path, monkeypat
 
 
 @pytest.mark.slow
-def test_bench_grpo_script_writes_the_record_and_refuses_bad_settings(tmp_path):
+def test_bench_grpo_writes_the_record_and_refuses_bad_settings(tmp_path):
+    """In a process of its own: --tiny sets torch's threads to 1 for the process."""
     out = tmp_path / "grpo"
     env = {"PYTHONPATH": str(ROOT), "PATH": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_grpo.py"), "--tiny", "qwen2", "--scale", "0.05",
+    bench = [sys.executable, "-m", "rollout_lab.cli", "bench", "grpo"]
+    done = subprocess.run([*bench, "--tiny", "qwen2", "--scale", "0.05",
                            "--num-prompts", "2", "--num-samples", "2", "--max-new-tokens", "3", "--reps", "1",
                            "--paths", "shared", "hf_generate", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     record = load_grpo_results(f"{out}.json")
-    assert record["config"]["tiny"] == "qwen2" and record["provenance"]["script"] == "scripts/bench_grpo.py"
+    assert record["config"]["tiny"] == "qwen2" and record["provenance"]["script"] == "rollout-lab bench grpo"
     assert set(record["results"]) == {"shared", "hf_generate"}
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_grpo.py"), "--tiny", "qwen2", "--top-p", "0",
-                          "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300, env=env)
-    assert bad.returncode == 2 and "top_p must be in (0, 1], got 0.0" in bad.stderr
+    bad = subprocess.run([*bench, "--tiny", "qwen2", "--top-p", "0", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 2 and bad.stderr == "error: top_p must be in (0, 1], got 0.0\n"
     assert not (tmp_path / "x.json").exists()
 
 

@@ -1,23 +1,21 @@
 """measure.long_tail and workloads.eos_long_tail: the EOS long-tail benchmark behind
-scripts/bench_long_tail.py (tiny fp32 models, CPU)."""
+`rollout-lab bench long-tail` (tiny fp32 models, CPU)."""
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import math
-from pathlib import Path
 
 import pytest
 from conftest import get_tiny
 
+from rollout_lab.cli import main
 from rollout_lab.measure import long_tail as long_tail_module
 from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS, check_long_tail_settings,
                                            long_tail_rows, run_long_tail)
 from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, sample_lengths
 from rollout_lab.workspace import check_record_pair
 
-ROOT = Path(__file__).resolve().parents[1]
 # GSM8K's prompts fit the tiny model's 512 positions; a budget long beside the prompts, ended at EOS
 # after ~15 tokens, so rows end at very different times. Measured (qwen2, seed 0): paged_128 runs its
 # 4 slots at 85% over 55 decode steps (100% while rows wait), aligned_128 at 63% over 74 (70%);
@@ -126,33 +124,24 @@ def test_long_tail_defaults_are_run_long_tails_own():
     assert set(LONG_TAIL_DEFAULTS["paths"]) == set(LONG_TAIL_PATHS)
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_long_tail", ROOT / "scripts" / "bench_long_tail.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
-def test_bench_long_tail_script_writes_the_record_and_refuses_an_existing_one_or_bad_settings(tmp_path, capsys,
-                                                                                              monkeypatch):
-    script = _script()
+def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_settings(tmp_path, capsys,
+                                                                                       monkeypatch):
     out = tmp_path / "long_tail"
     argv = ["--tiny", "qwen2", "--dataset", "gsm8k", "--num-prompts", "6", "--max-new-tokens", "12", "--hazard", "0.1",
             "--slots", "2", "--paths", "paged_128", "aligned_128", "--out", str(out)]
-    script.main(argv)
+    assert main(["bench", "long-tail", *argv]) == 0
     record = json.loads((tmp_path / "long_tail.json").read_text())
     assert check_record_pair(tmp_path / "long_tail.json", tmp_path / "long_tail.csv") == record["run_id"]
-    assert record["provenance"]["script"] == "scripts/bench_long_tail.py" and record["provenance"]["argv"] == argv
+    assert record["provenance"]["script"] == "rollout-lab bench long-tail" and record["provenance"]["argv"] == argv
     assert record["config"]["tiny"] == "qwen2" and list(record["results"]) == ["paged_128", "aligned_128"]
     assert (tmp_path / "long_tail.csv").read_text().splitlines()[0].startswith("run_id,path,git_sha,mode,slots")
     capsys.readouterr()
-    monkeypatch.setattr(script, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(SystemExit) as exit_:
-        script.main(argv)
-    assert exit_.value.code == 2 and "already exist" in capsys.readouterr().err
+    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["bench", "long-tail", *argv]) == 2
+    assert "already exist" in capsys.readouterr().err
     for bad, message in ((["--hazard", "0.9"], "in (0, 0.5], got 0.9"), (["--seed", "-2"], "seed must be an int >= 0"),
                          (["--paths", "vllm"], "invalid choice: 'vllm'")):
-        with pytest.raises(SystemExit) as exit_:
-            script.main(["--tiny", "qwen2", "--out", str(tmp_path / "x"), *bad])
-        assert exit_.value.code == 2 and message in capsys.readouterr().err
+        assert main(["bench", "long-tail", "--tiny", "qwen2", "--out", str(tmp_path / "x"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err
     assert not (tmp_path / "x.json").exists()

@@ -287,7 +287,7 @@ def test_03_renders_a_saved_results_file(executed, tmp_path):
                   str(committed / "rl_qwen3-0.6b_bfloat16_cuda.json")]  # the same workload, two runs
     steps = committed / "decode_step_qwen2.5-3b_bfloat16_cuda.json"
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_prefill_routes.py"), "--tiny", "llama",
+    done = subprocess.run([sys.executable, "-m", "rollout_lab.cli", "bench", "prefill-routes", "--tiny", "llama",
                            "--batch-sizes", "4", "--repetitions", "1", "--out", str(tmp_path / "prefill")],
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

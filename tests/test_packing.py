@@ -146,6 +146,21 @@ def test_prefill_routes_are_measured_side_by_side():
         prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, engine={"prefill_graphs": True})
 
 
+def test_bench_prefill_routes_writes_the_record_after_every_batch(tmp_path):
+    from rollout_lab.cli import main
+    from rollout_lab.measure.sweep import load_prefill_routes_results
+
+    out = tmp_path / "prefill"
+    argv = ["--tiny", "qwen2", "--batch-sizes", "4", "--repetitions", "1", "--routes", "bucketed", "packed",
+            "--out", str(out)]
+    assert main(["bench", "prefill-routes", *argv]) == 0
+    record = load_prefill_routes_results(f"{out}.json")
+    assert record["complete"] and record["batch_sizes_done"] == [4]
+    assert {r["route"] for r in record["rows"]} == {"bucketed", "packed"} and len(record["rows"]) == 2 * 2
+    assert record["config"]["routes"] == ["bucketed", "packed"] and record["config"]["costs"] is None
+    assert record["provenance"]["script"] == "rollout-lab bench prefill-routes" and record["provenance"]["argv"] == argv
+
+
 def test_sweep_prefill_rows_read_the_profiled_calls_of_the_prefill_routes():
     from rollout_lab.measure.prefill_routes import sweep_prefill_rows
 

@@ -1,10 +1,11 @@
-"""measure.rl: the RL-shape benchmark behind scripts/bench_rl.py and notebook 03's rl_shape."""
+"""measure.rl: the RL-shape benchmark behind `rollout-lab bench rl` and notebook 03's rl_shape."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from rollout_lab.cli import main
 from rollout_lab.measure import rl as rl_module
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.rl import RL_DEFAULT_PATHS, check_rl_settings, rl_or_load, run_rl
@@ -79,24 +80,16 @@ def test_rl_or_load_measures_the_shape_and_joins_saved_records_of_the_same_workl
                    device="cpu", output_dir=tmp_path / "third")
 
 
-@pytest.mark.slow
-def test_bench_rl_script_writes_the_record(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
+def test_bench_rl_writes_the_record(tmp_path, capsys):
     out = tmp_path / "rl"
-    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_rl.py"), "--tiny", "qwen2", "--num-seqs", "4",
-                           "--min-len", "3", "--max-len", "8", "--paths", "ours", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
-    assert done.returncode == 0, done.stderr[-2000:]
+    argv = ["--tiny", "qwen2", "--num-seqs", "4", "--min-len", "3", "--max-len", "8", "--paths", "ours", "--out", str(out)]
+    assert main(["bench", "rl", *argv]) == 0
     record = load_rl_results(f"{out}.json")
-    assert record["config"]["tiny"] == "qwen2" and record["provenance"]["script"] == "scripts/bench_rl.py"
-    bad = subprocess.run([sys.executable, str(root / "scripts" / "bench_rl.py"), "--tiny", "qwen2", "--min-len", "9",
-                          "--max-len", "3", "--out", str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(root), "PATH": ""})
-    assert bad.returncode == 2 and "max_len 3 is below min_len 9" in bad.stderr
+    assert record["config"]["tiny"] == "qwen2" and record["config"]["device"] == "cpu"
+    assert record["provenance"]["script"] == "rollout-lab bench rl" and record["provenance"]["argv"] == argv
+    assert f"wrote {out}.json and {out}.csv" in capsys.readouterr().out
+    assert main(["bench", "rl", "--tiny", "qwen2", "--min-len", "9", "--max-len", "3", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == "error: max_len 3 is below min_len 9\n"
 
 
 def test_rl_defaults_are_run_rls_own():

@@ -16,17 +16,36 @@ and compare each step's logits:
 
 ``top1_agreement`` counts only the positions where the reference's top-2 margin exceeds the step's
 error there: where the margin is smaller, either argmax is right within the error.
+
+``run_logits_check`` makes it a record (kind "teacher_forced_logits"): random-token prompts of
+lengths uniform in ``[min_len, max_len]``, forced with the oracle's tokens (HF ``generate``, greedy,
+EOS ignored, one request at a time), one report per variant of ``measure.sweep.DECODE_VARIANTS``.
+``rollout-lab bench logits`` is its command line (``--preset qwen3-0.6b --out
+data/results/fidelity_qwen3-0.6b_bfloat16_cuda`` on the H200; ``--tiny qwen3 --num-seqs 4 --min-len 4
+--max-len 20 --steps 6`` is a CPU check in seconds).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.engine.steppers import StepperKey, graph_capacity, make_stepper
+from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.sweep import DECODE_VARIANTS, LEVER_VARIANTS
+from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
+from rollout_lab.planner.checks import is_int
+
+CACHES = ("aligned", "paged")  # the KV cache the decode step reads: the aligned one, or the paged route's
+# run_logits_check's settings and their defaults (its signature's)
+LOGITS_DEFAULTS: dict[str, Any] = {"num_seqs": 16, "min_len": 100, "max_len": 1024, "steps": 64,
+                                   "variants": LEVER_VARIANTS, "cache": "aligned"}
 
 
 @torch.no_grad()
@@ -119,3 +138,74 @@ def teacher_forced_check(model: torch.nn.Module, prompts: Sequence[Sequence[int]
         "top1_agreement": agree / decided if decided else None, "num_decided": decided,
         "num_positions": sum(len(t) for t in forced), "stepper": info,
     }
+
+
+def check_logits_settings(*, num_seqs: int, min_len: int, max_len: int, steps: int, variants: Sequence[str],
+                          cache: str) -> None:
+    """ValueError naming the first bad setting of ``run_logits_check`` and what would be valid."""
+    for name, value in (("num_seqs", num_seqs), ("min_len", min_len), ("max_len", max_len), ("steps", steps)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if max_len < min_len:
+        raise ValueError(f"max_len {max_len} is below min_len {min_len}")
+    unknown = [v for v in variants if v not in DECODE_VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"unknown decode variants {unknown or '(none given)'}; valid: {', '.join(DECODE_VARIANTS)}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {list(CACHES)}, got {cache!r}")
+
+
+@torch.no_grad()
+def oracle_tokens(model: torch.nn.Module, prompts: Sequence[Sequence[int]], steps: int) -> list[list[int]]:
+    """The ``steps`` tokens HF ``generate`` picks after each prompt (greedy, EOS ignored, unpadded)."""
+    device = next(model.parameters()).device
+    config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    return [model.generate(torch.tensor([p], device=device), generation_config=config)[0, len(p):].tolist()
+            for p in prompts]
+
+
+def run_logits_check(
+    model: torch.nn.Module, *, model_name: str, dtype: str, num_seqs: int = 16, min_len: int = 100,
+    max_len: int = 1024, steps: int = 64, variants: Sequence[str] = LEVER_VARIANTS, cache: str = "aligned",
+    save: Callable[[dict[str, Any]], Any] = lambda record: None, **prov: Any,
+) -> dict[str, Any]:
+    """``teacher_forced_check`` of every variant of ``variants`` on ``model`` (built, on its device)
+    reading the ``cache`` KV cache; the record (kind "teacher_forced_logits"). ``save(record)`` runs
+    after each variant; ``prov`` adds to its provenance (the command and its argv)."""
+    variants = list(variants)
+    check_logits_settings(num_seqs=num_seqs, min_len=min_len, max_len=max_len, steps=steps, variants=variants,
+                          cache=cache)
+    model.generation_config = GenerationConfig()  # nothing from the model's defaults (EOS) stops the oracle
+    cfg = model.config.get_text_config(decoder=True)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    lengths, _ = uniform_workload(num_seqs, low=min_len, high=max_len, seed=0)
+    prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=special_token_ids(cfg))
+    forced = oracle_tokens(model, prompts, steps)
+    device = next(model.parameters()).device
+    record: dict[str, Any] = {
+        "kind": "teacher_forced_logits",
+        "provenance": provenance(device=device, dtype=dtype, **prov),
+        "config": {"model": model_name, "lengths": lengths, "steps": steps, "cache": cache}, "variants": {},
+    }
+    for variant in variants:
+        settings = DECODE_VARIANTS[variant] | ({"mode": "paged"} if cache == "paged" else {})
+        if cache == "paged" and "decode_attention" in settings:
+            settings = {k: v for k, v in settings.items() if k not in ("decode_attention", "decode_widths")}
+        report = teacher_forced_check(model, prompts, forced, RolloutConfig(**settings))
+        record["variants"][variant] = report | {"settings": settings}
+        print(f"{variant:16s} max |err| {report['max_abs_error']:.4g}  top-1 {report['top1_agreement']}",
+              file=sys.stderr)
+        save(record)
+    return record
+
+
+def logits_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per variant of a teacher-forced logits record: the largest error, the top-1
+    agreement where decided, and the stepper that ran."""
+    cache = record["config"]["cache"]
+    return [{"variant": variant, "cache": cache, "max_abs_error": r["max_abs_error"],
+             "top1_agreement": r["top1_agreement"], "num_decided": r["num_decided"],
+             "num_positions": r["num_positions"], "spans": r["stepper"]["spans"],
+             "compiled": r["stepper"]["compiled"], "kind": r["stepper"]["kind"]}
+            for variant, r in record["variants"].items()]

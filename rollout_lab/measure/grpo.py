@@ -17,8 +17,9 @@ Paths (``GRPO_PATHS``), every one sampled with the same seed:
 One warm-up round (graph capture included) and ``reps`` interleaved timed rounds, every call timed
 whole with the device synchronised before and after. Then one pass per path alone on the device
 (the other paths' caches released) for its peak memory over the weights and, for ours, the profile
-(rows prefilled, phase times). ``scripts/bench_grpo.py`` is its command line; notebook 03 runs it
-with ``grpo_shape``.
+(rows prefilled, phase times). ``rollout-lab bench grpo`` is its command line (``--preset qwen2.5-3b
+--out data/results/grpo_qwen2.5-3b_bf16_cuda``: 64 GSM8K prompts x 8 samples, ~1-2 min on the H200;
+``--tiny qwen2 --scale 0.1`` is a CPU check in seconds); notebook 03 runs it with ``grpo_shape``.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from rollout_lab.planner.cost import CostCoefficients
 
 GRPO_PATHS = ("shared", "unshared", "hf_generate")
 # run_grpo's settings and their defaults (its signature's), as notebook 03's grpo_shape and
-# scripts/bench_grpo.py give them
+# rollout-lab bench grpo give them
 GRPO_DEFAULTS: dict[str, Any] = {"dataset": "gsm8k", "num_prompts": 64, "num_samples": 8, "max_new_tokens": 128,
                                  "scale": 1.0, "temperature": 1.0, "top_p": 1.0, "seed": 0, "mode": "bucketed",
                                  "reps": 2, "paths": GRPO_PATHS}

@@ -18,7 +18,10 @@ samples the same tokens in exact arithmetic (bf16 kernels may differ). Output to
 generated; the profile says why: decode steps, live rows per step, occupancy of the slots (over every
 step, and over the steps taken while rows still waited: the route's own effect), preemptions, and the
 paged pool's peak blocks against its live tokens. Every call is timed whole with the device
-synchronised; peak memory is over the weights. ``scripts/bench_long_tail.py`` is its command line.
+synchronised; peak memory is over the weights. ``rollout-lab bench long-tail`` is its command line
+(``--preset qwen2.5-0.5b --out data/results/long_tail_qwen2.5-0.5b_bfloat16_cuda`` on the H200; ``--tiny
+qwen2 --dataset gsm8k --num-prompts 16 --max-new-tokens 128 --hazard 0.05 --slots 4`` is a CPU check in
+seconds: GSM8K's prompts fit the tiny model's 512 positions).
 """
 from __future__ import annotations
 

@@ -170,24 +170,6 @@ def special_token_ids(config: Any) -> list[int]:
     return [t for t in ids if isinstance(t, int)]
 
 
-def add_model_options(parser: Any, *, default_preset: str) -> None:
-    """``--preset``, ``--tiny``, ``--dtype``, ``--device`` of the benchmark scripts; see
-    ``resolve_model_options`` for the defaults they get."""
-    parser.add_argument("--preset", default=default_preset, choices=sorted(PRESETS),
-                        help=f"architecture, random weights (default {default_preset})")
-    parser.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
-    parser.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
-    parser.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
-
-
-def resolve_model_options(args: Any) -> str:
-    """Fill ``args.dtype``/``args.device`` (fp32 on CPU for ``--tiny``, else bf16 on CUDA) and
-    return the model for ``load_model``."""
-    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
-    args.device = args.device or ("cpu" if args.tiny else "cuda")
-    return f"tiny-{args.tiny}" if args.tiny else args.preset
-
-
 def model_config(model: str) -> tuple[Any, str]:
     """(config, name) of ``model`` as ``load_model`` would build and name it, without any weights: for
     the checks made before a model is loaded (its context, its geometry)."""

@@ -9,10 +9,17 @@ warm-up is kept as ``first_call_ms``: the compiles and captures that batch is fi
     rows = prefill_route_rows(model, batch_sizes=(32, 64, 128), repetitions=3)
     # distribution, batch_size, num_tokens, route, mean_ms, stdev_ms, median_ms, q1_ms, q3_ms, iqr_ms,
     # samples_ms, first_call_ms, num_forwards, backend
+
+``run_prefill_routes`` makes the rows a record (kind "prefill_routes"), saved after every batch.
+``rollout-lab bench prefill-routes`` is its command line (``--preset qwen2.5-3b --prefill-graphs --out
+data/results/prefill_routes_qwen2.5-3b_bfloat16_cuda`` on the H200; ``--tiny qwen2 --batch-sizes 4 8``
+is a CPU check in seconds); notebook 03 renders the record with ``prefill_routes_file=...`` (or
+measures live with ``prefill_batch_sizes``).
 """
 from __future__ import annotations
 
 import statistics
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,11 +28,16 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.workloads import crossing_batches, lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.planner.shape_classes import ShapeClasses
 
 PREFILL_ROUTES = ("nocb", "bucketed", "packed")
+# run_prefill_routes's settings and their defaults (its signature's)
+PREFILL_ROUTES_DEFAULTS: dict[str, Any] = {"batch_sizes": (32, 64, 128, 256, 512), "repetitions": 3,
+                                           "routes": PREFILL_ROUTES}
 
 
 def longest_prompt(model: torch.nn.Module) -> int:
@@ -88,6 +100,43 @@ def prefill_route_rows(
     for rollout in rollouts.values():
         rollout.close()
     return rows
+
+
+def run_prefill_routes(
+    model: torch.nn.Module, *, model_name: str, dtype: str, batch_sizes: Sequence[int] = (32, 64, 128, 256, 512),
+    repetitions: int = 3, routes: Sequence[str] = PREFILL_ROUTES, costs: CostCoefficients | None = None,
+    costs_source: str | None = None, prefill_graphs: bool = False,
+    save: Callable[[dict[str, Any]], Any] = lambda record: None, **prov: Any,
+) -> dict[str, Any]:
+    """``prefill_route_rows`` on ``model`` (built, on its device) as a record (kind
+    "prefill_routes"): ``save(record)`` runs after every batch, the record saying which batch sizes
+    are done and whether all are, so a cut run keeps them. ``costs`` price the bucketed plan
+    (``costs_source`` names where they came from); ``prefill_graphs`` buckets at the shape-class
+    ladder of every batch drawn, each class's forward captured (CUDA, as ``rollout-lab sweep
+    --prefill-graphs`` runs); ``prov`` adds to the provenance (the command and its argv)."""
+    batch_sizes, routes = list(batch_sizes), list(routes)
+    engine: dict[str, Any] = {}
+    if prefill_graphs:  # the ladder over every batch this bench draws
+        engine = {"prefill_classes": ShapeClasses.ladder(max_width=longest_prompt(model), max_rows=max(batch_sizes)),
+                  "prefill_graphs": True}
+    record: dict[str, Any] = {
+        "kind": "prefill_routes",
+        "provenance": provenance(device=next(model.parameters()).device, dtype=dtype, **prov),
+        "config": {"model": model_name, "batch_sizes": batch_sizes, "repetitions": repetitions,
+                   "costs": costs_source, "routes": routes, "prefill_graphs": prefill_graphs},
+    }
+    kinds = set(crossing_batches(1, 0))  # the distributions every batch size runs
+
+    def save_rows(rows: list[dict[str, Any]]) -> None:
+        done = sorted({r["batch_size"] for r in rows  # a size is done when all its distributions are
+                       if {q["distribution"] for q in rows if q["batch_size"] == r["batch_size"]} == kinds})
+        record.update(rows=rows, complete=set(done) == set(batch_sizes), batch_sizes_done=done)
+        save(record)
+        print(f"batch sizes {done} saved", file=sys.stderr)
+
+    prefill_route_rows(model, batch_sizes=batch_sizes, repetitions=repetitions, costs=costs, engine=engine,
+                       routes=routes, on_batch_size=save_rows, log=lambda line: print(line, file=sys.stderr))
+    return record
 
 
 def sweep_prefill_rows(record: dict[str, Any]) -> list[dict[str, Any]]:

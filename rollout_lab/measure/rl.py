@@ -12,7 +12,9 @@ one warm-up call, its compile and graph capture included, then ``reps`` timed ca
 call), the ablations of ``measure.sweep.DECODE_VARIANTS`` that take the levers away one at a time,
 and, last, HF ``generate_batch``'s manager with the same per-request budgets (``hf_generate_batch``).
 Every call is timed whole with the device synchronised; peak memory is over the weights (cache and
-graphs included). ``scripts/bench_rl.py`` is its command line; notebook 03 runs it with ``rl_shape``.
+graphs included). ``rollout-lab bench rl`` is its command line (``--preset qwen3-0.6b --out
+data/results/rl_qwen3-0.6b_bfloat16_cuda`` on the H200: nano-vllm's shape; ``--tiny qwen2 --num-seqs 16
+--min-len 8 --max-len 48`` is a CPU check in seconds); notebook 03 runs it with ``rl_shape``.
 """
 from __future__ import annotations
 

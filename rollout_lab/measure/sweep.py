@@ -77,8 +77,8 @@ PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
 PROFILE_FIELDS = ("planning_ms", "prefill_ms", "decode_ms", "cache_ms", "total_ms",
                   "num_prefill_forwards", "num_decode_forwards", "num_generated_tokens")
 # the decode levers, as RolloutConfig settings over the engine's defaults (on CUDA: span attention,
-# the compiled step, the row ladder); each ablation takes one more away (scripts/bench_rl.py,
-# scripts/bench_decode_step.py)
+# the compiled step, the row ladder); each ablation takes one more away (rollout-lab bench rl,
+# decode-step, logits)
 DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "ours": {},
     "ours_no_compile": {"compile": False},
@@ -90,6 +90,8 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     # first compile, engine.compiling), to weigh its step against the whole model's
     "ours_compile_layers": {"compile": "layers"},
 }
+# the levers the decode-step and logits benches compare unless told: ours, then the compile and the spans taken away
+LEVER_VARIANTS = ("ours", "ours_no_compile", "ours_masked")
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
 DEFAULT_REPETITIONS = 5  # timed rounds after the warm-up: enough for a median and an IQR on a CPU
 
@@ -558,22 +560,22 @@ def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> d
 
 
 def load_rl_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A record written by ``scripts/bench_rl.py`` (kind "rl_throughput")."""
+    """A record written by ``rollout-lab bench rl`` (kind "rl_throughput")."""
     return load_record(Path(path), "rl_throughput")
 
 
 def load_prefill_routes_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A record written by ``scripts/bench_prefill_routes.py`` (kind "prefill_routes")."""
+    """A record written by ``rollout-lab bench prefill-routes`` (kind "prefill_routes")."""
     return load_record(Path(path), "prefill_routes")
 
 
 def load_decode_step_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A record written by ``scripts/bench_decode_step.py`` (kind "decode_step")."""
+    """A record written by ``rollout-lab bench decode-step`` (kind "decode_step")."""
     return load_record(Path(path), "decode_step")
 
 
 def load_grpo_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A GRPO record (kind "grpo") of ``measure.grpo.run_grpo``: ``scripts/bench_grpo.py`` or notebook 03."""
+    """A GRPO record (kind "grpo") of ``measure.grpo.run_grpo``: ``rollout-lab bench grpo`` or notebook 03."""
     return load_record(Path(path), "grpo")
 
 

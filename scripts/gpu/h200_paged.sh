@@ -7,7 +7,7 @@
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/h200_paged.sh logits long_tail nano   # the same steps on a tiny CPU model
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/h200_paged.sh logits long_tail   # one device call
 #   ... bash scripts/gpu/h200_paged.sh nano                                                       # the next
-# Every script writes its record after each path, so a step its limit cuts loses nothing it finished.
+# Every bench writes its record after each path, so a step its limit cuts loses nothing it finished.
 # LONG_TAIL_PATHS / NANO_MODES pick the long-tail paths and the nano-vllm routes.
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
@@ -24,11 +24,11 @@ NANO_MODES=${NANO_MODES:-paged bucketed}
 versions
 for what in "$@"; do
   case $what in
-    logits) step 240 $PY scripts/check_logits.py $LOGITS --cache paged --variants ours ours_no_compile \
+    logits) step 240 $PY -m rollout_lab.cli bench logits $LOGITS --cache paged --variants ours ours_no_compile \
                 --out "$OUT"/fidelity_paged ;;
-    long_tail) step 540 $PY scripts/bench_long_tail.py $LONG --paths $LONG_TAIL_PATHS --out "$OUT"/long_tail ;;
+    long_tail) step 540 $PY -m rollout_lab.cli bench long-tail $LONG --paths $LONG_TAIL_PATHS --out "$OUT"/long_tail ;;
     nano) for mode in $NANO_MODES; do
-            step 300 $PY scripts/bench_rl.py $NANO --mode "$mode" --paths ours --out "$OUT"/rl_nano_"$mode"
+            step 300 $PY -m rollout_lab.cli bench rl $NANO --mode "$mode" --paths ours --out "$OUT"/rl_nano_"$mode"
           done ;;
     *) echo "unknown step $what (logits, long_tail, nano)"; exit 2 ;;
   esac

@@ -38,9 +38,9 @@ for what in "$@"; do
     sweep) if [ -n "${RESUME:-}" ]; then cp "$RESUME"/sweep_ours.json "$RESUME"/sweep_ours.csv "$OUT"/ || exit 1; fi
            step ${SWEEP_LIMIT:-540} $PY -m rollout_lab.cli sweep $M $EXTRA $GRAPHS --no-progress --costs $COSTS --max-new-tokens 16 \
                --workloads $WORKLOADS --paths nocb bucketed packed auto ${RESUME:+--resume} --out $OUT/sweep_ours ;;
-    prefill) step ${PREFILL_LIMIT:-400} $PY scripts/bench_prefill_routes.py $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
+    prefill) step ${PREFILL_LIMIT:-400} $PY -m rollout_lab.cli bench prefill-routes $PREFILL --costs $COSTS --out $OUT/prefill_routes ;;
     # 512 prompts without nocb: its padded forward of 512 x ~2048 tokens ran out of the H200's memory
-    prefill512) step ${PREFILL_LIMIT:-300} $PY scripts/bench_prefill_routes.py $PREFILL512 --costs $COSTS --out $OUT/prefill_routes_512 ;;
+    prefill512) step ${PREFILL_LIMIT:-300} $PY -m rollout_lab.cli bench prefill-routes $PREFILL512 --costs $COSTS --out $OUT/prefill_routes_512 ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
     *) echo "unknown step $what (tests, calibrate, sweep, prefill, prefill512, peer)"; exit 2 ;;

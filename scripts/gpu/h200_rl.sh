@@ -9,8 +9,8 @@
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> bash scripts/gpu/h200_rl.sh tests step   # one device call
 #   ... bash scripts/gpu/h200_rl.sh rl                                           # the next
 # Each step has its own time limit, sized from measured times (the device tool allows 600 s a call),
-# and every script writes its record after each case or path, so a step that runs out loses nothing
-# it finished. RL_PATHS picks bench_rl.py's paths (e.g. "ours hf_generate_batch" for the peer).
+# and every bench writes its record after each case or path, so a step that runs out loses nothing
+# it finished. RL_PATHS picks `bench rl`'s paths (e.g. "ours hf_generate_batch" for the peer).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
@@ -29,12 +29,12 @@ versions
 for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_span_attention.py tests/test_steppers.py ;;
-    step)  step 300 $PY scripts/bench_decode_step.py $STEP --variants $VARIANTS \
+    step)  step 300 $PY -m rollout_lab.cli bench decode-step $STEP --variants $VARIANTS \
                --out $OUT/decode_step ;;
-    rl)    step 420 $PY scripts/bench_rl.py $RL --paths ${RL_PATHS:-ours ours_no_compile ours_masked} --out $OUT/rl ;;
+    rl)    step 420 $PY -m rollout_lab.cli bench rl $RL --paths ${RL_PATHS:-ours ours_no_compile ours_masked} --out $OUT/rl ;;
     # the same model as the next step: its compile finds inductor's cache warm
-    logits) step 330 $PY scripts/check_logits.py $LOGITS --out $OUT/logits ;;
-    grpo)  step 450 $PY scripts/bench_grpo.py $GRPO ${COSTS:+--costs $COSTS} --reps 1 --out $OUT/grpo ;;
+    logits) step 330 $PY -m rollout_lab.cli bench logits $LOGITS --out $OUT/logits ;;
+    grpo)  step 450 $PY -m rollout_lab.cli bench grpo $GRPO ${COSTS:+--costs $COSTS} --reps 1 --out $OUT/grpo ;;
     gpqa)  step ${GPQA_LIMIT:-540} $PY -m rollout_lab.cli sweep $GPQA ${COSTS:+--costs $COSTS} --no-progress --workloads gpqa_diamond_128 \
                --paths nocb bucketed packed auto --out $OUT/sweep_gpqa128_256 ;;
     gpqa_peer) step 300 $PY -m rollout_lab.cli sweep $PEER --no-progress --workloads gpqa_diamond_128 --paths hf_static \
