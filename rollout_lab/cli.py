@@ -31,6 +31,8 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
+from rollout_lab.measure.records import (PROFILE_FIELDS, decode_step_rows, e2e_table, grpo_rows, join_sweeps,
+                                         load_results, rl_throughput_rows, summary_table)
 from rollout_lab.measure.workloads import (DATASETS, SEED_FIVE, WORKLOADS,
                                            read_lengths_file, sample_lengths)
 from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks
@@ -221,6 +223,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweep  # torch: only the commands that run a model
     from rollout_lab.engine.setting import model_metadata  # torch, as above
     from rollout_lab.measure.calibrate import calibration_path  # torch, as above
+    from rollout_lab.measure.paths import check_paths  # torch, as above
 
     resolve_model_arguments(args)
     scale = args.scale if args.scale is not None else (0.25 if args.tiny else 1.0)
@@ -234,7 +237,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                           what=f"workload {workload!r} at --scale {scale:g}")
         except ValueError as err:
             raise ValueError(f"{err}; lower --scale or --max-new-tokens") from None
-    paths = sweep.check_paths(args.paths)
+    paths = check_paths(args.paths)
     engine: dict = {}
     if args.prefill_graphs:
         check_prefill_graphs_device(args)
@@ -273,7 +276,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     json_path, csv_path = pair_paths(out)  # run_sweep wrote them, under the output's lock
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}  (medians)")
     spread = {True: "beyond spread", False: "within spread", None: ""}  # Auto vs best manual: disjoint IQRs?
-    for row in sweep.summary_table(record):
+    for row in summary_table(record):
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"{row['workload']:<16} {str(row['auto_route']):<10} {fmt(row['auto_over_best_manual']):>17} "
               f"{fmt(row['auto_over_best_peer']):>15}  {spread[row['auto_vs_best_manual_beyond_spread']]}")
@@ -303,7 +306,7 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """The planner's worked example, a CPU rollout through every route, then every notebook."""
-    from rollout_lab.measure.sweep import PROFILE_FIELDS, route_table  # torch
+    from rollout_lab.measure.sweep import route_table  # torch
 
     workspace = _workspace(args)
     check_writable(workspace.root, what="the --out-dir workspace")
@@ -335,8 +338,6 @@ HEADLINE_ROLES = ("headline", "headline_peer")
 def _committed_gpu_table(workspace: Workspace) -> None:
     """Print the committed H200 sweeps' E2E table (joined) and write it to the workspace: the GPU
     numbers re-rendered from their records, on a machine without a GPU."""
-    from rollout_lab.measure.sweep import e2e_table, join_sweeps, load_results  # torch
-
     files = [str(p) for role in HEADLINE_ROLES for p in records_with_role(Path("data") / "results", role)]
     if not files or not all(Path(f).is_file() for f in files):
         print("\n== The committed H200 records: not in this folder (run from a checkout to render them) ==")
@@ -385,7 +386,6 @@ def _rl_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_rl(args: argparse.Namespace) -> int:
     from rollout_lab.measure.rl import RL_DEFAULTS, check_rl_settings, run_rl  # torch
-    from rollout_lab.measure.sweep import rl_throughput_rows  # torch, as above
 
     settings = {k: getattr(args, k) for k in RL_DEFAULTS}
     check_rl_settings(**{k: v for k, v in settings.items() if k not in ("seed", "decode", "decode_widths")})
@@ -414,7 +414,6 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
 def cmd_bench_grpo(args: argparse.Namespace) -> int:
     from rollout_lab.measure.calibrate import load_calibration  # torch
     from rollout_lab.measure.grpo import GRPO_DEFAULTS, check_grpo_settings, run_grpo  # torch, as above
-    from rollout_lab.measure.sweep import grpo_rows  # torch, as above
 
     settings = {k: getattr(args, k) for k in GRPO_DEFAULTS}
     check_grpo_settings(**settings)
@@ -447,7 +446,6 @@ def _decode_step_options(p: argparse.ArgumentParser) -> None:
 def cmd_bench_decode_step(args: argparse.Namespace) -> int:
     from rollout_lab.measure.decode_step import (DECODE_STEP_DEFAULTS,  # torch
                                                  check_decode_step_settings, run_decode_step)
-    from rollout_lab.measure.sweep import decode_step_rows  # torch, as above
 
     settings = {k: getattr(args, k) for k in DECODE_STEP_DEFAULTS}
     check_decode_step_settings(**settings)
@@ -726,7 +724,7 @@ def _add_uniform_lengths(parser: argparse.ArgumentParser, defaults: dict[str, An
 
 def _add_variants(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
     """--variants: the decode levers a bench compares (decode-step, logits)."""
-    from rollout_lab.measure.sweep import DECODE_VARIANTS  # torch: a bench's options, when it parses
+    from rollout_lab.measure.paths import DECODE_VARIANTS  # torch: a bench's options, when it parses
 
     parser.add_argument("--variants", nargs="+", default=list(defaults["variants"]), choices=sorted(DECODE_VARIANTS),
                         help="decode levers to compare (default: %(default)s)")

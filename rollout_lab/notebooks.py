@@ -79,7 +79,7 @@ def notebook_parameters(
 
             from rollout_lab.measure.calibrate import CalibrationGrid
             from rollout_lab.measure.rl import NANO_VLLM_MODEL, NANO_VLLM_SHAPE
-            from rollout_lab.measure.sweep import PATHS
+            from rollout_lab.measure.paths import PATHS
             grid = dataclasses.replace(CalibrationGrid(), prefill_graphs=True, repeats=3)  # 01: as the compiled graphs run
             params["grid"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()}
             params["prefill_graphs"] = True  # 03: captured prefill at the workloads' class ladder

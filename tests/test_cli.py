@@ -382,7 +382,7 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
 def test_reproduce_renders_the_committed_gpu_records_without_a_gpu(tmp_path, monkeypatch, capsys):
     from rollout_lab.cli import HEADLINE_ROLES, _committed_gpu_table
     from rollout_lab.measure.evidence import records_with_role
-    from rollout_lab.measure.sweep import load_results
+    from rollout_lab.measure.records import load_results
     from rollout_lab.workspace import Workspace
 
     COMMITTED_GPU_SWEEPS = [p for role in HEADLINE_ROLES  # the index names them

@@ -5,7 +5,7 @@ import inspect
 
 from rollout_lab.cli import main
 from rollout_lab.measure.decode_step import DECODE_STEP_DEFAULTS, run_decode_step
-from rollout_lab.measure.sweep import load_decode_step_results
+from rollout_lab.measure.records import load_decode_step_results
 
 
 def test_bench_decode_step_times_every_case_and_variant(tmp_path):

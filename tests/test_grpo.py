@@ -11,7 +11,7 @@ import pytest
 from rollout_lab.measure import grpo as grpo_module
 from rollout_lab.measure.grpo import GRPO_DEFAULTS, GRPO_PATHS, check_grpo_settings, grpo_or_load, run_grpo
 from rollout_lab.measure.models import tiny_model
-from rollout_lab.measure.sweep import grpo_rows, load_grpo_results
+from rollout_lab.measure.records import grpo_rows, load_grpo_results
 from rollout_lab.workspace import write_record
 
 SHAPE = {"num_prompts": 3, "num_samples": 2, "max_new_tokens": 4, "scale": 0.05, "reps": 1}

@@ -103,7 +103,7 @@ def test_the_notebooks_are_the_top_level_folder_which_the_wheel_ships():
 def test_gpu_preset_parameters_run_the_engine_as_the_records_do():
     """`rollout-lab notebooks --device cuda --preset ...`: each notebook gets the settings the H200
     records used, and every one of them is a parameter that notebook declares."""
-    from rollout_lab.measure.sweep import PATHS
+    from rollout_lab.measure.paths import PATHS
     from rollout_lab.notebooks import notebook_parameters
 
     gpu = {n: notebook_parameters(n, device="cuda", preset="qwen2.5-3b", output_dir="w") for n in NOTEBOOKS}

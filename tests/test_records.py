@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from rollout_lab.engine.config import MANUAL_ROUTES
 from rollout_lab.measure.prefill_routes import PREFILL_ROUTES
-from rollout_lab.measure.sweep import MANUAL_ROUTES, PEER_PATHS
+from rollout_lab.measure.records import PEER_PATHS
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
@@ -129,7 +130,8 @@ def test_the_eager_calibration_merged_the_buckets_that_01s_keeps_apart():
 def test_the_gpqa_row_joins_every_route_and_peer():
     """h200_notebooks.sh's default GPQA-like 128 x 256 row: 03's own run, HF static, and the more:<routes>
     records join into one workload with every route and peer once, and Auto / best route follows."""
-    from rollout_lab.measure.sweep import PATHS, join_sweeps, load_results
+    from rollout_lab.measure.paths import PATHS
+    from rollout_lab.measure.records import join_sweeps, load_results
 
     stem = ROOT / "data" / "results" / "sweep_qwen2.5-3b_bfloat16_cuda_gpqa"
     files = [f"{stem}_diamond_128x256_notebook-03.json", f"{stem}128x256_hf_static.json",
@@ -209,7 +211,7 @@ def test_grpo_ratios_follow_from_the_means(path):
     for key, ratio in record["ratios"].items():
         num, den = key.split("_over_")
         assert close(ratio, results[num]["mean_ms"] / results[den]["mean_ms"]), key
-    from rollout_lab.measure.sweep import grpo_rows, load_grpo_results
+    from rollout_lab.measure.records import grpo_rows, load_grpo_results
 
     rows = grpo_rows(load_grpo_results(path))  # what notebook 03 renders
     tokens = record["workload"]["num_generated_tokens"]
@@ -234,7 +236,7 @@ def test_calibration_fit_errors_follow_from_its_shapes(path):
 
 
 def test_a_record_of_another_kind_is_not_read_as_grpo():
-    from rollout_lab.measure.sweep import load_grpo_results
+    from rollout_lab.measure.records import load_grpo_results
 
     other = next(p for p in RESULTS if load(p).get("kind") not in (None, "grpo"))
     with pytest.raises(ValueError, match="is not a grpo record"):

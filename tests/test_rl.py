@@ -9,7 +9,7 @@ from rollout_lab.cli import main
 from rollout_lab.measure import rl as rl_module
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.rl import RL_DEFAULT_PATHS, check_rl_settings, rl_or_load, run_rl
-from rollout_lab.measure.sweep import load_rl_results, rl_throughput_rows
+from rollout_lab.measure.records import load_rl_results, rl_throughput_rows
 from rollout_lab.measure.workloads import uniform_workload
 from rollout_lab.workspace import write_record
 

@@ -15,16 +15,16 @@ import pytest
 from rollout_lab.cli import main as cli_main
 from rollout_lab.engine.config import MANUAL_ROUTES, MODES
 from rollout_lab.measure.models import tiny_model
-from rollout_lab.measure.sweep import (
-    PATHS,
+from rollout_lab.measure.paths import PATHS
+from rollout_lab.measure.records import (
     PEER_PATHS,
     load_results,
     results_table,
-    run_sweep,
     summary_table,
     workload_summary,
     write_results,
 )
+from rollout_lab.measure.sweep import run_sweep
 from rollout_lab.measure.workloads import get_workload
 from rollout_lab.workspace import check_record_pair
 
@@ -88,7 +88,7 @@ def test_failing_peer_is_skipped_with_reason(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no paged cache today")
 
-    monkeypatch.setattr("rollout_lab.measure.sweep.hf_generate_batch", broken)
+    monkeypatch.setattr("rollout_lab.measure.paths.hf_generate_batch", broken)
     record = run_sweep(tiny_model("qwen2"), workloads={"two": [3, 1]}, paths=["nocb", "auto", "hf_generate_batch"],
                              repetitions=1, max_new_tokens=2, progress=False)
     r = record["workloads"]["two"]["paths"]["hf_generate_batch"]
@@ -301,7 +301,7 @@ def test_route_table_warms_every_route_up_before_timing_any(monkeypatch):
 
 
 def test_join_sweeps_puts_separate_processes_paths_in_one_record():
-    from rollout_lab.measure.sweep import join_sweeps
+    from rollout_lab.measure.records import join_sweeps
 
     def record(paths, lengths=(3, 9), sha="a"):
         entry = {"num_requests": len(lengths), "lengths": list(lengths), "padding_share": 0.0,
@@ -411,7 +411,7 @@ def test_more_sweep_measures_its_own_generation_length_and_refuses_bad_settings_
 def test_whole_table_puts_every_record_against_its_hf_peers(tmp_path):
     """One row per workload of sweeps (joined with an own-process peer), RL and GRPO records: ours
     against each HF peer the record holds, the speedup over the fastest, and the record's name."""
-    from rollout_lab.measure.sweep import load_sweeps, whole_table_rows
+    from rollout_lab.measure.records import load_sweeps, whole_table_rows
 
     def sweep(paths, sha):
         entry = {"num_requests": 4, "lengths": [3, 9, 2, 2], "padding_share": 0.0,

@@ -4,7 +4,7 @@
     record = run_decode_step(model, model_name="qwen2.5-3b", dtype="bfloat16", cases=[(32, 80), (128, 710)])
 
 A case ``(S, L)`` (``SxL`` on the command line) is S slots whose rows all hold L live columns
-(prompt plus generated tokens). For each case and each variant of ``measure.sweep.DECODE_VARIANTS``
+(prompt plus generated tokens). For each case and each variant of ``measure.paths.DECODE_VARIANTS``
 (``ours``: span attention and the compiled step where they run; the ablations take them away), one
 ``Rollout.generate`` of S random prompts of L - 16 tokens and 16 new tokens builds the stepper (its
 compile and capture are the first-call cost, recorded apart), then ``steps`` steps of all S rows
@@ -26,7 +26,7 @@ from rollout_lab.engine.profile import synchronize
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import DECODE_VARIANTS, LEVER_VARIANTS
+from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.checks import is_int
 

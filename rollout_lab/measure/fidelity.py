@@ -19,7 +19,7 @@ error there: where the margin is smaller, either argmax is right within the erro
 
 ``run_logits_check`` makes it a record (kind "teacher_forced_logits"): random-token prompts of
 lengths uniform in ``[min_len, max_len]``, forced with the oracle's tokens (HF ``generate``, greedy,
-EOS ignored, one request at a time), one report per variant of ``measure.sweep.DECODE_VARIANTS``.
+EOS ignored, one request at a time), one report per variant of ``measure.paths.DECODE_VARIANTS``.
 ``rollout-lab bench logits`` is its command line (``--preset qwen3-0.6b --out
 data/results/fidelity_qwen3-0.6b_bfloat16_cuda`` on the H200; ``--tiny qwen3 --num-seqs 4 --min-len 4
 --max-len 20 --steps 6`` is a CPU check in seconds).
@@ -38,7 +38,7 @@ from rollout_lab.engine.rollout import Rollout
 from rollout_lab.engine.steppers import StepperKey, graph_capacity, make_stepper
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import DECODE_VARIANTS, LEVER_VARIANTS
+from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 

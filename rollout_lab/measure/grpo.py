@@ -36,7 +36,7 @@ from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import release_memory
+from rollout_lab.measure.paths import release_memory
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, padding_share, sample_lengths, scale_lengths
 from rollout_lab.planner.checks import is_int
 from rollout_lab.planner.cost import CostCoefficients
@@ -212,7 +212,7 @@ def grpo_or_load(
     settings and a record in the way, all raised before the model is built."""
     from rollout_lab.measure.calibrate import load_calibration
     from rollout_lab.measure.models import load_model, model_config
-    from rollout_lab.measure.sweep import grpo_rows, load_grpo_results
+    from rollout_lab.measure.records import grpo_rows, load_grpo_results
     from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
     if grpo_shape is not None and grpo_results_file is not None:

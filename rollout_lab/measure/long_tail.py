@@ -40,7 +40,8 @@ from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.rl import peak_memory_over
-from rollout_lab.measure.sweep import load_record, release_memory
+from rollout_lab.measure.paths import release_memory
+from rollout_lab.measure.records import load_record
 from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts
 from rollout_lab.planner.checks import is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record

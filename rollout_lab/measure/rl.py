@@ -9,7 +9,7 @@ so every request generates exactly its budget and output tok/s counts those toke
 
 Paths (``RL_PATHS``; ``RL_DEFAULT_PATHS`` leave out the CUDA-only ``ours_compile_layers``): ``ours`` (``Rollout.generate(prompts, max_new_tokens=budgets)`` in ``mode``;
 one warm-up call, its compile and graph capture included, then ``reps`` timed calls and one profiled
-call), the ablations of ``measure.sweep.DECODE_VARIANTS`` that take the levers away one at a time,
+call), the ablations of ``measure.paths.DECODE_VARIANTS`` that take the levers away one at a time,
 and, last, HF ``generate_batch``'s manager with the same per-request budgets (``hf_generate_batch``).
 Every call is timed whole with the device synchronised; peak memory is over the weights (cache and
 graphs included). ``rollout-lab bench rl`` is its command line (``--preset qwen3-0.6b --out
@@ -31,7 +31,7 @@ from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.sweep import DECODE_VARIANTS, release_memory
+from rollout_lab.measure.paths import DECODE_VARIANTS, release_memory
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 
@@ -212,7 +212,7 @@ def rl_or_load(
     ``rl_results_file``. They must all run one workload (the same lengths and budgets). Bad settings,
     a record in the way or another workload are a ValueError raised before the model is built."""
     from rollout_lab.measure.models import load_model, model_config
-    from rollout_lab.measure.sweep import load_rl_results, rl_throughput_rows
+    from rollout_lab.measure.records import load_rl_results, rl_throughput_rows
     from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
     files = [] if rl_results_file is None else \

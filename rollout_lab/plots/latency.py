@@ -1,5 +1,5 @@
 """The latency figures of notebook 03: end-to-end time per path, throughput and memory, and the
-phase breakdown of our routes, from a sweep record's rows (``measure.sweep.results_table``).
+phase breakdown of our routes, from a sweep record's rows (``measure.records.results_table``).
 Timings are drawn as medians with their interquartile range and every sample (seaborn), on a linear
 axis unless they span 10x; what was not measured is said in words::
 
@@ -140,7 +140,7 @@ def plot_breakdown(rows: Sequence[Mapping[str, Any]]) -> Figure:
 
 def plot_rl_throughput(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Output tok/s and decode ms per step per path of an RL throughput record
-    (``measure.sweep.rl_throughput_rows``); a skipped path is named, not drawn."""
+    (``measure.records.rl_throughput_rows``); a skipped path is named, not drawn."""
     ran = [r for r in rows if r.get("output_tokens_per_s") is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.45 * max(4, len(ran))))
     several = len({r.get("git_sha") for r in rows}) > 1  # rows from several records: name the code
@@ -193,7 +193,7 @@ def plot_occupancy(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Fig
 
 def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Median decode ms per step (error bar: one standard deviation over the timed steps) per case
-    and variant of a decode-step record (``measure.sweep.decode_step_rows``)."""
+    and variant of a decode-step record (``measure.records.decode_step_rows``)."""
     cases = list(dict.fromkeys(r["case"] for r in rows))
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     fig, ax = plt.subplots(figsize=(3 + 1.6 * len(cases), 3.4))
@@ -256,7 +256,7 @@ WHOLE_TABLE_COLUMNS = (("ours_ms", "ours"), ("hf_static_ms", "HF static + compil
 
 
 def plot_whole_table(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
-    """The whole table (``measure.sweep.whole_table_rows``): per workload, seconds of the whole call for
+    """The whole table (``measure.records.whole_table_rows``): per workload, seconds of the whole call for
     ours and each HF peer its record holds (log axis), and the speedup over the fastest peer."""
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * max(3, len(rows))))
     height = 0.8 / len(WHOLE_TABLE_COLUMNS)
