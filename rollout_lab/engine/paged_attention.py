@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout_lab.engine.span_attention import BLOCK_N, kernel_available, num_splits, tl, triton
+from rollout_lab.engine.span_attention import (BLOCK_N, kernel_available, merge_splits, num_splits, split_buffers, tl,
+                                                triton)
 
 BLOCK_SIZES = (16, 32, 64, 128)  # tokens per paged block the kernel supports
 OP_NAME = "rollout_lab::paged_attention"
@@ -70,7 +71,6 @@ def paged_attention_reference(
 
 
 if triton is not None:
-    from .span_attention import _span_merge  # the splits are merged exactly as span_attention's
 
     @triton.jit
     def _paged_partial(
@@ -167,11 +167,7 @@ def paged_attention(
     if key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:  # a copy of the pool: avoid on the hot path
         key_pool, value_pool = key_pool.contiguous(), value_pool.contiguous()
     query = query.contiguous()
-    parts = rows * kv_heads * splits * group_pad
-    m = torch.empty(parts, dtype=torch.float32, device=query.device)
-    s = torch.empty(parts, dtype=torch.float32, device=query.device)
-    acc = torch.empty(parts, head_dim, dtype=torch.float32, device=query.device)
-    out = torch.empty(rows, 1, heads, head_dim, dtype=query.dtype, device=query.device)
+    m, s, acc, out = split_buffers(query, kv_heads, splits, group_pad)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _paged_partial[(rows * kv_heads, splits)](
         query, key_pool, value_pool, block_tables, positions, m, s, acc,
@@ -182,12 +178,7 @@ def paged_attention(
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLITS=splits, PRECISION=precision, num_warps=4,
     )
-    _span_merge[(rows * kv_heads,)](
-        m, s, acc, out, out.stride(0), out.stride(2),
-        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SPLITS=splits,
-        num_warps=4,
-    )
-    return out
+    return merge_splits(m, s, acc, out, kv_heads=kv_heads, group=group, group_pad=group_pad, splits=splits)
 
 
 @paged_attention.register_fake

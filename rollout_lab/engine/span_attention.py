@@ -169,6 +169,31 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: 
         raise ValueError(f"starts has {starts.shape[0]} entries for {rows} rows")
 
 
+def split_buffers(query: torch.Tensor, kv_heads: int, splits: int, group_pad: int):
+    """The split-K kernels' fp32 partials (max, sum, unnormalised output, one per (row, KV head,
+    split, padded group member)) and the output ``[rows, 1, heads, head_dim]``: (m, s, acc, out)."""
+    rows, heads, _, head_dim = query.shape
+    parts = rows * kv_heads * splits * group_pad
+    m = torch.empty(parts, dtype=torch.float32, device=query.device)
+    s = torch.empty(parts, dtype=torch.float32, device=query.device)
+    acc = torch.empty(parts, head_dim, dtype=torch.float32, device=query.device)
+    out = torch.empty(rows, 1, heads, head_dim, dtype=query.dtype, device=query.device)
+    return m, s, acc, out
+
+
+def merge_splits(m: torch.Tensor, s: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, *, kv_heads: int,
+                 group: int, group_pad: int, splits: int) -> torch.Tensor:
+    """Combine the splits of each (row, KV head) into ``out`` (``_span_merge``); returns ``out``.
+    The span and the paged kernels write the same partials, so they share this step."""
+    rows, _, _, head_dim = out.shape
+    _span_merge[(rows * kv_heads,)](
+        m, s, acc, out, out.stride(0), out.stride(2),
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SPLITS=splits,
+        num_warps=4,
+    )
+    return out
+
+
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def span_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
@@ -187,11 +212,7 @@ def span_attention(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
     query = query.contiguous()
-    parts = rows * kv_heads * splits * group_pad
-    m = torch.empty(parts, dtype=torch.float32, device=query.device)
-    s = torch.empty(parts, dtype=torch.float32, device=query.device)
-    acc = torch.empty(parts, head_dim, dtype=torch.float32, device=query.device)
-    out = torch.empty(rows, 1, heads, head_dim, dtype=query.dtype, device=query.device)
+    m, s, acc, out = split_buffers(query, kv_heads, splits, group_pad)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _span_partial[(rows * kv_heads, splits)](
         query, key, value, starts, front, m, s, acc,
@@ -200,12 +221,7 @@ def span_attention(
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
         SPLITS=splits, PRECISION=precision, num_warps=4,
     )
-    _span_merge[(rows * kv_heads,)](
-        m, s, acc, out, out.stride(0), out.stride(2),
-        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, SPLITS=splits,
-        num_warps=4,
-    )
-    return out
+    return merge_splits(m, s, acc, out, kv_heads=kv_heads, group=group, group_pad=group_pad, splits=splits)
 
 
 @span_attention.register_fake
