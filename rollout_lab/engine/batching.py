@@ -113,20 +113,20 @@ class ContinuousBatcher:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
         while self.queue or self.rows:
-            while self.queue and len(self.rows) < self.settings.num_slots and self._admit():
-                pass
+            self._admit_queued()
             if not self.rows:
                 if not self.queue:
                     break  # the last admissions all finished on their first token
-                raise RuntimeError("no request is admissible into an empty cache (capacity check missed)")
+                raise RuntimeError("no request is admissible into an empty cache (capacity or pool check missed)")
             # Without EOS ids nothing retires before the nearest budget: run those steps without
             # reading tokens back, so the host never waits on the device in between.
             burst = 1
             if not self.settings.eos_token_ids:
                 burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
+            burst = self._reserve(burst)
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
-                front = self.cache.front_int
+                front = self._decode_front()
                 steps, step_logprobs = [], []
                 for k in range(burst):
                     steps.append(self.stepper.step(num_rows, front + k))
@@ -134,7 +134,7 @@ class ContinuousBatcher:
                         step_logprobs.append(self.stepper.logprobs(num_rows))
                 tokens = torch.stack(steps, 1).tolist()
                 logprobs = torch.stack(step_logprobs, 1).tolist() if step_logprobs else None
-                self.cache.front_int += burst
+                self._advance_front(burst)
             self.profile.num_decode_forwards += burst
             self.profile.decode_row_steps += num_rows * burst
             if self.queue:
@@ -146,6 +146,25 @@ class ContinuousBatcher:
                     self._append(row, token, None if logprobs is None else logprobs[i][k])
             self._retire()
         return self.outputs, self.plans
+
+    # What the paged cache (engine.paged_batching) does its own way: admission, reserving memory for
+    # the next steps, and where a step writes.
+    def _admit_queued(self) -> None:
+        """Admit queued rows while slots are free and the cache holds them."""
+        while self.queue and len(self.rows) < self.settings.num_slots and self._admit():
+            pass
+
+    def _reserve(self, burst: int) -> int:
+        """Make room for ``burst`` more tokens of every live row; the burst that fits (here all of it:
+        admission already kept the columns every live row's budget needs)."""
+        return burst
+
+    def _decode_front(self) -> int:
+        """The column the next step writes (the shared front)."""
+        return self.cache.front_int
+
+    def _advance_front(self, burst: int) -> None:
+        self.cache.front_int += burst  # the steps advanced the device front
 
     def _append(self, row: _Row, token: int, logprob: float | None = None) -> None:
         self.outputs[row.request].append(token)

@@ -42,41 +42,18 @@ class PagedBatcher(ContinuousBatcher):
         self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
         self._counter = 0
         self.profile.kv_block_size = self.cache.block_size
-        self.profile.num_slots = self.settings.num_slots
-
-    # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> tuple[list[list[int]], list]:
-        while self.queue or self.rows:
-            while self._admit_paged() and not self.rows:
-                pass  # every admitted row finished on its first token: admit again
-            if not self.rows:
-                if not self.queue:
-                    break  # the last admissions all finished on their first token
-                raise RuntimeError("no request is admissible into an empty paged cache (pool check missed)")
-            burst = 1
-            if not self.settings.eos_token_ids:  # nothing retires before the nearest budget
-                burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
-            burst = self._reserve(burst)
-            num_rows = len(self.rows)
-            with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
-                steps, step_logprobs = [], []
-                for _ in range(burst):
-                    steps.append(self.stepper.step(num_rows, 0))
-                    if self.settings.logprobs_mode:  # read before the next step overwrites them
-                        step_logprobs.append(self.stepper.logprobs(num_rows))
-                tokens = torch.stack(steps, 1).tolist()
-                logprobs = torch.stack(step_logprobs, 1).tolist() if step_logprobs else None
-            self.profile.num_decode_forwards += burst
-            self.profile.decode_row_steps += num_rows * burst
-            if self.queue:
-                self.profile.queued_decode_steps += burst
-                self.profile.queued_row_steps += num_rows * burst
-            for i, (row, row_tokens) in enumerate(zip(self.rows, tokens)):
-                for k, token in enumerate(row_tokens):
-                    self._append(row, token, None if logprobs is None else logprobs[i][k])
-            self._retire()
         self.profile.num_kv_blocks = self.cache.num_blocks
-        return self.outputs, self.plans
+
+    # -- the loop's hooks (ContinuousBatcher.run) ---------------------------------------------
+    def _admit_queued(self) -> None:
+        while self._admit_paged() and not self.rows:
+            pass  # every admitted row finished on its first token: admit again
+
+    def _decode_front(self) -> int:
+        return 0  # every row writes at its own position (the stepper's one window holds any)
+
+    def _advance_front(self, burst: int) -> None:
+        """Nothing: the step advanced each row's position on the device."""
 
     def _note_peak(self) -> None:
         allocator = self.cache.allocator
@@ -193,7 +170,6 @@ class PagedBatcher(ContinuousBatcher):
                     entries.extend((slot, index, block) for index, block in
                                    allocator.grow(slot, self._cached_tokens(row) + burst))
             self.cache.set_blocks(entries)
-        self._note_peak()
         return burst
 
     def _preempt(self) -> None:

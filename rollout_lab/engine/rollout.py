@@ -326,7 +326,6 @@ class Rollout:
             num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets)
             with timer.phase("stepper_build_ms"):
                 stepper = self._stepper_for(num_slots, capacity, False, sampling, logprobs_mode, num_blocks)
-            stats.num_kv_blocks = stepper.key.num_blocks
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
         # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
         # its compile) is neither built nor replaced.
