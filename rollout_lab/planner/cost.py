@@ -310,9 +310,8 @@ def attention_gflops(batch: int, width: int, geometry: ModelGeometry) -> float:
 
 
 def kv_mib(batch: int, width: int, geometry: ModelGeometry) -> float:
-    """2 * B * L * layers * kv_heads * head_dim * element_bytes / 2^20."""
-    g = geometry
-    return 2.0 * batch * width * g.num_layers * g.num_kv_heads * g.head_dim * g.element_bytes / MIB
+    """2 * B * L * layers * kv_heads * head_dim * element_bytes / 2^20 (``kv_bytes_per_token``)."""
+    return float(batch * width * geometry.kv_bytes_per_token) / MIB
 
 
 def prefill_cost_ms(

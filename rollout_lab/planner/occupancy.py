@@ -24,6 +24,7 @@ decode by these steps (``planner.routes.choose_route``). Pure Python, no torch::
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -64,7 +65,7 @@ def response_quantiles(prior: LengthPrior, budgets: Sequence[int]) -> list[int]:
     quantiles = []
     for i in range(n):
         q = (i + 0.5) / n
-        quantiles.append(next(k for k, f in enumerate(cdf) if f >= q - 1e-12) or 1)
+        quantiles.append(bisect.bisect_left(cdf, q - 1e-12) or 1)  # the first length whose F reaches q
     order = sorted(range(n), key=lambda i: (i * 0.6180339887) % 1.0)  # golden-ratio spread of the ranks
     return [max(1, min(quantiles[rank], budget)) for rank, budget in zip(order, budgets)]
 
