@@ -142,8 +142,8 @@ def test_prefill_routes_are_measured_side_by_side():
         prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, routes=("nocb", "hf_static"))
     some = prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, routes=("packed",))
     assert {r["route"] for r in some} == {"packed"} and len(some) == 2
-    with pytest.raises(ValueError, match="give prefill_classes too"):  # engine settings reach every route
-        prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, engine={"prefill_graphs": True})
+    with pytest.raises(ValueError, match="prefill_graphs must be 'auto', True or False"):  # engine settings reach every route
+        prefill_route_rows(get_tiny("qwen2"), batch_sizes=(4,), repetitions=1, engine={"prefill_graphs": "on"})
 
 
 def test_bench_prefill_routes_writes_the_record_after_every_batch(tmp_path):

@@ -134,8 +134,13 @@ def test_bad_class_settings_are_named():
     from rollout_lab import RolloutConfig
     from rollout_lab.engine.prefill import prefill_bucket
 
-    with pytest.raises(ValueError, match="prefill_classes must be a ShapeClasses"):
+    with pytest.raises(ValueError, match="prefill_classes must be a ShapeClasses, 'auto' or None"):
         RolloutConfig(prefill_classes=(16, 32))
+    with pytest.raises(ValueError, match="prefill_classes must be a ShapeClasses, 'auto' or None, got 'ladder'"):
+        RolloutConfig(prefill_classes="ladder")
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="prefill_graphs must be 'auto', True or False"):
+            RolloutConfig(prefill_graphs=bad)
     with pytest.raises(ValueError, match=r"class shape \(1, 16\) cannot hold 2 prompts"):
         prefill_bucket(get_tiny("qwen2"), [[1, 2], [3]], pad_token_id=0, cache_kwarg="cache", rows=1, width=16)
 
@@ -149,13 +154,64 @@ def test_calibration_grid_of_the_classes():
     assert CalibrationGrid.for_classes(ShapeClasses((16, 64))).batches == CalibrationGrid().batches
 
 
+def test_covering_ladders_grow_by_rungs_on_top():
+    """A call's "auto" ladder: its top rungs hold the call (widths to 256s, rows to 32 or 16s), and
+    a larger call's ladder keeps every rung of a smaller one's (so earlier graphs stay in use)."""
+    small, large = ShapeClasses.covering(300, 20), ShapeClasses.covering(1500, 200)
+    assert small == ShapeClasses.ladder(max_width=512, max_rows=32)
+    assert small.widths == (16, 32, 64, 128, 256, 512) and small.rows == (1, 2, 4, 8, 16, 24, 32)
+    assert large.widths[-1] == 1536 and large.rows[-1] == 208
+    assert set(small.widths) <= set(large.widths) and set(small.rows) <= set(large.rows)
+    assert ShapeClasses.covering(256, 32) == ShapeClasses.covering(1, 1)
+    for longest in (1, 255, 256, 257, 2049):
+        for rows in (1, 31, 33, 100):
+            classes = ShapeClasses.covering(longest, rows)
+            assert classes.widths[-1] >= longest and classes.rows[-1] >= rows
+            assert classes.width_for(longest) <= longest + 255
+    with pytest.raises(ValueError, match="longest and max_rows must be >= 1"):
+        ShapeClasses.covering(0, 4)
+
+
+def test_auto_prefill_is_classes_and_graphs_on_cuda_only(tmp_path):
+    """RolloutConfig() prefills at the covering ladder with captured graphs on CUDA; on a CPU it runs
+    every bucket at its own shape; a calibration made without graphs keeps "auto" graphs off."""
+    import json
+
+    import torch
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+    from rollout_lab.engine.rollout import resolve_prefill_graphs
+
+    config = RolloutConfig()
+    assert config.prefill_classes == "auto" and config.prefill_graphs == "auto"
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_prefill_graphs(config, cuda) and not resolve_prefill_graphs(config, cpu)
+    assert not resolve_prefill_graphs(RolloutConfig(prefill_classes=None), cuda)
+    assert not resolve_prefill_graphs(RolloutConfig(prefill_graphs=False), cuda)
+    eager_file, graph_file = tmp_path / "eager.json", tmp_path / "graph.json"
+    for path, graphs in ((eager_file, False), (graph_file, True)):
+        path.write_text(json.dumps({"coefficients": CostCoefficients().to_dict(),
+                                    "metadata": {"grid": {"prefill_graphs": graphs}}}))
+    assert not resolve_prefill_graphs(RolloutConfig(costs=eager_file), cuda)
+    assert resolve_prefill_graphs(RolloutConfig(costs=graph_file), cuda)
+    rollout = Rollout(get_tiny("qwen2"))
+    assert rollout.prefill_graphs is False and rollout.prefill_classes([5, 300], 64) is None
+    fixed = ShapeClasses((16, 64))
+    assert Rollout(get_tiny("qwen2"), RolloutConfig(prefill_classes=fixed)).prefill_classes([5], 4) is fixed
+    rollout.device = cuda  # what a CUDA rollout would plan at (no GPU needed to ask)
+    assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64)
+
+
 def test_prefill_graphs_need_classes_and_cuda():
     from conftest import get_tiny
 
     from rollout_lab import Rollout, RolloutConfig
 
-    with pytest.raises(ValueError, match="give prefill_classes too"):
-        RolloutConfig(prefill_graphs=True)
+    with pytest.raises(ValueError, match=r"give prefill_classes \(a ShapeClasses or 'auto'\) too"):
+        RolloutConfig(prefill_graphs=True, prefill_classes=None)
+    with pytest.raises(ValueError, match="prefill_graphs=True needs a CUDA device"):
+        Rollout(get_tiny("qwen2"), RolloutConfig(prefill_graphs=True))  # "auto" classes: graphs only on CUDA
     with pytest.raises(ValueError, match="max_prefill_graphs must be an int >= 1"):
         RolloutConfig(max_prefill_graphs=0)
     config = RolloutConfig(prefill_graphs=True, prefill_classes=ShapeClasses((16, 64)))

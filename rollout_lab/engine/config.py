@@ -64,9 +64,12 @@ class RolloutConfig:
     # "layers" each decoder layer (a shorter first compile, engine.compiling), False to debug
     compile: bool | str = "auto"
     # bucketed prefill at a bounded set of shapes (planner.shape_classes), planned and priced there;
-    # None: every bucket at its own shape
-    prefill_classes: ShapeClasses | None = None
-    prefill_graphs: bool = False  # CUDA: capture each class's prefill forward (engine.prefill_graphs)
+    # "auto": on CUDA the standard ladder grown to each call's prompts and slots
+    # (ShapeClasses.covering), elsewhere none; None: every bucket at its own shape
+    prefill_classes: ShapeClasses | str | None = "auto"
+    # CUDA: capture each class's prefill forward (engine.prefill_graphs); "auto": wherever classes
+    # run on CUDA, unless a cost file given as ``costs`` was calibrated without them
+    prefill_graphs: bool | str = "auto"
     max_prefill_graphs: int = 32  # classes captured at most; past it a class runs eagerly
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
@@ -93,10 +96,15 @@ class RolloutConfig:
                 f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {self.decode_attention!r}")
         if not any(self.compile is c for c in (True, False)) and self.compile not in ("auto", "layers"):  # 1 is not True
             raise ValueError(f"compile must be 'auto', 'layers', True or False, got {self.compile!r}")
-        if self.prefill_classes is not None and not isinstance(self.prefill_classes, ShapeClasses):
-            raise ValueError(f"prefill_classes must be a ShapeClasses or None, got {self.prefill_classes!r}")
-        if self.prefill_graphs and self.prefill_classes is None:
-            raise ValueError("prefill_graphs=True captures one graph per shape class: give prefill_classes too")
+        classes = self.prefill_classes
+        if classes is not None and not isinstance(classes, ShapeClasses) and not (
+                isinstance(classes, str) and classes == "auto"):
+            raise ValueError(f"prefill_classes must be a ShapeClasses, 'auto' or None, got {classes!r}")
+        if not any(self.prefill_graphs is c for c in (True, False)) and self.prefill_graphs != "auto":
+            raise ValueError(f"prefill_graphs must be 'auto', True or False, got {self.prefill_graphs!r}")
+        if self.prefill_graphs is True and classes is None:
+            raise ValueError("prefill_graphs=True captures one graph per shape class: give prefill_classes "
+                             "(a ShapeClasses or 'auto') too")
         if not is_int(self.max_prefill_graphs) or self.max_prefill_graphs < 1:
             raise ValueError(f"max_prefill_graphs must be an int >= 1, got {self.max_prefill_graphs!r}")
         if self.mode not in MODES:

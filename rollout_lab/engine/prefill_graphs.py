@@ -9,8 +9,11 @@ class is captured once, on first use, into a CUDA graph that later buckets of th
   (causal and left padding; HF takes a 4-D mask as is, so no mask is built inside the graph);
 - the forward writes into a fresh ``DynamicCache`` during capture, so its KV and logits live in the
   graph's memory and are read (copied into the aligned cache) before the next replay;
-- all classes share one memory pool; ``max_graphs`` bounds how many are captured (a class past it
-  runs eagerly); ``capture_ms`` and ``num_captures`` report what capturing cost;
+- all classes share one memory pool; ``max_graphs`` bounds how many are captured, and a class of more
+  than ``max_tokens`` (rows x width, ``MAX_GRAPH_TOKENS``) is never captured: its forward is long
+  enough that launches do not matter, and each graph keeps its KV output alive (at most
+  ``max_graphs x max_tokens`` tokens of KV, ``graph_reserve_bytes``); such classes run eagerly;
+  ``capture_ms`` and ``num_captures`` report what capturing cost;
 - ``compiled=True`` captures ``torch.compile(model, dynamic=True)`` instead of the model
   (``compiled="layers"``: each decoder layer compiled, ``engine.compiling``). A replay
   removes the launches but not the GPU time of ~1,000 small unfused kernels: on the H200 a 1×16
@@ -34,6 +37,15 @@ from rollout_lab.engine.compiling import compile_forward
 from rollout_lab.engine.prefill import check_class_shape, class_batch, prefill_bucket
 
 
+MAX_GRAPH_TOKENS = 8192  # rows x width of the largest class captured (module docstring)
+
+
+def graph_reserve_bytes(max_graphs: int, kv_bytes_per_token: int, max_tokens: int = MAX_GRAPH_TOKENS) -> int:
+    """The most memory the captured classes' KV outputs can hold (what a KV pool sized before them
+    must leave free)."""
+    return max_graphs * max_tokens * kv_bytes_per_token
+
+
 class _Captured:
     def __init__(self, rows: int, width: int, device, dtype):
         self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
@@ -48,9 +60,10 @@ class PrefillGraphs:
     """Captured prefill forwards by class shape (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, cache_kwarg: str, max_graphs: int = 32, num_warmups: int = 2,
-                 compiled: bool | str = False):
-        if max_graphs < 1:
-            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+                 compiled: bool | str = False, max_tokens: int = MAX_GRAPH_TOKENS):
+        if max_graphs < 1 or max_tokens < 1:
+            raise ValueError(f"max_graphs and max_tokens must be >= 1, got {max_graphs}, {max_tokens}")
+        self.max_tokens = max_tokens
         param = next(model.parameters())
         if param.device.type != "cuda":
             raise ValueError(f"prefill graphs need a CUDA model, this one is on {param.device}")
@@ -98,12 +111,12 @@ class PrefillGraphs:
     @torch.no_grad()
     def run(self, prompts: Sequence[Sequence[int]], *, rows: int, width: int, pad_token_id: int
             ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """``prefill_bucket(prompts, rows=rows, width=width)`` by graph replay (eager past the cap).
+        """``prefill_bucket(prompts, rows=rows, width=width)`` by graph replay (eager past the caps).
         The returned tensors are the graph's: use them before the next ``run``."""
         check_class_shape(prompts, rows, width)  # before a buffer is made for the shape
         longest = max(len(p) for p in prompts)
         key = (rows, width)
-        if key not in self.shapes and len(self.shapes) >= self.max_graphs:
+        if key not in self.shapes and (len(self.shapes) >= self.max_graphs or rows * width > self.max_tokens):
             self.num_eager += 1
             return prefill_bucket(self.model, prompts, pad_token_id=pad_token_id, cache_kwarg=self.cache_kwarg,
                                   rows=rows, width=width)

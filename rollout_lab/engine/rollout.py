@@ -53,13 +53,14 @@ from rollout_lab.engine.steppers import (
     resolve_spans,
     weights_signature,
 )
-from rollout_lab.engine.prefill_graphs import PrefillGraphs
+from rollout_lab.engine.prefill_graphs import PrefillGraphs, graph_reserve_bytes
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import budgets_of, check_context, is_int
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.cost import CHECKED_GRID_FIELDS, CostCoefficients, CostFile, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
+from rollout_lab.planner.shape_classes import ShapeClasses
 
 
 MAX_PAGED_SLOTS = 1024  # the paged route's slots when the pool alone would choose more
@@ -74,6 +75,19 @@ def model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
             ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
             return tuple(int(i) for i in ids if is_int(i))
     return ()
+
+
+def resolve_prefill_graphs(config: RolloutConfig, device: torch.device) -> bool:
+    """Whether a rollout captures its prefill forwards: ``prefill_graphs`` as given, or for "auto"
+    wherever classes run on CUDA, unless ``costs`` is a calibration made without captured forwards
+    (its coefficients price eager forwards, so the rollout runs them as they were timed)."""
+    if config.prefill_graphs != "auto":
+        return bool(config.prefill_graphs)
+    if device.type != "cuda" or config.prefill_classes is None:
+        return False
+    grid = config.costs.metadata.get("grid") if isinstance(config.costs, CostFile) else None
+    return bool(grid.get("prefill_graphs", CHECKED_GRID_FIELDS["prefill_graphs"])) \
+        if isinstance(grid, Mapping) else True
 
 
 def check_causal_lm(model: object) -> None:
@@ -117,15 +131,17 @@ class Rollout:
         self.spans = resolve_spans(self.config.decode_attention, model, self.device)
         self.compiled = resolve_compile(self.config.compile, self.decode_mode)
         self._stepper: EagerStepper | None = None
-        if self.config.prefill_graphs and self.device.type != "cuda":
+        if self.config.prefill_graphs is True and self.device.type != "cuda":
             raise ValueError(f"prefill_graphs=True needs a CUDA device, the model is on {self.device}")
+        # whether buckets run at class shapes and replay captured graphs ("auto": on CUDA)
+        self.prefill_graphs = resolve_prefill_graphs(self.config, self.device)
         self._prefill_graphs: PrefillGraphs | None = None
         self._prefill_signature: tuple | None = None
         # learned across calls; the frozen config is never changed. A cost file is used only once its
         # provenance matches this model (CostFile.check names every field that differs)
         costs = self.config.costs
         self.costs: CostCoefficients = costs if isinstance(costs, CostCoefficients) else \
-            costs.check(model_metadata(model, prefill_graphs=self.config.prefill_graphs),
+            costs.check(model_metadata(model, prefill_graphs=self.prefill_graphs),
                         override=self.config.override_costs)
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
         self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
@@ -149,8 +165,8 @@ class Rollout:
             self._prefill_graphs = None
 
     def _captured_prefill(self) -> PrefillGraphs | None:
-        """The kept prefill graphs (``prefill_graphs=True``), recaptured when the weights' storage changed."""
-        if not self.config.prefill_graphs:
+        """The kept prefill graphs (``prefill_graphs``), recaptured when the weights' storage changed."""
+        if not self.prefill_graphs:
             return None
         signature = weights_signature(self.model)
         if self._prefill_graphs is not None and signature != self._prefill_signature:
@@ -161,6 +177,16 @@ class Rollout:
                                                  max_graphs=self.config.max_prefill_graphs, compiled=self.compiled)
             self._prefill_signature = signature
         return self._prefill_graphs
+
+    def prefill_classes(self, lengths: Sequence[int], num_slots: int) -> ShapeClasses | None:
+        """The shape classes a call over prompts of ``lengths`` on ``num_slots`` slots prefills at:
+        the config's, or for "auto" on CUDA the ladder covering the call (``ShapeClasses.covering``)."""
+        classes = self.config.prefill_classes
+        if isinstance(classes, ShapeClasses) or classes is None:
+            return classes
+        if self.device.type != "cuda" or not lengths:
+            return None
+        return ShapeClasses.covering(max(lengths), max(1, num_slots))
 
     def __enter__(self) -> "Rollout":
         return self
@@ -346,7 +372,8 @@ class Rollout:
                     route=route, budgets=tuple(row_budgets), num_slots=num_slots,
                     capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
-                    cache_kwarg=self.cache_kwarg, sampling=sampling, prefill_classes=cfg.prefill_classes,
+                    cache_kwarg=self.cache_kwarg, sampling=sampling,
+                    prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
                     logprobs_mode=logprobs_mode,
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
@@ -449,7 +476,7 @@ class Rollout:
             geometry=self.geometry, coeffs=self.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
             response_lengths=self.length_prior.current(), chunk_long_prompts=True,
-            classes=cfg.prefill_classes, paged_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
+            classes=self.prefill_classes(lengths, min(n, slots or n)), paged_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
         )
         self._explored = False
         if self.online is not None and plan.nocb_cost_ms is not None:
@@ -473,7 +500,8 @@ class Rollout:
         The pool: ``kv_cache_tokens`` when set; else what every row could use at once (its prompt and
         budget), on CUDA no more than ``gpu_memory_fraction`` of the device leaves after what is
         allocated now (the kept pool counts as free) and a reserve for activations and logits
-        (``PAGED_RESERVE_FRACTION`` of the device, plus 16 bytes x vocab per slot). The slots:
+        (``PAGED_RESERVE_FRACTION`` of the device, plus 16 bytes x vocab per slot) and, before the
+        prefill graphs exist, for their outputs (``graph_reserve_bytes``). The slots:
         ``continuous_batch_size``, else as many rows as the pool holds at their worst case
         (at most ``MAX_PAGED_SLOTS``). A pool that cannot hold the longest row is a ValueError."""
         cfg = self.config
@@ -490,6 +518,8 @@ class Rollout:
                 free += old.cache.num_bytes
             slots = min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS)
             reserve = PAGED_RESERVE_FRACTION * total + 16 * self.vocab_size * slots
+            if self.prefill_graphs and self._prefill_graphs is None:  # the graphs come after the pool
+                reserve += graph_reserve_bytes(cfg.max_prefill_graphs, self.geometry.kv_bytes_per_token)
             allowed = cfg.gpu_memory_fraction * total - (total - free) - reserve
             num_blocks = min(wanted, max(0, int(allowed // block_bytes)))
             source = f"gpu_memory_fraction={cfg.gpu_memory_fraction} ({allowed / 2**30:.1f} GiB for KV)"

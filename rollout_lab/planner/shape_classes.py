@@ -58,6 +58,16 @@ class ShapeClasses:
             rows = [r for r in (1, 2, 4, 8, 16, 24) if r < max_rows] + list(range(32, max_rows, 16)) + [max_rows]
         return cls(tuple(sorted(set(widths))), tuple(sorted(set(rows))))
 
+    @classmethod
+    def covering(cls, longest: int, max_rows: int) -> "ShapeClasses":
+        """The ``ladder`` whose top rungs hold a prompt of ``longest`` tokens and ``max_rows`` rows,
+        rounded up (widths to a multiple of 256, rows to 32 or a multiple of 16): calls of similar
+        shapes get the same ladder, and a larger call only adds rungs on top, so the shapes (and the
+        graphs captured at them) of earlier calls stay in use. ``RolloutConfig(prefill_classes="auto")``."""
+        if longest < 1 or max_rows < 1:
+            raise ValueError(f"longest and max_rows must be >= 1, got {longest}, {max_rows}")
+        return cls.ladder(max_width=-(-longest // 256) * 256, max_rows=max(32, -(-max_rows // 16) * 16))
+
     def width_for(self, length: int) -> int:
         """The smallest class width that holds ``length`` (the length itself above the top)."""
         i = bisect.bisect_left(self.widths, length)

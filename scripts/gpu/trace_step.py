@@ -1,0 +1,92 @@
+"""Where a rollout's time goes, kernel by kernel: torch.profiler over one warm ``Rollout.generate`` of
+the EOS long-tail workload (``measure.workloads.eos_long_tail``) on one route.
+
+    python scripts/gpu/trace_step.py --preset qwen2.5-0.5b --mode paged --slots 128 --out $OUT/trace_paged.txt
+    python scripts/gpu/trace_step.py --tiny qwen2 --num-prompts 16 --max-new-tokens 32 --out /tmp/t.txt   # CPU check
+
+Prints (and writes to ``--out``) the wall time, the profile's phases, the device time summed over
+kernels (CUDA: kernels replayed inside CUDA graphs included), and the top kernels and host ops by
+their total time. A diagnostic: the records that show speed are the benchmarks' (``rollout-lab bench``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.profile import synchronize
+from rollout_lab.engine.rollout import Rollout
+from rollout_lab.measure.models import load_model, special_token_ids
+from rollout_lab.measure.workloads import eos_long_tail, lengths_to_prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--preset")
+    which.add_argument("--tiny")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--mode", default="paged")
+    parser.add_argument("--slots", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--hazard", type=float, default=1 / 295)
+    parser.add_argument("--dataset", default="gpqa_diamond")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_name = args.preset or f"tiny-{args.tiny}"
+    dtype = args.dtype if device == "cuda" else "float32"
+    model, name = load_model(model_name, dtype=dtype, device=device)
+    cfg = model.config.get_text_config(decoder=True)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    special = special_token_ids(cfg)
+    lengths, eos = eos_long_tail(vocab, num_prompts=args.num_prompts, dataset=args.dataset, hazard=args.hazard,
+                                 special_ids=special)
+    prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=special)
+    rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=args.slots, eos_token_id=eos,
+                                           pad_token_id=cfg.pad_token_id or 0))
+    call = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, seed=0)
+    started = time.perf_counter()
+    rollout.generate(prompts, **call)
+    synchronize(device)
+    first_s = time.perf_counter() - started
+    prof_result = rollout.generate(prompts, profile=True, **call).profile  # the phases (synchronised)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as trace:
+        started = time.perf_counter()
+        result = rollout.generate(prompts, **call)
+        synchronize(device)
+        wall_ms = (time.perf_counter() - started) * 1e3
+    events = trace.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    lines = [
+        f"{name} {dtype} {device} mode={args.mode} slots={args.slots} prompts={args.num_prompts} "
+        f"max_new={args.max_new_tokens}: route {result.route}, {sum(map(len, result.sequences))} tokens",
+        f"first call {first_s:.1f} s; traced call {wall_ms:.1f} ms; kernels {device_us / 1e3:.1f} ms summed",
+        "profiled call phases (ms): " + ", ".join(
+            f"{k} {getattr(prof_result, k):.1f}" for k in ("total_ms", "prefill_ms", "decode_ms", "cache_ms",
+                                                            "planning_ms", "stepper_build_ms")),
+        f"decode steps {prof_result.num_decode_forwards}, live rows per step {prof_result.live_rows_per_step:.1f}, "
+        f"prefill forwards {prof_result.num_prefill_forwards}, backend {prof_result.prefill_backend}",
+        "", "== by device time ==",
+        events.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
+                     row_limit=args.top, max_name_column_width=70),
+        "== by host time ==", events.table(sort_by="self_cpu_time_total", row_limit=args.top,
+                                            max_name_column_width=70),
+    ]
+    text = "\n".join(lines)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print("\n".join(lines[:5]), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
