@@ -95,3 +95,36 @@ def test_one_compile_serves_every_row_count_past_one(mode):
             assert torch.equal(compiled.step(rows, 0), eager.step(rows, 0)), rows
             counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert counts[1:] == counts[:1] * 3, counts  # no graph after the first row count's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, device", [
+    ("aot_eager", "cpu"),
+    # inductor's Triton code on the GPU, where the graph-captured step runs it (its CPU C++ code
+    # mis-hashes: signed int64 overflow is undefined in C++, and wraps in Triton as in eager)
+    pytest.param("inductor", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                              reason="needs a CUDA GPU"))])
+def test_compiled_select_draws_eagers_tokens(backend, device):
+    """The decode step's compiled token choice (``compile_select``) equals ``select_tokens``: greedy,
+    seeded sampling with and without top-k/top-p and the penalty, logprobs, at two row counts
+    (symbolic sizes: one compile serves both)."""
+    from rollout_lab.engine.compiling import compile_select
+    from rollout_lab.engine.decode import select_tokens
+    from rollout_lab.engine.sampling import SamplingParams
+
+    torch._dynamo.reset()
+    select = compile_select(backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    for sampling in (None, SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)):
+        for rows in (3, 5):
+            logits = (torch.randn(rows, 1000, generator=gen) * 4).to(device)
+            seen = (torch.rand(rows, 1000, generator=gen) < 0.05).to(device)
+            keys = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
+            steps = torch.randint(0, 500, (rows,), generator=gen).to(device)
+            for penalty, mode in ((1.0, None), (1.3, "processed"), (1.0, "raw")):
+                kwargs = dict(sampling=sampling, sample_keys=keys, steps=steps, logprobs_mode=mode)
+                want, want_lp = select_tokens(logits, seen, penalty, **kwargs)
+                got, got_lp = select(logits, seen, penalty, **kwargs)
+                assert torch.equal(got, want)
+                if mode is not None:
+                    torch.testing.assert_close(got_lp, want_lp)

@@ -80,6 +80,18 @@ def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = 
     return root
 
 
+def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
+    """``decode.select_tokens`` compiled with symbolic sizes: the penalty, the sampling filters, the
+    seeded Gumbel noise and the argmax fused over the logits, instead of one kernel per op over
+    ``[rows, vocab]`` int64 and float64 temporaries. For the CUDA-graph step only: Triton's int64
+    arithmetic wraps as eager's does, so the draws equal eager's (``tests/test_compiling.py``);
+    inductor's CPU C++ code does not (signed overflow is undefined there)."""
+    from rollout_lab.engine.decode import select_tokens  # decode imports the caches; this module stays below them
+
+    fx_config.use_duck_shape = False
+    return torch.compile(select_tokens, dynamic=True, backend=backend)
+
+
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     """A copy sharing parameters, buffers and hooks, with its own table of submodules."""
     twin = copy.copy(module)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.compiling import compile_forward
+from rollout_lab.engine.compiling import compile_forward, compile_select
 from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
 from rollout_lab.engine.paged_cache import PagedKVCache
@@ -150,6 +150,7 @@ class EagerStepper:
         # attention windows, ascending; span and paged attention read live tokens whatever the window
         self.widths = (key.capacity,) if key.spans or key.paged else width_ladder(key.capacity, key.num_widths)
         self.forward = None  # the model, unless compiled
+        self.select = None  # decode.select_tokens, unless compiled
         self.num_captures = 0
         self.num_replays = 0
         self.build_ms = 0.0  # compile + capture when the stepper was made
@@ -172,7 +173,7 @@ class EagerStepper:
         return decode_step(
             self.model, self.cache, self.state, num_rows,
             repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
-            sampling=self.sampling, width=width, spans=self.key.spans, forward=self.forward,
+            sampling=self.sampling, width=width, spans=self.key.spans, forward=self.forward, select=self.select,
         )
 
     def logprobs(self, num_rows: int) -> torch.Tensor:
@@ -197,6 +198,7 @@ class GraphStepper(EagerStepper):
         started = time.perf_counter()
         if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder (it has no 1-row rung)
             self.forward = compile_forward(model, key.compiled)
+            self.select = compile_select()
         self.signature = weights_signature(model)
         self.ladder = graph_ladder(key.num_slots, key.max_graphs, smallest=2 if key.compiled else 1)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, width) -> graph
