@@ -64,11 +64,25 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+_SALTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+@torch.compiler.disable
+def token_salts(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[vocab] int64 ``(id + 1) * GOLDEN`` (64-bit wrap), each token id's term of the hash, made once
+    per vocabulary and device. A tensor that compiled code loads: traced as ``arange * GOLDEN``,
+    inductor folds the 64-bit constant into its 32-bit index arithmetic, which Triton refuses."""
+    key = (vocab_size, torch.device(device))
+    if key not in _SALTS:
+        _SALTS[key] = torch.arange(1, vocab_size + 1, dtype=torch.long, device=device) * _signed(_GOLDEN)
+    return _SALTS[key]
+
+
 def uniforms(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab] float64 in (0, 1): the uniforms of each row's (key, step), per token id."""
     base = _mix64(keys + _mix64(steps))  # [rows]
-    ids = torch.arange(1, vocab_size + 1, dtype=torch.long, device=keys.device)  # [vocab]
-    bits = _shr(_mix64(base[:, None] + ids[None, :] * _signed(_GOLDEN)), 11)  # [rows, vocab], 53 bits
+    salts = token_salts(vocab_size, keys.device)  # [vocab]
+    bits = _shr(_mix64(base[:, None] + salts[None, :]), 11)  # [rows, vocab], 53 bits
     return (bits.to(torch.float64) + 0.5) * (1.0 / 2**53)
 
 
