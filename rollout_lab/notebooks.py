@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -133,6 +134,43 @@ def check_inputs(name: str, params: Mapping[str, Any]) -> None:
                 raise ValueError(f"{name}: {parameter}={str(path)!r} does not exist (or is not a file)")
 
 
+def check_kernel(kernel_name: str) -> None:
+    """ValueError naming ``kernel_name`` and the installed Jupyter kernels when it is not one of them."""
+    from jupyter_client.kernelspec import KernelSpecManager  # installed with papermill: the [notebooks] extra
+
+    installed = sorted(KernelSpecManager().find_kernel_specs())
+    if kernel_name not in installed:
+        raise ValueError(f"no Jupyter kernel named {kernel_name!r}; installed kernels: {', '.join(installed) or 'none'}")
+
+
+# the types a parameter's help may name (its leading "str | None:" annotation, or "... or a dict of ...")
+_TYPE_WORDS = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict,
+               "None": type(None)}
+
+
+def check_parameter_type(name: str, parameter: str, value: Any, declared: Mapping[str, Any]) -> None:
+    """ValueError naming ``parameter`` of notebook ``name``, ``value`` and the types it takes, when
+    ``value`` is not of one: its default's type (an int where a float is; a tuple where a list is)
+    or one its help names (papermill's ``inspect_notebook`` entry ``declared``). A parameter whose
+    default is None and whose help names no type but None takes anything."""
+    try:
+        default = ast.literal_eval(declared["default"])
+    except (ValueError, SyntaxError):
+        return  # not a literal: nothing to compare with
+    named = {_TYPE_WORDS[w] for w in re.findall(r"\b(?:str|int|float|bool|list|dict|None)\b", declared.get("help") or "")}
+    if default is None and not named - {type(None)}:
+        return
+    allowed = named | {type(default)}
+    if float in allowed:
+        allowed.add(int)
+    if list in allowed:
+        allowed.add(tuple)
+    if type(value) not in allowed:  # exact: a bool is not an int here
+        takes = " or ".join(sorted(w for w, t in _TYPE_WORDS.items() if t in allowed))
+        raise ValueError(f"{name}: parameter {parameter}={value!r} has type {type(value).__name__}; it takes "
+                         f"{takes} (default {declared['default']})")
+
+
 def calibration_of(params: Mapping[str, Any], workspace: Workspace) -> str:
     """The cost file notebook 01 renders or writes with ``params``: its ``calibration_file``, else its
     ``output_path``, else the workspace's calibration of its model (``measure.calibrate.calibration_path``)."""
@@ -169,8 +207,12 @@ def run_notebooks(
     unknown = [n for n in names if n not in NOTEBOOKS]
     if unknown:
         raise ValueError(f"unknown notebooks {unknown}; expected some of {list(NOTEBOOKS)}")
-    workspace = Workspace.resolve(out_dir)
     extra = dict(extra or {})
+    unknown = sorted(set(extra) - {"*", *NOTEBOOKS})
+    if unknown:
+        raise ValueError(f"parameters given for unknown notebooks {unknown}; expected some of {list(NOTEBOOKS)}")
+    check_kernel(kernel_name)
+    workspace = Workspace.resolve(out_dir)
     runs = []  # every notebook's parameters are checked before the first one runs
     calibrated = None  # 01's parameters, when it runs
     for name in names:
@@ -182,6 +224,8 @@ def run_notebooks(
         bad = sorted(set(more) - set(declared))
         if bad:
             raise ValueError(f"{name} has no parameters {bad}; it declares {sorted(declared)}")
+        for parameter, value in more.items():
+            check_parameter_type(name, parameter, value, declared[parameter])
         params = resolve_path_parameters({k: v for k, v in wanted.items() if k in declared}, cwd=os.getcwd())
         if name == "01_calibrate":  # what it runs with: its own defaults (literals) where nothing is passed
             calibrated = {**{k: ast.literal_eval(v["default"]) for k, v in declared.items()}, **params}

@@ -19,15 +19,17 @@ ones a killed writer left (``.<name>.*.tmp``) are removed by the next write of t
 
 A record is a JSON and the CSV derived from it, written as a pair (``write_record``): the CSV first,
 then the JSON, whose rename is the commit point. Both carry one ``run_id`` (a JSON field and a CSV
-column), so ``check_record_pair`` tells a reader whether they come from the same write. One writer
-at a time per output: ``output_lock`` holds ``<out>.lock`` (O_CREAT|O_EXCL, naming the holder's pid
-and start time); a second writer is refused, and a lock whose process is dead is taken over.
-Standard library only, so every layer may use it.
+column), so ``check_record_pair`` tells a reader whether they come from the same write, and
+``restore_record_csv`` rebuilds a CSV that is not the JSON's (the JSON is the record). One writer
+at a time per output: ``output_lock`` holds ``<out>.lock`` (the kernel's ``flock``, which a killed
+holder's process releases; the file names the holder's pid and start time); a second writer is
+refused. Standard library only (POSIX: ``fcntl``), so every layer may use it.
 """
 from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import glob
 import io
 import json
@@ -248,11 +250,12 @@ def write_record(paths: tuple[Path, Path], record: Mapping[str, Any], rows: Sequ
     Both texts are made first, with one fresh ``run_id`` (set in the record, which is updated in
     place, and as the CSV's first column); then the CSV is written, and the JSON last: its rename
     commits the pair. A kill between the two renames leaves a CSV that ``check_record_pair``
-    reports as not the JSON's; the next write replaces both."""
+    reports as not the JSON's; ``restore_record_csv`` rebuilds it from the JSON, and the next
+    write replaces both."""
     run_id = new_run_id()
     stamped = {RUN_ID: run_id, **{k: v for k, v in record.items() if k != RUN_ID}}
     json_body = json_text(stamped)
-    csv_body = csv_text([{RUN_ID: run_id, **row} for row in rows])
+    csv_body = record_csv_text(run_id, rows)
     json_path, csv_path = (Path(p) for p in paths)
     write_text_atomic(csv_path, csv_body)
     write_text_atomic(json_path, json_body)
@@ -260,6 +263,29 @@ def write_record(paths: tuple[Path, Path], record: Mapping[str, Any], rows: Sequ
         record.clear()
         record.update(stamped)
     return csv_body
+
+
+def record_csv_text(run_id: str | None, rows: Sequence[Mapping[str, Any]]) -> str:
+    """A record's CSV: its rows, with its ``run_id`` as the first column (none for a record written
+    before run ids existed)."""
+    return csv_text(rows if run_id is None else [{RUN_ID: run_id, **row} for row in rows])
+
+
+def restore_record_csv(paths: tuple[Path, Path], record: Mapping[str, Any],
+                       rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Make a record's CSV the one its JSON derives: ``rows`` (of ``record``, the JSON as read) with
+    its ``run_id``. The JSON's rename commits a pair, so a CSV that differs from that text (missing,
+    left by a write killed between the two renames, cut short, edited) is rewritten from the JSON;
+    True when it was. Call it holding the output's lock (``output_lock``)."""
+    csv_path = Path(paths[1])
+    text = record_csv_text(record.get(RUN_ID), rows)
+    try:
+        if csv_path.read_text(encoding="utf-8") == text:
+            return False
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
+    write_text_atomic(csv_path, text)
+    return True
 
 
 def check_record_pair(json_path: str | os.PathLike, csv_path: str | os.PathLike | None = None,
@@ -282,7 +308,8 @@ def check_record_pair(json_path: str | os.PathLike, csv_path: str | os.PathLike 
         found = ", ".join(sorted(str(i) for i in ids)) or "no rows"
         raise ValueError(
             f"{str(csv_path)!r} (run_id {found}) is not the CSV of {str(json_path)!r} (run_id {run_id}): "
-            "a write was interrupted between the two files; rerun, or rewrite the record to regenerate the CSV")
+            "a write was interrupted between the two files; the JSON is the record (a sweep's --resume "
+            "rebuilds its CSV from it)")
     return run_id
 
 
@@ -294,67 +321,114 @@ def lock_path(out: str | os.PathLike) -> Path:
     return stem.with_name(stem.name + ".lock")
 
 
+LOCK_GRACE_S = 0.2  # a lock found taken is tried again for this long: ``check_not_locked`` only probes it
+
+
 @contextlib.contextmanager
 def output_lock(out: str | os.PathLike) -> Iterator[Path]:
-    """Hold ``<out>.lock`` while writing ``out``: created with O_CREAT|O_EXCL, holding this
-    process's pid and start time, removed on exit. Another live holder is a ValueError naming it;
-    a lock whose pid is dead (a killed writer's) is taken over, with a message on stderr."""
+    """Hold ``<out>.lock`` while writing ``out``: exactly one process holds it at a time.
+
+    The lock is the kernel's ``flock`` on the file, not the file's existence: a killed holder's lock
+    is released with its process, so a stale lock file is simply taken (no pid check, no takeover
+    race). The holder writes its pid and start time into the file and removes it on exit; another
+    live holder is a ValueError naming it (after ``LOCK_GRACE_S``: a ``check_not_locked`` probe
+    holds it for an instant). A lock file a dead holder left is reported on stderr when taken."""
     path = lock_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    mine = json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "argv": sys.argv[:8]})
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _read_lock(path)
-            if _is_held(holder):
-                raise ValueError(_held_message(out, path, holder)) from None
-            print(f"taking over {path}: its holder (pid {holder.get('pid')}, started {holder.get('started')}) "
-                  "is no longer running", file=sys.stderr)
-            _unlink_quietly(path)
-            continue
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(mine + "\n")
-        break
-    else:
-        raise ValueError(f"could not take the lock {str(path)!r}: other writers keep taking it")
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        fd = _try_lock(path)
+        if fd is not None:
+            break
+        if time.monotonic() > deadline:
+            raise ValueError(_held_message(out, path, _read_lock(path)))
+        time.sleep(0.01)
     try:
+        left = _read_fd(fd)
+        if left.get("pid") is not None:
+            print(f"taking over {path}: its holder (pid {left.get('pid')}, started {left.get('started')}) "
+                  "is no longer running", file=sys.stderr)
+        mine = json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "argv": sys.argv[:8]})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (mine + "\n").encode("utf-8"), 0)
         yield path
     finally:
-        if _read_lock(path).get("pid") == os.getpid():
+        if _same_file(path, fd):  # removed while still held: the next writer makes a new one
             _unlink_quietly(path)
+        os.close(fd)  # releases the lock
 
 
 def check_not_locked(out: str | os.PathLike) -> None:
     """ValueError naming the live holder of ``<out>.lock``: a command refuses before any work, and
-    ``output_lock`` checks again when its writing starts."""
+    ``output_lock`` checks again when its writing starts. It probes the lock (takes and releases it
+    at once), so it never reports a dead holder."""
     path = lock_path(out)
-    holder = _read_lock(path)
-    if _is_held(holder):
-        raise ValueError(_held_message(out, path, holder))
+    if not path.exists():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)  # flock needs no write access: another user's lock is probed too
+    except FileNotFoundError:  # its holder has just removed it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(_held_message(out, path, _read_fd(fd))) from None
+    finally:
+        os.close(fd)
 
 
-def _is_held(holder: Mapping[str, Any]) -> bool:
-    return bool(holder.get("filling")) or _is_alive(holder.get("pid"))
+def _try_lock(path: Path) -> int | None:
+    """An open descriptor holding the ``flock`` of ``path`` (created if missing), or None when
+    another holds it. A file its holder removed after we opened it is not the lock: opened again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(path, fd):
+            return fd
+        os.close(fd)  # we locked a removed file: its holder had just released it
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _held_message(out: str | os.PathLike, path: Path, holder: Mapping[str, Any]) -> str:
-    return (f"{str(out)!r} is being written by pid {holder.get('pid')} (started {holder.get('started')}, "
-            f"lock {str(path)!r}); wait for it, or choose another --out")
+    who = (f"pid {holder.get('pid')} (started {holder.get('started')}, lock {str(path)!r})" if holder.get("pid")
+           else f"another process (lock {str(path)!r}, its holder not yet named)")
+    return f"{str(out)!r} is being written by {who}; wait for it, or choose another --out"
+
+
+def _read_fd(fd: int) -> dict[str, Any]:
+    """The holder a lock file names ({} when empty or being written)."""
+    try:
+        holder = json.loads(os.pread(fd, 64 * 1024, 0).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
 
 
 def _read_lock(path: Path) -> dict[str, Any]:
     try:
-        holder = json.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return {}
-    except (ValueError, UnicodeDecodeError):
-        # created but not yet filled: its writer is filling it, or was killed in between (then,
-        # after a few seconds, it is taken over)
-        age_s = time.time() - path.stat().st_mtime if path.exists() else 0.0
-        return {"filling": age_s < 5, "pid": None, "started": "(unreadable lock)"}
-    return holder if isinstance(holder, dict) else {}
+    try:
+        return _read_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_alive(pid: Any) -> bool:

@@ -288,6 +288,75 @@ def test_a_bad_fit_warns_in_the_record_and_on_the_console(tiny, tmp_path, monkey
     assert len(fit_warnings(float("nan"), 0.10)) == 2  # no R² is not a good R²
 
 
+def _decode_record(batch, *, nocb, cb, steps=4):
+    """A decode probe's record from its calls' samples (ms): {"nocb_1": [...], "nocb_5": [...], ...}."""
+    samples = {"nocb_1": nocb[0], f"nocb_{steps + 1}": nocb[1], "cb_1": cb[0], f"cb_{steps + 1}": cb[1]}
+    per_step = {k: (float(np.median(v[1])) - float(np.median(v[0]))) / steps for k, v in (("nocb", nocb), ("cb", cb))}
+    return {"batch": batch, "width": 8, "steps": steps, "nocb_ms_per_step": per_step["nocb"],
+            "cb_ms_per_step": per_step["cb"], "overhead_ms_per_step": per_step["cb"] - per_step["nocb"],
+            "samples_ms": samples}
+
+
+def test_noisy_decode_terms_warn_as_the_prefill_fit_does(tiny, monkeypatch):
+    """Issue 36: three calibrations fitted nocb decode at 199, 0 and 18 ms a step without a warning.
+    A per-step cost is the difference of two calls' medians: it is flagged when the longer calls were
+    not slower, or when the calls' IQRs add up to more than MAX_DECODE_SPREAD of it."""
+    from rollout_lab.measure import calibrate as calibrate_module
+    from rollout_lab.measure.calibrate import MAX_DECODE_SPREAD, decode_warnings, fit_warnings
+    from rollout_lab.planner.cost import prefill_cost_ms
+
+    steady = _decode_record(4, nocb=([2.0, 2.1, 2.0], [4.4, 4.5, 4.4]), cb=([1.5, 1.5, 1.6], [3.7, 3.8, 3.7]))
+    assert decode_warnings([steady]) == [] and fit_warnings(0.99, 0.05, decode=[steady]) == []
+    noisy = _decode_record(4, nocb=([3.0, 200.0, 4.0], [228.0, 80.0, 5.0]), cb=([6.0, 6.1, 6.0], [5.9, 6.0, 6.0]))
+    found = decode_warnings([noisy])
+    assert found[0].startswith("nocb decode at batch 4: 19.000 ms a step, but its calls spread")
+    assert f"limit {MAX_DECODE_SPREAD:.0%} of the step" in found[0]
+    assert found[1].startswith("CB decode at batch 4: the calls with 5 new tokens were not slower than those with 1")
+
+    truth = CostCoefficients(prefill_fixed_cost_ms=2.0, prefill_token_cost_ms=0.01)  # a clean prefill fit
+    shapes = [(b, w) for w in (8, 32, 128) for b in (1, 4, 16)]
+    geometry = ModelGeometry.from_config(tiny.config, torch.float32)
+    prefill = [{"batch": b, "width": w, "forward_ms": prefill_cost_ms(b, w, geometry, truth), "kv_copy_ms": 0.0}
+               for b, w in shapes]
+    monkeypatch.setattr(calibrate_module, "measure_prefill", lambda *a, **k: prefill)
+    monkeypatch.setattr(calibrate_module, "measure_decode_overhead", lambda *a, **k: [noisy])
+    grid = CalibrationGrid(batches=(1, 4, 16), widths=(8, 32, 128), packed=False)
+    with pytest.warns(UserWarning, match="nocb decode at batch 4: 19.000 ms a step"):
+        result = calibrate(tiny, grid=grid, model_name="tiny-qwen2", progress=False)
+    assert result.r2 > 0.99 and result.warnings[:2] == tuple(found) and "recalibrate" in result.warnings[-1]
+
+
+def test_cpu_timings_run_on_one_thread_and_the_count_is_restored(tiny, monkeypatch):
+    """Issue 36: a tiny forward took 2.6-4.8 ms on 1 thread and 200-228 ms on 2 busy threads. A CPU
+    calibration times on one thread by default (threads=None: the process's), restores the process's
+    count after, and records the count it used."""
+    from rollout_lab.measure import calibrate as calibrate_module
+    from rollout_lab.measure.threads import measurement_threads
+
+    seen = []
+
+    def fake_prefill(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return [{"batch": b, "width": w, "forward_ms": 1.0 + 0.01 * b * w, "kv_copy_ms": 0.0}
+                for w in (8, 32, 128) for b in (1, 4, 16)]
+
+    monkeypatch.setattr(calibrate_module, "measure_prefill", fake_prefill)
+    monkeypatch.setattr(calibrate_module, "measure_decode_overhead", lambda *a, **k: [])
+    grid = CalibrationGrid(batches=(1, 4, 16), widths=(8, 32, 128), packed=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = calibrate(tiny, grid=grid, progress=False)
+        assert seen == [1] and result.metadata["num_threads"] == 1 and torch.get_num_threads() == 2
+        assert calibrate(tiny, grid=grid, progress=False, threads=None).metadata["num_threads"] == 2
+        with pytest.raises(ValueError, match="threads must be an int >= 1, or None, got 0"):
+            calibrate(tiny, grid=grid, progress=False, threads=0)
+        with measurement_threads(1, "cuda"):  # a GPU's timings are left as they are
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_second_calibration_to_one_cost_file_is_refused(tmp_path, monkeypatch, capsys):
     from rollout_lab.workspace import output_lock
 

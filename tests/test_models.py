@@ -8,10 +8,12 @@ from rollout_lab.measure.models import (
     TINY_FAMILIES,
     TINY_VOCAB_SIZE,
     from_preset,
+    load_model,
     load_pretrained,
     preset_config,
     tiny_model,
 )
+from rollout_lab.engine.setting import model_name_of
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.planner.cost import ModelGeometry
 
@@ -82,3 +84,14 @@ def test_load_pretrained_round_trip(tmp_path):
     ids = torch.tensor([[4, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_model_goes_by_the_name_load_model_gives_it(tmp_path):
+    """The name a cost file is checked against (engine.setting.model_name_of) is the one load_model
+    and the CLI give: tiny-<family>, the preset, a checkpoint folder's own name (issue 36)."""
+    tiny_model("qwen2").save_pretrained(tmp_path / "my-checkpoint")
+    for spec in ("tiny-qwen2", "tiny-opt", str(tmp_path / "my-checkpoint")):
+        model, name = load_model(spec)
+        assert model_name_of(model) == name, spec
+    preset = from_preset("qwen3-32b", dtype=torch.bfloat16, device="meta")
+    assert model_name_of(preset) == "qwen3-32b"

@@ -1,6 +1,8 @@
 """rollout_lab.plots and rollout_lab.explore: every figure builds and saves, without a notebook."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -201,3 +203,94 @@ def test_whole_table_legend_names_only_the_peers_drawn_and_stays_clear_of_the_ax
     box = legend.get_window_extent(renderer)
     for other in (ax.get_window_extent(renderer), ax.xaxis.label.get_window_extent(renderer)):
         assert not box.overlaps(other)  # two rows once put the legend over the axis label
+
+
+# ---------------------------------------------------------------- issue 36: speed words, nothing drawn over anything
+
+def test_speed_words_say_slower_below_one():
+    """"0.4x faster" was drawn for 2.5x slower: a speedup under one is the inverse, slower."""
+    from rollout_lab.plots.style import speed_words
+
+    assert speed_words(2.5) == "2.50× faster" and speed_words(0.4) == "2.50× slower"
+    assert speed_words(0.4, digits=1) == "2.5× slower" and speed_words(1.001) == "as fast"
+    for bad in (0, -1.0, float("nan"), float("inf"), True, None, "2"):
+        with pytest.raises(ValueError, match="speedup must be a finite number > 0"):
+            speed_words(bad)
+
+
+def test_figures_word_every_speed_ratio_as_slower_or_faster():
+    from rollout_lab.plots.latency import plot_whole_table
+
+    rows = [{"workload": w, "model": "m", "git_sha": "abc1234", "ours_ms": ours, "hf_generate_ms": 1000.0,
+             "hf_static_ms": None, "hf_generate_batch_ms": None, "best_hf": "hf_generate",
+             "speedup_over_best_hf": 1000.0 / ours} for w, ours in (("slow", 2500.0), ("fast", 400.0))]
+    texts = _texts(plot_whole_table(rows, title="t"))
+    assert "2.5× slower than hf_generate" in texts and "2.5× faster than hf_generate" in texts
+    assert "0.4" not in texts
+    summary = [{"workload": "a", "auto_vs_best": 2.5, "auto_route": "bucketed"},  # Auto's time over the best's
+               {"workload": "b", "auto_vs_best": 0.8, "auto_route": "packed"}]
+    texts = _texts(plot_e2e(_rows({"nocb": 20.0, "bucketed": 10.0, "auto": 25.0}), summary))
+    assert "2.50× slower\nbucketed" in texts and "1.25× faster\npacked" in texts
+
+
+def _text_boxes(fig, renderer):
+    """(what, box) of every tick label, axis label, title and annotation drawn, per axes."""
+    boxes = []
+    for k, ax in enumerate(fig.axes):
+        if not ax.get_visible() or not ax.axison:
+            continue
+        labels = [t for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_visible() and t.get_text()]
+        labels += [t for t in (ax.xaxis.label, ax.yaxis.label, ax.title) if t.get_text()]
+        labels += [t for t in ax.texts if t.get_text()]
+        boxes += [(f"axes {k} {t.get_text()!r}", t.get_window_extent(renderer)) for t in labels]
+    return boxes
+
+
+def _overlaps(fig):
+    """What is drawn over what: x tick labels of one axes over each other, and a legend over any text,
+    over another legend, or over the bars of an axes it does not belong inside."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    found = []
+    for k, ax in enumerate(fig.axes):
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        if labels and labels[0].get_rotation() % 180:  # slanted labels are parallel: the gap across them counts
+            xs = sorted(b.x1 for b in boxes)
+            height = labels[0].get_fontsize() * fig.dpi / 72
+            gap = min((b - a for a, b in zip(xs, xs[1:])), default=math.inf) * math.sin(math.radians(labels[0].get_rotation()))
+            found += [f"axes {k}: slanted x tick labels {gap:.1f} px apart, {height:.1f} px high"] if gap < height else []
+        else:
+            found += [f"axes {k}: x tick labels {i} and {j}" for i in range(len(boxes)) for j in range(i + 1, len(boxes))
+                      if boxes[i].overlaps(boxes[j])]
+    legends = [lg for lg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if lg is not None]
+    texts = _text_boxes(fig, renderer)
+    for n, legend in enumerate(legends):
+        box = legend.get_window_extent(renderer)
+        found += [f"legend {n} over {what}" for what, other in texts if box.overlaps(other)]
+        found += [f"legends {n} and {m}" for m in range(n + 1, len(legends))
+                  if box.overlaps(legends[m].get_window_extent(renderer))]
+        for ax in fig.axes:
+            bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0 and p.get_width() > 0]
+            found += [f"legend {n} over a bar" for bar in bars if box.overlaps(bar)][:1]
+    return found
+
+
+def test_the_latency_figures_draw_nothing_over_anything():
+    """Five workloads x nine paths of long names (a GPU sweep's table), and the long-tail record: tick
+    labels clear of each other, legends clear of every text, each other and the bars."""
+    from rollout_lab.plots.latency import plot_occupancy
+
+    paths = ["nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto", "hf_generate",
+             "hf_generate_batch"]
+    rows = [{"workload": w, "path": p, "samples_ms": ";".join(str(10.0 + 3 * i + d) for d in range(3)),
+             "tokens_per_s": 1000.0 * (1 + i % 4), "peak_mem_bytes": 2**30 * (1 + i), "prefill_ms": 4.0 + i,
+             "decode_ms": 5.0, "cache_ms": 0.5, "num_prefill_forwards": 1 + i}
+            for w in ("short_similar", "long_tail", "short_tail", "moderate_tail", "spread") for i, p in enumerate(paths)]
+    summary = [{"workload": "long_tail", "auto_vs_best": 1.3, "auto_route": "bucketed",
+                "auto_vs_best_manual_beyond_spread": False}]
+    tail = [{"path": p, "slots": 128, "output_tokens_per_s": tps, "occupancy": occ, "queued_occupancy": queued}
+            for p, tps, occ, queued in (("paged_128", 12200.0, 0.85, 0.97), ("aligned_128", 7300.0, 0.63, 0.29))]
+    for fig in (plot_e2e(rows, summary), plot_throughput_memory(rows), plot_breakdown(rows),
+                plot_occupancy(tail, title="EOS long tail")):
+        assert _overlaps(fig) == [], fig.axes[0].get_ylabel()

@@ -28,13 +28,13 @@ def test_rollout_config_costs_path_is_checked_against_the_model(tmp_path):
 
     from rollout_lab.engine.config import RolloutConfig
     from rollout_lab.engine.rollout import Rollout
-    from rollout_lab.engine.setting import model_metadata
+    from rollout_lab.engine.setting import model_metadata, model_name_of
     from rollout_lab.measure.models import tiny_model
     from rollout_lab.planner.cost import CostCoefficients
 
     tiny = tiny_model("qwen2")
     mine = CostCoefficients(prefill_fixed_cost_ms=0.5)
-    matching = mine.to_json(tmp_path / "tiny.json", metadata=model_metadata(tiny))
+    matching = mine.to_json(tmp_path / "tiny.json", metadata=model_metadata(tiny, model_name=model_name_of(tiny)))
     assert Rollout(tiny, RolloutConfig(costs=str(matching))).costs == mine
     assert Rollout(tiny, RolloutConfig(costs=matching, mode="bucketed")).generate(
         [[5, 6, 7]], max_new_tokens=2).sequences[0]
@@ -69,15 +69,52 @@ def test_rollout_refuses_a_calibration_of_captured_prefill_for_its_eager_forward
 
     from rollout_lab.engine.config import RolloutConfig
     from rollout_lab.engine.rollout import Rollout
-    from rollout_lab.engine.setting import model_metadata
+    from rollout_lab.engine.setting import model_metadata, model_name_of
     from rollout_lab.measure.models import tiny_model
     from rollout_lab.planner.cost import CostCoefficients
 
     tiny = tiny_model("qwen2")
     mine = CostCoefficients(prefill_fixed_cost_ms=0.5)
     for graphs in (True, False):
-        mine.to_json(tmp_path / f"{graphs}.json", metadata=model_metadata(tiny) | {"grid": {"prefill_graphs": graphs}})
+        mine.to_json(tmp_path / f"{graphs}.json", metadata=model_metadata(tiny, model_name=model_name_of(tiny))
+                     | {"grid": {"prefill_graphs": graphs}})
     assert Rollout(tiny, RolloutConfig(costs=tmp_path / "False.json")).costs == mine
     with pytest.raises(ValueError, match="prefill_graphs: file has True, this setting has False"):
         Rollout(tiny, RolloutConfig(costs=tmp_path / "True.json"))
     assert Rollout(tiny, RolloutConfig(costs=tmp_path / "True.json", override_costs=True)).costs == mine
+
+
+def test_rollout_checks_the_model_name_of_a_cost_file_as_the_cli_does(tmp_path):
+    """Issue 36: RolloutConfig(costs=path) accepted a cost file of another model with the same shapes,
+    or one naming another model; the CLI refuses both (its model's name is in the metadata it checks).
+    Rollout checks the name too (engine.setting.model_name_of): a checkpoint goes by its folder's name,
+    as `--model` does, tiny_model/from_preset by their CLI names, another model built from a config by
+    its family and size; override_costs accepts a mismatch."""
+    import pytest
+
+    from rollout_lab.engine.config import RolloutConfig
+    from rollout_lab.engine.rollout import Rollout
+    from rollout_lab.engine.setting import model_metadata, model_name_of
+    from rollout_lab.measure.calibrate import load_calibration
+    from rollout_lab.measure.models import tiny_model
+    from rollout_lab.planner.cost import CostCoefficients
+
+    qwen, llama = tiny_model("qwen2"), tiny_model("llama")
+    assert model_metadata(qwen)["geometry"] == model_metadata(llama)["geometry"]  # the same shapes
+    mine = CostCoefficients(prefill_fixed_cost_ms=0.5)
+    other = mine.to_json(tmp_path / "llama.json", metadata=model_metadata(llama, model_name=model_name_of(llama)))
+    named = mine.to_json(tmp_path / "named.json", metadata=model_metadata(qwen, model_name="qwen3-32b"))
+    for path, file_name in ((other, "tiny-llama"), (named, "qwen3-32b")):
+        for check in (lambda: Rollout(qwen, RolloutConfig(costs=path)), lambda: load_calibration(path, model=qwen)):
+            with pytest.raises(ValueError, match=f"model_name: file has '{file_name}', this setting has 'tiny-qwen2'"):
+                check()
+        assert Rollout(qwen, RolloutConfig(costs=path, override_costs=True)).costs == mine
+    assert Rollout(llama, RolloutConfig(costs=other)).costs == mine
+    cli = mine.to_json(tmp_path / "cli.json", metadata=model_metadata(qwen, model_name="tiny-qwen2"))
+    assert Rollout(qwen, RolloutConfig(costs=cli)).costs == mine  # what `rollout-lab calibrate --tiny qwen2` names
+
+    built = tiny_model("qwen2")
+    built.config.name_or_path = ""  # built from a config by hand: its family and size
+    assert model_name_of(built) == "qwen2-2L-64h"
+    with pytest.raises(ValueError, match="model_name: file has 'tiny-qwen2', this setting has 'qwen2-2L-64h'"):
+        Rollout(built, RolloutConfig(costs=cli))

@@ -15,7 +15,7 @@ import pytest
 from rollout_lab.engine.config import MANUAL_ROUTES
 from rollout_lab.measure.prefill_routes import PREFILL_ROUTES
 from rollout_lab.measure.records import PEER_PATHS
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
+from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry
 from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,6 +218,15 @@ def test_grpo_ratios_follow_from_the_means(path):
     assert len(rows) == sum(len(r["ms"]) + 1 for r in results.values())
     for row in rows:
         assert row["tokens_per_s"] == pytest.approx(tokens / (row["ms"] / 1e3), rel=1e-3), row
+
+
+@pytest.mark.parametrize("path", CALIBRATIONS, ids=lambda p: p.name)
+def test_every_committed_cost_file_loads_with_its_measured_numbers(path):
+    """A committed calibration stays readable by ``CostFile.read`` (a field the cost model gained
+    later is migrated into the file, never left to break it), and what it reads is the file's own."""
+    cost_file = CostFile.read(path)
+    saved = load(path)["coefficients"]
+    assert {k: v for k, v in cost_file.coeffs.to_dict().items() if k in saved} == saved
 
 
 @pytest.mark.parametrize("path", CALIBRATIONS, ids=lambda p: p.name)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import get_tiny
 
 from rollout_lab.cli import main as cli_main
 from rollout_lab.engine.config import MANUAL_ROUTES, MODES
@@ -26,7 +27,7 @@ from rollout_lab.measure.records import (
 )
 from rollout_lab.measure.sweep import run_sweep
 from rollout_lab.measure.workloads import get_workload
-from rollout_lab.workspace import check_record_pair
+from rollout_lab.workspace import check_record_pair, record_csv_text
 
 WORKLOADS = {
     "long_tail": get_workload("long_tail", scale=0.05),  # 1x26 + 31x1
@@ -96,13 +97,16 @@ def test_failing_peer_is_skipped_with_reason(monkeypatch):
     assert record["workloads"]["two"]["summary"]["best_peer_path"] is None
 
 
-def test_bad_workload_or_path_errors_before_work():
+def test_bad_workload_or_path_errors_before_work(tmp_path):
     with pytest.raises(ValueError, match="unknown workloads.*nope"):
         run_sweep(None, workloads=["long_tail", "nope"])  # never touches the model
     with pytest.raises(ValueError, match="unknown paths"):
         run_sweep(None, workloads=["long_tail"], paths=["nocb", "vllm"])
     with pytest.raises(ValueError, match="positive ints"):
         run_sweep(None, workloads={"bad": [3, 0]})
+    with pytest.raises(ValueError, match="decode='graph' needs a CUDA device"):  # before the lock and any call
+        run_sweep(get_tiny("qwen2"), workloads={"a": [3]}, decode="graph", out=tmp_path / "g")
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow
@@ -135,6 +139,7 @@ def test_load_results_errors(tmp_path):
     (["--costs", "/nonexistent/costs.json"], "does not exist"),
     (["--device", "tpu"], "--device"),
     (["--prefill-graphs", "--device", "cpu"], "--prefill-graphs captures CUDA graphs"),
+    (["--decode", "graph", "--device", "cpu"], "decode='graph' needs a CUDA device, the model is on cpu"),
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
@@ -225,6 +230,131 @@ def test_resume_skips_the_workloads_done_and_refuses_other_settings(tmp_path, mo
     with pytest.raises(ValueError, match="workload 'a': saved lengths differ"):
         run_sweep(model, workloads={"a": [4, 1]}, repetitions=1, out=out, resume=True, **SMALL)
     assert ran == [3] and load_results(out)["workloads"].keys() == {"a", "b"}  # refused before any work
+
+
+class Killed(BaseException):
+    """The process dying at a write point: nothing after it runs (not an Exception: no handler takes it)."""
+
+
+# every write point of the record pair of a two-workload sweep: each of its four files (the CSV, then
+# the JSON, after each workload) before its write, with its temporary file written, and once renamed
+WRITE_POINTS = [(call, phase) for call in range(4) for phase in ("before", "temporary", "renamed")]
+
+
+@pytest.fixture(scope="module")
+def dead_pid():
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def kill_at(monkeypatch, call: int, phase: str, dead_pid: int) -> list[str]:
+    """Make the ``call``-th file write of the record pair die at ``phase``, leaving what a SIGKILL
+    there leaves (a dead writer's temporary file; its lock file naming it); the suffixes written."""
+    from rollout_lab import workspace
+
+    real, written = workspace.write_text_atomic, []
+
+    def dying(path, text):
+        path = Path(path)
+        written.append(path.suffix)
+        if len(written) - 1 != call:
+            return real(path, text)
+        if phase == "temporary":
+            (path.parent / f".{path.name}.{dead_pid}.k1ll3d.tmp").write_text(text[: len(text) // 2])
+        if phase == "renamed":
+            real(path, text)
+        (path.parent / f"{path.stem}.lock").write_text(json.dumps({"pid": dead_pid, "started": "then"}))
+        raise Killed
+
+    monkeypatch.setattr(workspace, "write_text_atomic", dying)
+    return written
+
+
+@pytest.mark.parametrize("call, phase", WRITE_POINTS)
+def test_a_sweep_killed_at_any_write_point_resumes_without_losing_or_redoing_a_workload(
+        call, phase, tmp_path, monkeypatch, dead_pid):
+    """The JSON is the commit point: a kill anywhere in a write keeps every workload the JSON holds,
+    and ``resume`` runs exactly the others, rebuilding a CSV the kill left stale (the resume used
+    to refuse a record whose CSV was a write ahead of its JSON, and a rerun overwrote it)."""
+    from rollout_lab.measure import sweep as sweep_module
+
+    model, out, workloads = get_tiny("qwen2"), tmp_path / "k", {"a": [3, 1], "b": [2, 2, 2]}
+    with monkeypatch.context() as patch:
+        written = kill_at(patch, call, phase, dead_pid)
+        with pytest.raises(Killed):
+            run_sweep(model, workloads=workloads, repetitions=1, out=out, **SMALL)
+    assert written == [".csv", ".json", ".csv", ".json"][: call + 1]  # the CSV first, the JSON last
+    json_path = out.with_suffix(".json")
+    committed = json.loads(json_path.read_text())["workloads"] if json_path.exists() else {}
+    assert list(committed) == ["a", "b"][: (call + (phase == "renamed")) // 2]
+    ran = []
+    real = sweep_module._sweep_workload
+    monkeypatch.setattr(sweep_module, "_sweep_workload",
+                        lambda model, prompts, *a, **k: ran.append(len(prompts)) or real(model, prompts, *a, **k))
+    record = run_sweep(model, workloads=workloads, repetitions=1, out=out, resume=True, **SMALL)
+    assert ran == [len(v) for k, v in workloads.items() if k not in committed]  # none lost, none redone
+    assert all(record["workloads"][k] == v for k, v in committed.items())
+    saved = load_results(out)  # checks the pair
+    assert list(saved["workloads"]) == ["a", "b"] and saved["run_id"] == record["run_id"]
+    assert out.with_suffix(".csv").read_text() == record_csv_text(record["run_id"], results_table(saved))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.csv", "k.json"]  # no temporary file, no lock
+
+
+def test_resume_rebuilds_a_stale_or_cut_csv_before_anything_else(tmp_path, monkeypatch, capsys):
+    """A CSV that is not the JSON's (stale, cut short, missing) is rebuilt from the JSON when the
+    sweep resumes, even with nothing left to run."""
+    from rollout_lab.measure import sweep as sweep_module
+
+    model, out = get_tiny("qwen2"), tmp_path / "c"
+    first = run_sweep(model, workloads={"a": [3, 1]}, repetitions=1, out=out, **SMALL)
+    monkeypatch.setattr(sweep_module, "_sweep_workload", lambda *a, **k: pytest.fail("ran a workload again"))
+    csv_path = out.with_suffix(".csv")
+    for damage in (lambda text, run_id: csv_path.write_text(text[: len(text) // 2]),  # cut short
+                   lambda text, run_id: csv_path.unlink(),
+                   lambda text, run_id: csv_path.write_text(text.replace(run_id, "0" * 16))):  # another write's
+        damage(csv_path.read_text(), load_results(out)["run_id"])
+        assert "rebuilt" not in capsys.readouterr().err
+        record = run_sweep(model, workloads={"a": [3, 1]}, repetitions=1, out=out, resume=True, **SMALL)
+        assert "rebuilt " + str(csv_path) in capsys.readouterr().err
+        assert record["workloads"]["a"] == json.loads(json.dumps(first["workloads"]["a"]))
+        load_results(out)  # the pair agrees again
+
+
+def test_cli_resume_recovers_a_kill_and_checks_its_settings_before_the_model(tmp_path, monkeypatch, capsys, dead_pid):
+    """``rollout-lab sweep --resume`` after a kill between the CSV and the JSON of its second write
+    (it used to exit 2): the first workload is kept, the second run; a resume with other settings,
+    and --decode graph on a CPU, are one error line before the model is built."""
+    from rollout_lab.measure import sweep as sweep_module
+
+    out = tmp_path / "cli"
+    argv = ["sweep", "--tiny", "qwen2", "--device", "cpu", "--workloads", "short_tail", "spread", "--scale", "0.05",
+            "--paths", "nocb", "auto", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress",
+            "--out", str(out), "--out-dir", str(tmp_path)]
+    with monkeypatch.context() as patch:
+        kill_at(patch, 2, "renamed", dead_pid)  # the second CSV written, its JSON not
+        with pytest.raises(Killed):
+            cli_main(argv)
+    assert list(json.loads(out.with_suffix(".json").read_text())["workloads"]) == ["short_tail"]
+    with monkeypatch.context() as patch:
+        patch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model before the checks"))
+        for more, message in ((["--repetitions", "2"], "config.repetitions: saved 1, now 2"),
+                              (["--max-new-tokens", "3"], "config.max_new_tokens: saved 2, now 3"),
+                              (["--tiny", "llama"], "provenance.model_name: saved 'tiny-qwen2', now 'tiny-llama'"),
+                              (["--decode", "graph"], "decode='graph' needs a CUDA device")):
+            capsys.readouterr()
+            assert cli_main([*argv, "--resume", *more]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error:") and err.count("\n") == 1 and message in err, err
+    ran = []
+    real = sweep_module._sweep_workload
+    monkeypatch.setattr(sweep_module, "_sweep_workload",
+                        lambda model, prompts, *a, **k: ran.append(len(prompts)) or real(model, prompts, *a, **k))
+    capsys.readouterr()
+    assert cli_main([*argv, "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert "keeps short_tail" in captured.out and "rebuilt" in captured.err
+    assert ran == [len(get_workload("spread", scale=0.05))]
+    assert list(load_results(out)["workloads"]) == ["short_tail", "spread"]
 
 
 GATED_SWEEP = """
@@ -374,6 +504,9 @@ def test_sweep_or_load_runs_at_the_class_ladder_resumes_and_joins_a_peer_record(
     with pytest.raises(ValueError, match="prefill_graphs=True captures CUDA graphs; device is 'cpu'"):
         sweep_or_load(workloads=["long_tail"], paths_=["nocb"], results_stem=str(tmp_path / "x"),
                       prefill_graphs=True, **common)
+    with pytest.raises(ValueError, match="cannot resume.*config.max_new_tokens: saved 2, now 3"):  # resume too
+        sweep_or_load(workloads=["long_tail"], paths_=["nocb", "bucketed", "auto"], results_stem=str(ours),
+                      prefill_classes=True, resume=True, **{**common, "max_new_tokens": 3})
 
 
 def test_more_sweep_measures_its_own_generation_length_and_refuses_bad_settings_before_the_model(tmp_path, monkeypatch):

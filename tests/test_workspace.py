@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_lab.workspace import (OUT_DIR_ENV, RUN_ID, Workspace, check_record_pair, csv_text, lock_path,
-                                   output_lock, record_paths, write_csv, write_json_atomic, write_record)
+from rollout_lab.workspace import (OUT_DIR_ENV, RUN_ID, Workspace, check_not_locked, check_record_pair, csv_text,
+                                   lock_path, output_lock, record_paths, write_csv, write_json_atomic, write_record)
 
 
 def test_resolve_precedence(tmp_path, monkeypatch):
@@ -158,6 +158,74 @@ def test_output_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path
     with output_lock(tmp_path / "res"):
         assert json.loads(path.read_text())["pid"] == os.getpid()
     assert f"its holder (pid {int(dead.stdout)}, started earlier) is no longer running" in capsys.readouterr().err
+    # a holder killed while holding it: its lock goes with its process, its file names it until taken
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from rollout_lab.workspace import output_lock\n"
+                               "with output_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)",
+                               str(tmp_path / "res")], env=env, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(ValueError, match=f"being written by pid {holder.pid} "):
+        check_not_locked(tmp_path / "res")
+    holder.kill()
+    holder.wait()
+    check_not_locked(tmp_path / "res")
+    with output_lock(tmp_path / "res"):
+        pass
+    assert f"its holder (pid {holder.pid}," in capsys.readouterr().err and not path.exists()
+
+
+RACER = """
+import os, sys, time
+from pathlib import Path
+from rollout_lab.workspace import output_lock
+
+folder, trials = Path(sys.argv[1]), int(sys.argv[2])
+me = str(os.getpid())
+for trial in range(trials):
+    go = folder / f"go.{trial}"
+    while not go.exists():  # every racer starts a trial at once, on a stale lock the test left
+        time.sleep(0.0005)
+    try:
+        with output_lock(folder / "out"):
+            try:  # the one holder, or two at a time: then this fails
+                os.close(os.open(folder / "inside", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                print(f"trial {trial}: two holders", flush=True)
+                sys.exit(3)
+            (folder / f"held.{trial}.{me}").touch()
+            time.sleep(0.002)
+            os.unlink(folder / "inside")
+    except ValueError as err:
+        assert "is being written by" in str(err), err
+    (folder / f"done.{trial}.{me}").touch()
+"""
+
+
+@pytest.mark.slow
+def test_four_racing_writers_never_hold_one_lock_together_stale_locks_included(tmp_path):
+    """4 processes start each of 200 trials at once on a lock file a dead writer left (the old
+    O_EXCL lock with a pid check let two of them take it over in 29 of 100 trials): at no time do
+    two hold it, some one holds it in every trial, and the last holder removes it."""
+    num_racers, num_trials = 4, 200
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = json.dumps({"pid": int(dead.stdout), "started": "earlier"})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(num_trials)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(num_racers)]
+    try:
+        for trial in range(num_trials):
+            (tmp_path / "out.lock").write_text(stale)  # what a killed writer leaves
+            (tmp_path / f"go.{trial}").touch()
+            while len(list(tmp_path.glob(f"done.{trial}.*"))) < num_racers:
+                assert all(r.poll() in (None, 0) for r in racers), [r.stdout.read() for r in racers if r.poll()]
+                time.sleep(0.001)
+            assert list(tmp_path.glob(f"held.{trial}.*")), f"trial {trial}: nobody took the stale lock"
+            assert not (tmp_path / "out.lock").exists() and not (tmp_path / "inside").exists()
+        assert [r.wait(timeout=60) for r in racers] == [0] * num_racers
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
 
 
 @pytest.mark.parametrize("body, message", [

@@ -24,6 +24,10 @@ copies into the other samples' slots) is the same copy, so it takes kv's slope.
   beyond the shared coefficients, once and per prompt (``fit_packed_costs``). Without them Auto
   never considers packed.
 
+On a CPU every timing runs on one torch thread by default (``threads=``, ``measure.threads``): more
+only contend on a shared host. The fit's quality is checked (``fit_warnings``): R², the worst shape,
+and each decode cost per step against its calls' spread (``decode_warnings``).
+
 The metadata: the fields in ``planner.cost.CHECKED_FIELDS`` (model, geometry, dtype, device, attention
 implementation, library versions, TF32) must agree between a cost file and the run that loads it:
 coefficients measured on another setting would steer the planner wrongly without any error.
@@ -36,7 +40,7 @@ import statistics
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -48,10 +52,11 @@ from rollout_lab.engine.prefill import cache_kwarg_name, packed_backend, prefill
 from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
-from rollout_lab.engine.setting import model_metadata
+from rollout_lab.engine.setting import model_metadata, model_name_of
 from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.provenance import git_sha, provenance
 from rollout_lab.measure.spread import sample_spread
+from rollout_lab.measure.threads import MEASUREMENT_THREADS, measurement_threads
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, packed_prefill_cost_ms
 from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
@@ -100,17 +105,47 @@ MIN_R2 = 0.9  # below this the fitted terms are mostly noise: recalibrate on a q
 MAX_REL_ERROR = 0.25  # a shape predicted this far off steers the planner wrongly for that shape
 
 
-def fit_warnings(r2: float, worst_rel_error: float, *, num_shapes: int | None = None) -> list[str]:
-    """What is wrong with a fit's quality, in words (empty when R² >= MIN_R2 and every shape is
-    within MAX_REL_ERROR)."""
+MAX_DECODE_SPREAD = 0.5  # of a decode step: its calls' IQRs past this make the per-step cost a guess
+
+
+def fit_warnings(r2: float, worst_rel_error: float, *, num_shapes: int | None = None,
+                 decode: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """What is wrong with a fit's quality, in words (empty when R² >= MIN_R2, every shape is
+    within MAX_REL_ERROR and every decode probe is clear of its noise, ``decode_warnings``)."""
     found = []
     if not r2 >= MIN_R2:  # NaN included
         found.append(f"R² {r2:.3f} is below {MIN_R2}: the fitted coefficients are mostly noise")
     if not worst_rel_error <= MAX_REL_ERROR:
         shapes = f" of {num_shapes} shapes" if num_shapes else ""
         found.append(f"the worst shape{shapes} is predicted {worst_rel_error:.0%} off (limit {MAX_REL_ERROR:.0%})")
+    found += decode_warnings(decode)
     if found:
         found.append("recalibrate with more --repetitions on an idle host (or --threads 1) before trusting it")
+    return found
+
+
+def decode_warnings(decode: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The decode terms' quality, per probe batch and route (``measure_decode_overhead``'s records):
+    a cost per step is the difference of two calls' medians over the steps between them, so it is
+    noise when the longer calls were not slower, or when the two calls' IQRs add up to more than
+    MAX_DECODE_SPREAD of it."""
+    found = []
+    for record in decode:
+        steps, samples = record["steps"], record.get("samples_ms", {})
+        for route, key in (("nocb", "nocb"), ("CB", "cb")):
+            per_step = record[f"{key}_ms_per_step"]
+            where = f"{route} decode at batch {record['batch']}"
+            if not per_step > 0:
+                found.append(f"{where}: the calls with {steps + 1} new tokens were not slower than those with 1 "
+                             f"({per_step:.3f} ms a step): the decode term is noise")
+                continue
+            calls = [samples.get(f"{key}_{n}") for n in (1, steps + 1)]
+            if not all(calls):
+                continue
+            spread = sum(sample_spread(c)["iqr_ms"] for c in calls) / steps
+            if spread > MAX_DECODE_SPREAD * per_step:
+                found.append(f"{where}: {per_step:.3f} ms a step, but its calls spread {spread:.3f} ms a step "
+                             f"(IQRs; limit {MAX_DECODE_SPREAD:.0%} of the step)")
     return found
 
 
@@ -125,10 +160,13 @@ def calibrate(
     device: Any = None,
     model_name: str | None = None,
     progress: bool = True,
+    threads: int | None = MEASUREMENT_THREADS,
 ) -> CalibrationResult:
     """Measure the grid on ``model`` (already on its device, in its dtype) and fit the coefficients.
 
-    ``dtype``/``device`` default to the model's; when given they must match it.
+    ``dtype``/``device`` default to the model's; when given they must match it. On a CPU the
+    forwards are timed on ``threads`` torch threads (None: the process's; ``measure.threads``), and
+    the process's count is restored after; the metadata records the count used (``num_threads``).
     """
     grid = CalibrationGrid() if grid is None else grid
     param = next(model.parameters())
@@ -136,10 +174,12 @@ def calibrate(
         raise ValueError(f"dtype={dtype} but the model's parameters are {param.dtype}; convert the model first")
     if device is not None and torch.device(device).type != param.device.type:
         raise ValueError(f"device={device} but the model is on {param.device}; move the model first")
-    metadata = run_metadata(model, model_name=model_name)
+    with measurement_threads(threads, param.device):
+        metadata = run_metadata(model, model_name=model_name)
+        prefill = measure_prefill(model, grid, progress=progress)
+        decode = measure_decode_overhead(model, grid, progress=progress)
+        packed = measure_packed(model, grid, progress=progress) if grid.packed else []
     metadata["grid"] = grid.to_dict()
-    prefill = measure_prefill(model, grid, progress=progress)
-    decode = measure_decode_overhead(model, grid, progress=progress)
     cb_ms, nocb_ms = decode_costs(decode)
     geometry = ModelGeometry(**metadata["geometry"])
     coeffs, fit, r2 = fit_coefficients(
@@ -149,12 +189,11 @@ def calibrate(
     )
     for record, measured in zip(fit, prefill):
         record.update({k: v for k, v in measured.items() if k.endswith(("_samples_ms", "_iqr_ms"))})
-    packed = measure_packed(model, grid, progress=progress) if grid.packed else []
     packed_records: tuple[dict[str, Any], ...] = ()
     if packed:
         coeffs, packed_records = with_packed_costs(packed, geometry, coeffs)
     result = CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records)
-    problems = fit_warnings(r2, result.worst_rel_error, num_shapes=len(fit))
+    problems = fit_warnings(r2, result.worst_rel_error, num_shapes=len(fit), decode=decode)
     if problems:  # on the console too, not only in the record
         warnings.warn(f"calibration of {metadata['model_name']}: " + "; ".join(problems), stacklevel=2)
     return replace(result, warnings=tuple(problems))
@@ -182,8 +221,10 @@ def calibration_path(name: str, dtype: str, device: str, workspace: Workspace) -
 def calibrate_or_load(
     *, calibration_file: str | None, model: str, dtype: str, device: str, grid: Any,
     output_path: str | None, output_dir: str | Path | None, progress: bool = False,
+    threads: int | None = MEASUREMENT_THREADS,
 ) -> tuple[Any, Path]:
-    """Render a saved calibration (``calibration_file``), or measure one and save it: (result, path)."""
+    """Render a saved calibration (``calibration_file``), or measure one on ``threads`` CPU threads
+    (``calibrate``) and save it: (result, path)."""
     if calibration_file is not None:
         path = Path(calibration_file)
         if not path.is_file():
@@ -192,7 +233,7 @@ def calibrate_or_load(
     net, name = load_model(model, dtype=dtype, device=device)
     path = Path(output_path) if output_path else calibration_path(name, dtype, device, Workspace.resolve(output_dir))
     with output_lock(path):  # one calibration at a time per cost file: a second one is refused
-        result = calibrate(net, grid=calibration_grid(grid), model_name=name, progress=progress)
+        result = calibrate(net, grid=calibration_grid(grid), model_name=name, progress=progress, threads=threads)
         result.save(path)
     return result, path
 
@@ -455,14 +496,9 @@ def run_metadata(model: Any, *, model_name: str | None = None) -> dict[str, Any]
     plus provenance, for ``model`` in the current process."""
     param = next(model.parameters())
     info = provenance(device=param.device, dtype=param.dtype)
-    info.update(model_metadata(model, model_name=model_name or _default_model_name(model)))
+    info.update(model_metadata(model, model_name=model_name or model_name_of(model)))
     info["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     return info
-
-
-def _default_model_name(model: Any) -> str:
-    config = model.config
-    return getattr(config, "name_or_path", "") or f"{config.model_type}-{config.num_hidden_layers}L-{config.hidden_size}h"
 
 
 def load_calibration(
@@ -470,8 +506,9 @@ def load_calibration(
     prefill_graphs: bool | None = None,
 ) -> CostCoefficients:
     """Coefficients of a cost file, after checking its provenance against ``model`` as it is now
-    (``CostFile.check`` with ``model_metadata``; the name too when given, and whether the setting
-    captures its prefill forwards when ``prefill_graphs`` is given). A mismatch, or a file without
-    metadata, raises ValueError naming each differing field; ``override=True`` accepts it."""
-    expected = model_metadata(model, model_name=model_name, prefill_graphs=prefill_graphs)
+    (``CostFile.check`` with ``model_metadata``; the name as given, else ``model_name_of(model)``, as
+    ``Rollout`` checks ``RolloutConfig(costs=path)``; and whether the setting captures its prefill
+    forwards when ``prefill_graphs`` is given). A mismatch, or a file without metadata, raises
+    ValueError naming each differing field; ``override=True`` accepts it."""
+    expected = model_metadata(model, model_name=model_name or model_name_of(model), prefill_graphs=prefill_graphs)
     return CostFile.read(path).check(expected, override=override)

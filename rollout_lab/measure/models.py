@@ -74,6 +74,9 @@ def tiny_model(
             if param.dim() >= 2:
                 param.normal_(0.0, 0.2)
     _clear_generation_defaults(model)
+    # named as load_model and the CLI name it: a cost file is checked against this name
+    # (engine.setting.model_name_of reads it back, as it reads a checkpoint's folder)
+    model.config.name_or_path = f"tiny-{family}"
     return model.eval()
 
 
@@ -96,6 +99,7 @@ def from_preset(
     model.to_empty(device=device)
     _init_random_(model, seed=seed)
     _clear_generation_defaults(model)
+    model.config.name_or_path = name  # as tiny_model: the name a cost file is checked against
     return model.eval()
 
 

@@ -8,17 +8,20 @@ A sweep record's summaries (Auto against the best manual path and the best HF pe
 medians, and whether they differ by more than their spread), its flat tables and its JSON + CSV
 files; the loaders of every kind of record, and the rows the notebooks and ``rollout-lab table``
 draw from them. ``write_results`` writes the pair through ``workspace.write_record`` (CSV first,
-JSON last, one ``run_id``); the loaders check the pair agrees.
+JSON last, one ``run_id``); the loaders check the pair agrees, and ``recover_results`` (a sweep to
+resume) rebuilds a CSV that does not from the JSON.
 """
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from rollout_lab.measure.spread import beyond_spread, sample_spread
-from rollout_lab.workspace import check_record_pair, pair_paths, read_json_file, write_record
+from rollout_lab.workspace import (check_record_pair, pair_paths, read_json_file, restore_record_csv,
+                                   write_record)
 
 # the HF peers a sweep times beside our routes (measure.paths runs them): a record's paths that are
 # neither Auto nor a peer are our manual routes
@@ -115,6 +118,18 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     return load_record(pair_paths(path)[0], "sweep")
 
 
+def recover_results(stem: str | os.PathLike) -> dict[str, Any]:
+    """The sweep record at ``stem`` to resume, read from its JSON (the commit point of a pair); a
+    CSV that is not the one the JSON derives (a sweep killed between the two writes, a file cut
+    short or missing) is rebuilt from it, said on stderr. Call it holding the output's lock."""
+    paths = pair_paths(stem)
+    record = read_record(paths[0], "sweep")
+    if restore_record_csv(paths, record, results_table(record)):
+        print(f"rebuilt {paths[1]} from {paths[0]}: it was not that record's CSV (a write was interrupted "
+              "between the two files)", file=sys.stderr)
+    return record
+
+
 def join_sweeps(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> dict[str, Any]:
     """One record from sweeps of the same workloads run in separate processes (HF's compiled peer
     runs in its own: its CUDA-graph trees must not share a process with our captures).
@@ -187,10 +202,16 @@ MAX_RECORD_BYTES = 256 * 2**20  # a sweep with every profile is ~100 KiB; refuse
 
 def load_record(path: Path, kind: str) -> dict[str, Any]:
     """A record of ``kind`` read from ``path`` and checked against its CSV twin."""
+    record = read_record(path, kind)
+    check_record_pair(path, record=record)
+    return record
+
+
+def read_record(path: Path, kind: str) -> dict[str, Any]:
+    """A record of ``kind`` read from its JSON ``path`` alone (its CSV twin is not looked at)."""
     record = read_json_file(path, what="results file", max_bytes=MAX_RECORD_BYTES)
     if not isinstance(record, dict) or record.get("kind") != kind:
         raise ValueError(f"{str(path)!r} is not a {kind} record (kind != {kind!r})")
-    check_record_pair(path, record=record)
     return record
 
 

@@ -17,7 +17,8 @@ path generates the same number of tokens. Peers that fail are skipped with the r
 The paths and how one call is timed are ``measure.paths``; the record's summaries, tables and files
 are ``measure.records``; ``rollout-lab sweep`` is its command. A sweep with ``out`` holds
 ``<out>.lock`` from before its first workload to its last write, so a second sweep to the same
-output is refused; ``resume=True`` keeps the workloads an earlier record of the same settings holds.
+output is refused; ``resume=True`` keeps the workloads an earlier record of the same settings holds
+(its JSON: a sweep killed at any point of a write loses none, and its CSV is rebuilt from it).
 """
 from __future__ import annotations
 
@@ -35,23 +36,26 @@ from tqdm.auto import tqdm
 from rollout_lab.engine.attention import set_attn_implementation
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.setting import device_name
+from rollout_lab.engine.steppers import resolve_decode_mode
 from rollout_lab.measure.calibrate import load_calibration, run_metadata
 from rollout_lab.measure.models import (TINY_VOCAB_SIZE, load_model, model_config,
                                         special_token_ids, tiny_model)
 from rollout_lab.measure.paths import PathRunner, check_paths, output_sequences, release_memory, timed_call
 from rollout_lab.measure.peers import oracle_sequences
-from rollout_lab.measure.records import (PROFILE_FIELDS, join_sweeps, load_results, load_sweeps, summarize,
-                                         workload_summary, write_results)
+from rollout_lab.measure.records import (PROFILE_FIELDS, join_sweeps, load_results, load_sweeps, read_record,
+                                         recover_results, summarize, workload_summary, write_results)
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.workloads import (WORKLOADS, get_workload,
                                            lengths_to_prompts, padding_share)
 from rollout_lab.planner.checks import check_max_new_tokens
-from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, setting_metadata
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import RUN_ID, Workspace, json_text, output_lock, pair_paths, run_tag
 
 DEFAULT_ORACLE_MAX_TOKENS = 1024  # prompt + generated tokens of a workload, for the oracle check
 DEFAULT_REPETITIONS = 5  # timed rounds after the warm-up: enough for a median and an IQR on a CPU
+DEFAULT_REPETITION_PENALTY = 1.0  # none: greedy tokens, as the oracle check needs
 
 
 def resolve_workloads(
@@ -95,7 +99,7 @@ def run_sweep(
     progress: bool = True,
     out: str | os.PathLike | None = None,
     workload_scale: float = 1.0,
-    repetition_penalty: float = 1.0,
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
     oracle_max_tokens: int = DEFAULT_ORACLE_MAX_TOKENS,
     costs_source: str | None = None,
     decode: str | None = None,
@@ -107,7 +111,9 @@ def run_sweep(
 
     With ``out``, ``<out>.lock`` is held for the whole sweep (a second writer is refused before any
     work). ``resume=True`` starts from the record at ``out`` and skips its workloads; its settings
-    must be this sweep's (a ValueError names those that differ).
+    must be this sweep's (a ValueError names those that differ; ``check_resume`` checks them before
+    a model is built). The record's JSON is what it finished: a kill at any point of a write loses
+    no workload it holds, and a CSV the kill left stale is rebuilt from it (``recover_results``).
 
     ``costs`` (CostCoefficients, default: the engine's) drive auto and bucketed; ``decode``
     ("graph", "eager", "auto"; None = the engine's default) picks our CB decode stepper; ``engine``
@@ -128,43 +134,53 @@ def run_sweep(
     check_max_new_tokens(max_new_tokens)
     if resume and out is None:
         raise ValueError("resume=True needs out (the record to resume)")
+    if decode is not None:
+        resolve_decode_mode(decode, next(model.parameters()).device)  # decode="graph" off CUDA: an error now
+    config = sweep_settings(paths=paths, repetitions=repetitions, max_new_tokens=max_new_tokens,
+                            repetition_penalty=repetition_penalty, workload_scale=workload_scale,
+                            oracle_max_tokens=oracle_max_tokens, decode=decode, engine=engine, costs=costs,
+                            costs_source=costs_source)
     with contextlib.ExitStack() as stack:
         if out is not None:
             stack.enter_context(output_lock(out))
-        return _sweep(model, lengths_by_name, paths, repetitions=repetitions, max_new_tokens=max_new_tokens,
-                      costs=costs, model_name=model_name, progress=progress, out=out,
-                      workload_scale=workload_scale, repetition_penalty=repetition_penalty,
-                      oracle_max_tokens=oracle_max_tokens, costs_source=costs_source, decode=decode,
-                      engine=engine, resume=resume)
+        record: dict[str, Any] = {"kind": "sweep", "provenance": run_metadata(model, model_name=model_name),
+                                  "config": config, "workloads": {}}
+        if resume and pair_paths(out)[0].is_file():
+            saved = recover_results(out)  # the JSON; a CSV a kill left stale is rebuilt from it
+            done = resumable_workloads(saved, config=config, provenance=record["provenance"],
+                                       lengths_by_name=lengths_by_name)
+            record["workloads"].update(done)
+            record["resumed"] = {"run_id": saved.get(RUN_ID), "date": saved["provenance"].get("date"),
+                                 "git_sha": saved["provenance"].get("git_sha"), "workloads": list(done)}
+            lengths_by_name = {k: v for k, v in lengths_by_name.items() if k not in done}
+        return _sweep(model, record, lengths_by_name, paths, repetitions=repetitions,
+                      max_new_tokens=max_new_tokens, costs=costs, progress=progress, out=out,
+                      repetition_penalty=repetition_penalty, oracle_max_tokens=oracle_max_tokens, decode=decode,
+                      engine=engine)
 
 
-def _sweep(model, lengths_by_name, paths, *, repetitions, max_new_tokens, costs, model_name, progress, out,
-           workload_scale, repetition_penalty, oracle_max_tokens, costs_source, decode, engine,
-           resume) -> dict[str, Any]:
+def sweep_settings(*, paths: Sequence[str], repetitions: int, max_new_tokens: int, workload_scale: float,
+                   oracle_max_tokens: int, engine: Mapping[str, Any],
+                   repetition_penalty: float = DEFAULT_REPETITION_PENALTY, decode: str | None = None,
+                   costs: CostCoefficients | None = None, costs_source: str | None = None) -> dict[str, Any]:
+    """A sweep record's ``config`` (``run_sweep``'s settings, ``paths`` checked): what ``resume``
+    requires of a saved record."""
+    return {
+        "paths": list(paths), "repetitions": repetitions, "max_new_tokens": max_new_tokens,
+        "repetition_penalty": repetition_penalty, "workload_scale": workload_scale,
+        "oracle_max_tokens": oracle_max_tokens, "decode": decode or "engine default",
+        "engine": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in engine.items()},
+        "costs": None if costs is None else costs.to_dict(), "costs_source": costs_source or (
+            "engine defaults" if costs is None else "given"),
+    }
+
+
+def _sweep(model, record, lengths_by_name, paths, *, repetitions, max_new_tokens, costs, progress, out,
+           repetition_penalty, oracle_max_tokens, decode, engine) -> dict[str, Any]:
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     special = special_token_ids(config)
-    record: dict[str, Any] = {
-        "kind": "sweep",
-        "provenance": run_metadata(model, model_name=model_name),
-        "config": {
-            "paths": list(paths), "repetitions": repetitions, "max_new_tokens": max_new_tokens,
-            "repetition_penalty": repetition_penalty, "workload_scale": workload_scale,
-            "oracle_max_tokens": oracle_max_tokens, "decode": decode or "engine default",
-            "engine": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in engine.items()},
-            "costs": None if costs is None else costs.to_dict(), "costs_source": costs_source or (
-                "engine defaults" if costs is None else "given"),
-        },
-        "workloads": {},
-    }
-    if resume and pair_paths(out)[0].is_file():
-        saved = load_results(out)
-        done = resumable_workloads(saved, record, lengths_by_name)
-        record["workloads"].update(done)
-        record["resumed"] = {"run_id": saved.get(RUN_ID), "date": saved["provenance"].get("date"),
-                             "git_sha": saved["provenance"].get("git_sha"), "workloads": list(done)}
-        lengths_by_name = {k: v for k, v in lengths_by_name.items() if k not in done}
     calls_per_workload = len(paths) * (repetitions + 2)
     bar = tqdm(total=calls_per_workload * len(lengths_by_name), desc="sweep", disable=not progress)
     # no_grad, not inference_mode: generate_batch's worker thread must update tensors made here
@@ -191,14 +207,15 @@ def _sweep(model, lengths_by_name, paths, *, repetitions, max_new_tokens, costs,
 RESUME_PROVENANCE = ("model_name", "dtype", "device_type", "device_name", "geometry", "attn_implementation")
 
 
-def resumable_workloads(saved: Mapping[str, Any], record: Mapping[str, Any],
+def resumable_workloads(saved: Mapping[str, Any], *, config: Mapping[str, Any], provenance: Mapping[str, Any],
                         lengths_by_name: Mapping[str, Sequence[int]]) -> dict[str, Any]:
-    """The workloads of a saved sweep that a sweep with ``record``'s settings may keep; ValueError
-    naming every setting that differs (config, provenance, or a kept workload's lengths)."""
+    """The workloads of a saved sweep that a sweep with ``config`` (``sweep_settings``) and
+    ``provenance`` may keep; ValueError naming every setting that differs (config, the
+    ``RESUME_PROVENANCE`` fields ``provenance`` holds, or a kept workload's lengths)."""
     diffs = [f"config.{k}: saved {saved['config'].get(k)!r}, now {v!r}"
-             for k, v in _as_read_back(record["config"]).items() if saved["config"].get(k) != v]
-    diffs += [f"provenance.{k}: saved {saved['provenance'].get(k)!r}, now {record['provenance'].get(k)!r}"
-              for k in RESUME_PROVENANCE if saved["provenance"].get(k) != record["provenance"].get(k)]
+             for k, v in _as_read_back(config).items() if saved["config"].get(k) != v]
+    diffs += [f"provenance.{k}: saved {saved['provenance'].get(k)!r}, now {v!r}"
+              for k, v in _as_read_back(provenance).items() if k in RESUME_PROVENANCE and saved["provenance"].get(k) != v]
     done = {k: w for k, w in saved["workloads"].items() if k in lengths_by_name}
     diffs += [f"workload {k!r}: saved lengths differ from this sweep's"
               for k, w in done.items() if list(w["lengths"]) != list(lengths_by_name[k])]
@@ -206,6 +223,24 @@ def resumable_workloads(saved: Mapping[str, Any], record: Mapping[str, Any],
         raise ValueError("cannot resume the saved sweep: its settings differ from this one's ("
                          + "; ".join(diffs) + "); choose another --out, or run without --resume to replace it")
     return {**{k: w for k, w in saved["workloads"].items() if k not in lengths_by_name}, **done}
+
+
+def check_resume(out: str | os.PathLike, *, config: Mapping[str, Any], model: str, dtype: str, device: str,
+                 lengths_by_name: Mapping[str, Sequence[int]]) -> list[str]:
+    """Before the model is built: the workloads a ``resume`` of the record at ``out`` keeps (none
+    when it has no JSON), checked as ``resumable_workloads`` checks them on ``config`` and on what
+    is known of the model without building it (``model``, a ``load_model`` spec: its name and
+    geometry; ``dtype``; ``device``: its type and name). Reads the JSON only: a CSV a kill left stale
+    is rebuilt when the sweep resumes, under the output's lock."""
+    json_path = pair_paths(out)[0]
+    if not json_path.is_file():
+        return []
+    model_settings, name = model_config(model)
+    known = setting_metadata(geometry=ModelGeometry.from_config(model_settings, dtype), dtype=dtype,
+                             model_name=name, device_type=torch.device(device).type)
+    known["device_name"] = device_name(torch.device(device))
+    saved = read_record(json_path, "sweep")
+    return list(resumable_workloads(saved, config=config, provenance=known, lengths_by_name=lengths_by_name))
 
 
 def _as_read_back(value: Any) -> Any:
@@ -346,13 +381,20 @@ def sweep_or_load(
         engine = class_ladder_settings(lengths, graphs=prefill_graphs) if prefill_classes or prefill_graphs else {}
         if prefill_graphs and torch.device(device).type != "cuda":
             raise ValueError(f"prefill_graphs=True captures CUDA graphs; device is {device!r}")
+        _, name = model_config(model)
+        if results_stem is None:
+            results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}")
+        if resume:  # the saved record's settings, before the model is built
+            coeffs = None if cost_file is None else CostFile.read(cost_file).coeffs
+            config = sweep_settings(paths=check_paths(paths_), repetitions=repetitions, max_new_tokens=max_new_tokens,
+                                    workload_scale=workload_scale, oracle_max_tokens=oracle_max_tokens,
+                                    engine=engine, costs=coeffs, costs_source=cost_file or "engine defaults")
+            check_resume(results_stem, config=config, model=model, dtype=dtype, device=device, lengths_by_name=lengths)
         net, name = load_model(model, dtype=dtype, device=device)
         costs = None
         if cost_file is not None:
             costs = load_calibration(cost_file, model=net, model_name=name, override=override_costs,
                                      prefill_graphs=prefill_graphs)
-        if results_stem is None:
-            results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}")
         record = run_sweep(
             net, workloads=lengths, paths=paths_, repetitions=repetitions, max_new_tokens=max_new_tokens,
             costs=costs, model_name=name, progress=progress, workload_scale=workload_scale,

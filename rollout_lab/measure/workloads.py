@@ -99,15 +99,21 @@ def load_lengths(dataset: str) -> list[int]:
 
 
 LENGTH_COLUMNS = ("num_tokens", "tokens", "length")  # a lengths CSV's column, by name (the first present)
+# a lengths file is read whole: 8 MiB holds ~300k CSV rows like the shipped ones, far past any batch
+MAX_LENGTHS_FILE_BYTES = 8 * 2**20
 
 
 def read_lengths_file(path: str | Path) -> list[int]:
     """Prompt lengths from a file: numbers separated by whitespace or commas, or a CSV with a header
     whose ``num_tokens``, ``tokens`` or ``length`` (``LENGTH_COLUMNS``, or only) column holds them,
-    such as the shipped prompt-length CSVs."""
+    such as the shipped prompt-length CSVs; one over ``MAX_LENGTHS_FILE_BYTES`` is refused unread."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"lengths file {str(path)!r} does not exist")
+    size = path.stat().st_size
+    if size > MAX_LENGTHS_FILE_BYTES:
+        raise ValueError(f"lengths file {str(path)!r} is {size} bytes, over the {MAX_LENGTHS_FILE_BYTES} "
+                         "a lengths file may hold; give a batch's lengths, not a corpus's")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -1,38 +1,57 @@
 """The integer checks every layer shares, so a bad value gets the same error wherever it enters.
 
     as_int(np.int64(3)) == 3; as_int(True) is None; as_int(3.0) is None
+    check_int(np.int64(8), name="cache_capacity")  # 8, a Python int; ValueError naming the value else
     check_max_new_tokens(16)      # ValueError naming the value unless an int >= 1
     check_context(500, 16, 512, what="request 3")  # ValueError: 516 positions past a 512 context
     budgets_of([8, 512], 2)       # [8, 512]: one budget per request; budgets_of(16, 3) == [16, 16, 16]
 
-Pure Python.
+A value that passes a check is returned as a Python int and that is the value to use: a numpy int
+kept as it came overflows in later arithmetic, and a tensor hashes by identity. Pure Python.
 """
 from __future__ import annotations
 
 import operator
+from typing import Sequence
+
+MAX_INT = 2**63 - 1  # the largest count a tensor's size (int64) holds: past it torch overflows
 
 
 def as_int(value: object) -> int | None:
-    """``value`` as an int when it is one (numpy ints included); None for bools, floats and the rest."""
-    if isinstance(value, (bool, float)):
+    """``value`` as a Python int when it is one: an int, a numpy int or a 0-d integer tensor; None for
+    bools (numpy and tensor ones too), floats, arrays of any other shape, tensors without data (the
+    meta device) and the rest."""
+    if isinstance(value, (bool, float)) or getattr(value, "ndim", 0) != 0 \
+            or "bool" in str(getattr(value, "dtype", "")):
         return None
     try:
         return operator.index(value)
-    except TypeError:
+    except Exception:  # a foreign __index__ raises its own errors (a meta tensor's: RuntimeError)
         return None
 
 
 def is_int(value: object) -> bool:
-    """An int (numpy ints included), not a bool or a float."""
+    """An int (numpy ints and 0-d integer tensors included), not a bool or a float."""
     return as_int(value) is not None
+
+
+def check_int(value: object, *, name: str, minimum: int = 1, maximum: int = MAX_INT, or_none: bool = False) -> int:
+    """``value`` as a Python int; ValueError naming ``name``, the value and the valid range unless it
+    is an int in [minimum, maximum] (``or_none``: the message says None is valid too; the caller
+    lets None through)."""
+    number = as_int(value)
+    if number is None or not minimum <= number <= maximum:
+        if maximum != MAX_INT:
+            upper = f" and <= {maximum}"
+        else:
+            upper = " and <= 2**63 - 1" if number is not None and number > maximum else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{upper}{', or None' if or_none else ''}, got {value!r}")
+    return number
 
 
 def check_max_new_tokens(max_new_tokens: object) -> int:
     """``max_new_tokens`` as an int; ValueError unless it is an int >= 1."""
-    value = as_int(max_new_tokens)
-    if value is None or value < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    return value
+    return check_int(max_new_tokens, name="max_new_tokens")
 
 
 def check_context(prompt_length: int, max_new_tokens: int, max_positions: int | None, *, what: str) -> None:
@@ -44,21 +63,23 @@ def check_context(prompt_length: int, max_new_tokens: int, max_positions: int | 
 
 
 def budgets_of(max_new_tokens: object, num_requests: int) -> list[int]:
-    """One generation budget per request: an int for all, or a sequence of one int >= 1 per request.
+    """One generation budget per request: an int for all, or one int >= 1 per request (a list, a
+    tuple, a 1-D numpy array or tensor).
 
-    ValueError naming the request and value, or the length mismatch.
+    ValueError naming the request and value, the length mismatch, or anything else (a dict, a set,
+    a float, a 2-D array, a tensor without data).
     """
-    scalar = as_int(max_new_tokens) is not None or not hasattr(max_new_tokens, "__len__")
-    if scalar or isinstance(max_new_tokens, (str, bytes)):
+    if as_int(max_new_tokens) is not None:
         return [check_max_new_tokens(max_new_tokens)] * num_requests
-    budgets = list(max_new_tokens.tolist() if hasattr(max_new_tokens, "tolist") else max_new_tokens)
+    is_array = getattr(max_new_tokens, "ndim", None) == 1 and callable(getattr(max_new_tokens, "tolist", None))
+    if not isinstance(max_new_tokens, (list, tuple, range)) and not is_array:
+        raise ValueError(f"max_new_tokens must be an int >= 1, or a list of one int >= 1 per request; "
+                         f"got {max_new_tokens!r}")
+    if getattr(max_new_tokens, "is_meta", False):
+        raise ValueError(f"max_new_tokens {max_new_tokens!r} is on the meta device and holds no values; "
+                         "give ints, or a tensor on the CPU")
+    budgets: Sequence[object] = max_new_tokens.tolist() if is_array else max_new_tokens
     if len(budgets) != num_requests:
         raise ValueError(f"max_new_tokens has {len(budgets)} budgets for {num_requests} requests; "
                          "give an int, or one int per request")
-    out = []
-    for index, budget in enumerate(budgets):
-        value = as_int(budget)
-        if value is None or value < 1:
-            raise ValueError(f"max_new_tokens[{index}] must be an int >= 1, got {budget!r}")
-        out.append(value)
-    return out
+    return [check_int(budget, name=f"max_new_tokens[{index}]") for index, budget in enumerate(budgets)]

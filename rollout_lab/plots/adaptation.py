@@ -52,7 +52,8 @@ def plot_eos_prior(rows: Sequence[Mapping[str, Any]]) -> Figure:
         ax.set_xticks(list(xs), [f"T={r['max_new_tokens']}" for r in mine])
         ax.set_ylabel("E2E ms" + (" (cost model)" if "cost model" in source else " (measured)"))
         ax.set_title(source, fontsize=9)
-        ax.legend(fontsize=7)
+        ax.margins(y=0.3)  # headroom: the route names over the bars, and the legend clear of them
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from rollout_lab.measure.bucket_choices import plan_padding_share
 from rollout_lab.measure.workloads import DATASETS, bimodal_lengths, lognormal_lengths, sample_lengths
@@ -69,12 +70,13 @@ def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
     route = choose_route(lengths, max_new_tokens=settings.max_new_tokens, continuous_batch_size=None,
                          geometry=geometry, coeffs=coeffs)
     plans = [p for p in plans_by_num_buckets(lengths, geometry, coeffs, min(16, len(lengths))) if p]
-    fig, (ax_b, ax_k, ax_r) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [3, 2, 1.4]})
+    fig, (ax_b, ax_k, ax_r) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [3, 2, 1.7]})
     draw_buckets(ax_b, lengths, plan, title=f"{settings.kind}, B={len(lengths)}")
     ks = [p.num_buckets for p in plans]
     ax_k.plot(ks, [p.cost_ms for p in plans], marker="o", markersize=3, label="prefill cost (ms)")
     ax_k.axvline(plan.num_buckets, color="0.4", linestyle=":", linewidth=1)
     ax_k.set_xlabel("buckets k")
+    ax_k.xaxis.set_major_locator(MaxNLocator(integer=True))  # k counts buckets: no 2.5
     ax_k.set_ylabel("best k-bucket prefill estimate (ms)")
     ax_pad = ax_k.twinx()
     ax_pad.plot(ks, [plan_padding_share(lengths, p) for p in plans], color="C1", linewidth=1, label="padding share")
@@ -93,6 +95,7 @@ def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
             text += "\n(not calibrated)"
         ax_r.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax_r.set_ylabel("estimated ms")
+    ax_r.margins(x=0.08, y=0.2)  # room for the two-line labels over the bars
     ax_r.set_title(f"Auto: {route.route} (budget {settings.max_new_tokens})", fontsize=9)
     one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
     ax_k.set_title(f"DP {plan.cost_ms:.0f} ms vs one bucket {one:.0f} ms", fontsize=9)

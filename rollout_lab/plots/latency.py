@@ -18,7 +18,8 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from rollout_lab.engine.config import MODES
-from rollout_lab.plots.style import PALETTE, choose_scale, draw_not_measured, subplot_grid
+from rollout_lab.plots.style import (PALETTE, choose_scale, draw_not_measured, slanted_ticks, speed_words,
+                                     subplot_grid)
 
 # ---------------------------------------------------------------- 03: latency tables
 
@@ -46,8 +47,8 @@ def _grouped_bars(ax, rows, key, *, scale: float = 1.0) -> None:
         vals = [_value(rows, w, path, key) * scale for w in workloads]
         values += vals
         ax.bar(x + (c - (len(path_names) - 1) / 2) * width, vals, width=width, label=path, color=PALETTE(c % 10))
-    ax.set_xticks(x)
-    ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(x, workloads)
+    slanted_ticks(ax)
     choose_scale(ax, values)
     ax.grid(axis="y", alpha=0.3)
 
@@ -81,20 +82,22 @@ def plot_e2e(rows: Sequence[Mapping[str, Any]], summary: Sequence[Mapping[str, A
     ax.set_ylim(top=long["ms"].max() * (4.0 if scale == "log" else 1.35))  # room for the legend, inside
     ax.set_xlabel("")
     ax.set_ylabel("end-to-end ms (bar: median; line: IQR; dots: samples)")
-    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    slanted_ticks(ax)
     ax.grid(axis="y", alpha=0.3)
     for i, w in enumerate(workloads):
         s = next((r for r in summary if r["workload"] == w), None)
         if s is not None and s.get("auto_vs_best") not in (None, ""):
             beyond = s.get("auto_vs_best_manual_beyond_spread")
             noise = "\n(within spread)" if beyond in (False, "False") else ""
-            ax.annotate(f"{float(s['auto_vs_best']):.2f}x {s.get('auto_route', '')}{noise}", (i, 1.0),
+            # auto_vs_best is Auto's time over the best manual path's: its inverse is Auto's speedup
+            ax.annotate(f"{speed_words(1 / float(s['auto_vs_best']))}\n{s.get('auto_route', '')}{noise}", (i, 1.0),
                         xycoords=("data", "axes fraction"), ha="center", va="bottom", fontsize=7)
     ax.legend(fontsize=7, ncol=min(len(timed), 4), loc="upper left")
     missing = [p for p in path_names if p not in timed]
     note = f"\nnot measured: {', '.join(missing)}" if missing else ""
-    ax.set_title(f"E2E per path (above: Auto / best manual path, of medians, and Auto's route){note}",
-                 fontsize=10, pad=26)
+    within = any(s.get("auto_vs_best_manual_beyond_spread") in (False, "False") for s in summary)
+    ax.set_title(f"E2E per path (above: Auto against the best manual path, of medians, and Auto's route){note}",
+                 fontsize=10, pad=30 + 9 * within)  # room for the two or three lines above each group
     fig.tight_layout()
     return fig
 
@@ -109,8 +112,11 @@ def plot_throughput_memory(rows: Sequence[Mapping[str, Any]]) -> Figure:
     else:
         _grouped_bars(ax_m, rows, "peak_mem_bytes", scale=1 / 2**20)
         ax_m.set_ylabel("peak memory (MiB)")
-    ax_t.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    # one legend above both panels: inside either one it covered bars of every path
+    handles, labels = ax_t.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.0), ncol=min(len(labels), 9),
+               fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
 
 
@@ -131,10 +137,13 @@ def plot_breakdown(rows: Sequence[Mapping[str, Any]]) -> Figure:
             ax.annotate(label, (i, bottom[i]), ha="center", va="bottom", fontsize=7)
         ax.set_title(w, fontsize=9)
         ax.set_ylabel("ms")
-        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        slanted_ticks(ax, fontsize=7)
         ax.margins(y=0.15)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    # one legend above the panels (in the first one it sat on its bars and their labels)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.0), ncol=len(labels), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     return fig
 
 
@@ -147,7 +156,8 @@ def plot_rl_throughput(rows: Sequence[Mapping[str, Any]], *, title: str = "") ->
     names = [f"{r['path']} @{r['git_sha']}" if several else r["path"] for r in ran]
     left.barh(names, [r["output_tokens_per_s"] for r in ran], color=[PALETTE(i) for i in range(len(ran))])
     for i, r in enumerate(ran):
-        left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), va="center", fontsize=8)
+        left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), xytext=(3, 0),
+                      textcoords="offset points", va="center", fontsize=8)
     left.set_xlabel("output tokens / s")
     left.margins(x=0.2)
     steps = [r for r in ran if r.get("decode_ms_per_step") is not None]
@@ -170,7 +180,8 @@ def plot_occupancy(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Fig
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.55 * max(3, len(rows))))
     left.barh(names, [r["output_tokens_per_s"] for r in rows], color=[PALETTE(i) for i in range(len(rows))])
     for i, r in enumerate(rows):
-        left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), va="center", fontsize=8)
+        left.annotate(f"{r['output_tokens_per_s']:,.0f}", (r["output_tokens_per_s"], i), xytext=(3, 0),
+                      textcoords="offset points", va="center", fontsize=8)
     left.set_xlabel("output tokens / s")
     left.margins(x=0.2)
     y = np.arange(len(rows))
@@ -179,13 +190,15 @@ def plot_occupancy(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Fig
     right.barh(y - 0.2, whole, height=0.4, color="0.55", label="every decode step")
     right.barh(y + 0.2, queued, height=0.4, color=PALETTE(0), label="while rows waited")
     for i, (w, q) in enumerate(zip(whole, queued)):
-        right.annotate(f"{w:.0%}", (w, i - 0.2), va="center", fontsize=8)
+        right.annotate(f"{w:.0%}", (w, i - 0.2), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         if not np.isnan(q):
-            right.annotate(f"{q:.0%}", (q, i + 0.2), va="center", fontsize=8)
+            right.annotate(f"{q:.0%}", (q, i + 0.2), xytext=(3, 0), textcoords="offset points", va="center",
+                           fontsize=8)
     right.set_yticks(y, [""] * len(rows))
-    right.set_xlim(0, 1.15)
+    right.set_xlim(0, 1.2)
     right.set_xlabel("live rows per step / slots")
-    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=8, frameon=False)
+    # beside the axes: below them it sat on the x label
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -208,6 +221,7 @@ def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> 
                    label=variant if i == 0 else None)
             ax.annotate(f"{r['step_ms_median']:.2f}", (x, r["step_ms_median"]), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(cases)), [f"{c} (slots x span)" for c in cases])
+    slanted_ticks(ax)
     ax.set_ylabel("ms per decode step (median)")
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=10)
@@ -269,7 +283,8 @@ def plot_whole_table(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> F
         ax.barh(ys, xs, height=height, color=PALETTE(j), label=name)
     for i, r in enumerate(rows):
         if r.get("speedup_over_best_hf"):
-            ax.annotate(f"{r['speedup_over_best_hf']:.1f}x faster than {r['best_hf']}", (float(r["ours_ms"]) / 1e3, i - 0.3),
+            ax.annotate(f"{speed_words(float(r['speedup_over_best_hf']), digits=1)} than {r['best_hf']}",
+                        (float(r["ours_ms"]) / 1e3, i - 0.3),
                         xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
         else:
             ax.annotate("no HF peer in this record", (float(r["ours_ms"]) / 1e3, i - 0.3), xytext=(4, 0),

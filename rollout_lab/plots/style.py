@@ -68,6 +68,26 @@ def choose_scale(ax: Any, values: Any, *, axis: str = "y") -> str:
     return scale
 
 
+def slanted_ticks(ax: Any, *, fontsize: float = 8, rotation: float = 30) -> None:
+    """Slant the x tick labels, each anchored at its tick by its right end, so that long names
+    (workloads, paths) neither overlap each other nor drift off their bars."""
+    ax.tick_params(axis="x", labelsize=fontsize)
+    plt.setp(ax.get_xticklabels(), rotation=rotation, ha="right", rotation_mode="anchor")
+
+
+def speed_words(speedup: float, *, digits: int = 2) -> str:
+    """A speedup (the other's time over ours) in words, the one wording of every figure: 2.5 is
+    "2.5× faster", 0.4 "2.5× slower" (never "0.4x faster"), and one at ``digits`` "as fast".
+    ValueError unless ``speedup`` is a finite number > 0."""
+    if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 < speedup < math.inf:
+        raise ValueError(f"speedup must be a finite number > 0 (the other's time over ours), got {speedup!r}")
+    factor = speedup if speedup >= 1 else 1 / speedup
+    shown = f"{factor:.{digits}f}"
+    if shown == f"{1:.{digits}f}":
+        return "as fast"
+    return f"{shown}× {'faster' if speedup >= 1 else 'slower'}"
+
+
 def draw_not_measured(ax: Any, what: str) -> None:
     """Say in words that ``what`` was not measured, instead of drawing empty axes."""
     ax.set_axis_off()
