@@ -30,7 +30,7 @@ reproduce: $(STAMP)
 	$(PY) -m rollout_lab.cli reproduce
 
 lint: $(STAMP)
-	$(PY) -m ruff check rollout_lab tests scripts
+	$(PY) -m ruff check rollout_lab tests scripts examples
 
 test: lint
 	$(PY) -m pytest -q

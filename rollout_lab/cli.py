@@ -8,12 +8,12 @@
     rollout-lab notebooks --only 02                             # -> <out-dir>/figures, data/tables
     rollout-lab reproduce                                       # what `make reproduce` runs
     rollout-lab bench rl --tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48 --out /tmp/rl  # -> /tmp/rl.json, .csv
-    rollout-lab bench {rl,grpo,decode-step,prefill-routes,logits,long-tail} --help
+    rollout-lab bench {rl,grpo,decode-step,prefill-routes,logits,long-tail,trainer-loop} --help
 
 Outputs go to the workspace: ``--out-dir``, else ``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out``
 (``rollout_lab.workspace``); a ``bench`` writes its record where ``--out`` says (never over one).
 Each bench is a measure module's run (``measure.rl``, ``grpo``, ``decode_step``, ``prefill_routes``,
-``fidelity``, ``long_tail``), whose docstring gives its H200 command. ``plan`` needs no torch; the
+``fidelity``, ``long_tail``, ``trainer_loop``), whose docstring gives its H200 command. ``plan`` needs no torch; the
 commands that run a model import it when they start.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
 from rollout_lab.measure.records import (PROFILE_FIELDS, decode_step_rows, e2e_table, grpo_rows, join_sweeps,
                                          load_results, rl_throughput_rows, summary_table)
-from rollout_lab.measure.workloads import (DATASETS, SEED_FIVE, WORKLOADS,
+from rollout_lab.measure.workloads import (DATASETS, MAX_LENGTHS_FILE_BYTES, SEED_FIVE, WORKLOADS,
                                            read_lengths_file, sample_lengths)
 from rollout_lab.notebooks import NOTEBOOKS, SMOKE_PARAMETERS, run_notebooks
 from rollout_lab.planner.bucket_dp import plan_buckets
@@ -56,6 +56,9 @@ EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "no
 
 # -- plan (no torch) -----------------------------------------------------------------------------
 
+MAX_PLAN_PROMPTS = 65536  # the bucket DP takes ~2 s at this many on a CPU, and grows faster than linearly
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     lengths = list(args.lengths)  # ints already (_lengths_argument)
     if args.file:
@@ -64,6 +67,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
     if not lengths:
         raise ValueError("give prompt lengths as arguments, with --file, or with --dataset")
+    if len(lengths) > MAX_PLAN_PROMPTS:
+        raise ValueError(f"plan takes at most {MAX_PLAN_PROMPTS} prompt lengths, got {len(lengths)}: "
+                         "plan one batch at a time")
     geometry = geometry_for(args.model or args.preset, args.dtype)
     kind = None if args.device is None else device_type(args.device)
     coeffs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
@@ -184,6 +190,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, str]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from rollout_lab.measure.calibrate import (CalibrationGrid,  # torch
                                                calibrate, calibration_path)
+    from rollout_lab.measure.threads import MEASUREMENT_THREADS
 
     resolve_model_arguments(args)
     grid_name = args.grid or ("default" if args.preset or args.model else "tiny")
@@ -206,7 +213,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_not_locked(out)  # another calibration writing it now
     model, name = build_model(args)
     with output_lock(out):  # one calibration at a time per cost file: a second one is refused
-        result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress)
+        result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress,
+                           threads=args.threads or MEASUREMENT_THREADS)
         result.save(out)
     c = result.coeffs
     print(f"{name} {args.dtype} on {result.metadata.get('device_name')}: {len(result.fit)} shapes, "
@@ -222,6 +230,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from rollout_lab.measure import \
         sweep  # torch: only the commands that run a model
     from rollout_lab.engine.setting import model_metadata  # torch, as above
+    from rollout_lab.engine.steppers import resolve_decode_mode  # torch, as above
     from rollout_lab.measure.calibrate import calibration_path  # torch, as above
     from rollout_lab.measure.paths import check_paths  # torch, as above
 
@@ -251,6 +260,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if device_type(args.device) != "cuda":
             raise ValueError(f"--compile-layers compiles the CUDA-graph decode step; --device is {args.device}")
         engine["compile"] = "layers"
+    if args.decode is not None:  # --decode graph off CUDA
+        resolve_decode_mode(args.decode, args.device)
     workspace = _workspace(args)
     out = Path(args.out) if args.out else workspace.results / f"sweep_{run_tag(name, args.dtype, device_type(args.device))}"
     check_writable(out.parent, what="the --out folder")
@@ -262,17 +273,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"costs: the engine's defaults (no calibration at {cost_path}; `rollout-lab calibrate` makes it)")
     else:
         print(f"costs: {cost_path}" + ("" if args.costs else " (this model's calibration in the workspace)"))
+    settings = dict(paths=paths, repetitions=args.repetitions, max_new_tokens=args.max_new_tokens,
+                    workload_scale=scale, decode=args.decode, engine=engine,
+                    oracle_max_tokens=sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None
+                    else args.oracle_max_tokens,
+                    costs_source=str(cost_path) if cost_file else "engine defaults")
+    if args.resume:  # the saved record's settings, before the model is built
+        kept = sweep.check_resume(out, config=sweep.sweep_settings(
+            **settings, costs=None if cost_file is None else cost_file.coeffs), model=model_spec(args),
+            dtype=args.dtype, device=args.device, lengths_by_name=lengths)
+        print(f"resuming {pair_paths(out)[0]}: keeps {', '.join(kept) or 'no workload'}" if pair_paths(out)[0].is_file()
+              else f"nothing to resume at {pair_paths(out)[0]}: every workload runs")
     model, name = build_model(args)
     costs = None if cost_file is None else \
         cost_file.check(model_metadata(model, model_name=name), override=args.override_costs)
-    oracle = sweep.DEFAULT_ORACLE_MAX_TOKENS if args.oracle_max_tokens is None else args.oracle_max_tokens
-    # a ValueError here (another sweep holds the output's lock, --resume's record differs) is one line
-    record = sweep.run_sweep(
-        model, workloads=lengths, paths=paths, repetitions=args.repetitions,
-        max_new_tokens=args.max_new_tokens, costs=costs, model_name=name, progress=not args.no_progress,
-        out=out, workload_scale=scale, oracle_max_tokens=oracle, decode=args.decode, engine=engine,
-        costs_source=str(cost_path) if cost_file else "engine defaults", resume=args.resume,
-    )
+    # a ValueError here (another sweep took the output's lock since the check above) is one line
+    record = sweep.run_sweep(model, workloads=lengths, costs=costs, model_name=name, progress=not args.no_progress,
+                             out=out, resume=args.resume, **settings)
     json_path, csv_path = pair_paths(out)  # run_sweep wrote them, under the output's lock
     print(f"{'workload':<16} {'auto route':<10} {'auto/best manual':>17} {'auto/best peer':>15}  (medians)")
     spread = {True: "beyond spread", False: "within spread", None: ""}  # Auto vs best manual: disjoint IQRs?
@@ -550,6 +567,52 @@ def cmd_bench_long_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.engine.decode import LOGPROB_MODES  # torch: a bench's options, when it parses
+    from rollout_lab.engine.config import MODES  # torch, as above
+    from rollout_lab.measure.trainer_loop import TRAIN_MODES, TRAINER_LOOP_DEFAULTS  # torch, as above
+
+    d = TRAINER_LOOP_DEFAULTS  # run_trainer_loop's own defaults
+    _add_bench_options(p, preset="qwen2.5-0.5b")
+    p.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="prompt-length distribution")
+    p.add_argument("--num-prompts", type=positive_int, default=d["num_prompts"], help="prompts (default %(default)s)")
+    p.add_argument("--num-samples", type=positive_int, default=d["num_samples"],
+                   help="samples per prompt (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"],
+                   help="tokens per sample (default %(default)s)")
+    p.add_argument("--scale", type=float, default=d["scale"], help="multiply every prompt length (CPU checks)")
+    p.add_argument("--iterations", type=positive_int, default=d["iterations"],
+                   help="rollout + trainer steps after one warm-up rollout (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--train-rows", type=positive_int, default=d["train_rows"],
+                   help="rows per trainer micro-batch (default: every row at once)")
+    p.add_argument("--logprobs-mode", default=d["logprobs_mode"], choices=LOGPROB_MODES,
+                   help="the rollout's logprobs, compared with the trainer's forward (default %(default)s)")
+    p.add_argument("--train-mode", default=d["train_mode"], choices=TRAIN_MODES,
+                   help="toggle: train() for the step, eval() for the rollout; or one mode throughout")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="HF gradient checkpointing on")
+    p.add_argument("--assign", action="store_true",
+                   help="after each step, replace every parameter through load_state_dict(assign=True)")
+    p.add_argument("--mode", default=d["mode"], choices=MODES, help="our route (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the workload and of the sampling")
+
+
+def cmd_bench_trainer_loop(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.trainer_loop import (TRAINER_LOOP_DEFAULTS,  # torch
+                                                  check_trainer_loop_settings, run_trainer_loop, trainer_loop_rows)
+
+    settings = {k: getattr(args, k) for k in TRAINER_LOOP_DEFAULTS}
+    check_trainer_loop_settings(**settings)
+    if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
+        import torch  # torch, as above
+
+        torch.set_num_threads(1)
+    _run_bench(args, trainer_loop_rows, lambda model, name, save: run_trainer_loop(
+        model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
+        **settings))
+    return 0
+
+
 # name: (one-line help, its options, its command)
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "rl": ("RL-regime throughput (nano-vllm's shape, per-request budgets): ours, its ablations, HF generate_batch",
@@ -564,6 +627,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                _logits_options, cmd_bench_logits),
     "long-tail": ("sampled RL rows ending at EOS at very different times: the aligned cache against the paged pool",
                   _long_tail_options, cmd_bench_long_tail),
+    "trainer-loop": ("rollout alternated with a GRPO trainer step on one model: sync cost, recaptures, logprob mismatch",
+                     _trainer_loop_options, cmd_bench_trainer_loop),
 }
 
 
@@ -662,7 +727,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default: float32 for --tiny, bfloat16 for --preset)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch CPU threads (default: torch's); 1 steadies timings on a busy host")
+                        help="torch CPU threads (default: 1 on a CPU, where more threads make timings noise "
+                             "on a busy host; torch's on a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_out_dir(parser)
 
@@ -743,7 +809,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the DP's buckets and the route choice for prompt lengths")
     plan.add_argument("lengths", nargs="*", type=_lengths_argument, help="prompt lengths in tokens")
     plan.add_argument("--file", help="a file of lengths: numbers, or a CSV with a header naming a "
-                                     "num_tokens, tokens or length column (or a single column)")
+                                     "num_tokens, tokens or length column (or a single column); at most "
+                                     f"{MAX_LENGTHS_FILE_BYTES // 2**20} MiB, and {MAX_PLAN_PROMPTS} lengths in all")
     plan.add_argument("--dataset", choices=DATASETS, help="sample prompt lengths of a real dataset (shipped)")
     plan.add_argument("--num-prompts", type=positive_int, default=32, help="prompts drawn with --dataset")
     plan.add_argument("--seed", type=int, default=0, help="seed of the --dataset draw")
@@ -861,10 +928,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # through its own handler ("ContinuousBatchingLogger", propagate=False), which tear the sweep's
     # progress bars; its errors still print. (The notebooks' kernels: notebooks.run_notebooks.)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    if getattr(args, "threads", None) is not None:
+    if hasattr(args, "threads"):  # the commands that build a model and time it
         import torch  # --threads is a process-wide torch setting, made here where the user asked for it
 
-        torch.set_num_threads(args.threads)
+        from rollout_lab.measure.threads import MEASUREMENT_THREADS
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.threads is not None or str(device).split(":")[0] == "cpu":  # a bad --device: the command says so
+            torch.set_num_threads(args.threads or MEASUREMENT_THREADS)
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as err:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.measure.models import TINY_FAMILIES, tiny_model
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE, tiny_model
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
 
@@ -67,3 +67,39 @@ _ORACLE = Oracle()
 @pytest.fixture
 def oracle() -> Oracle:
     return _ORACLE
+
+
+@pytest.fixture
+def no_forward(monkeypatch):
+    """The tiny qwen2 with a forward that fails the test: for checks that must run before any model work."""
+    model = get_tiny("qwen2")
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("a forward ran despite bad input"))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A real HF fast tokenizer over the tiny models' ids ("w0", "w1", ...), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(TINY_VOCAB_SIZE)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w1", pad_token="w0", eos_token="w2")
+    tok.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w4{% endif %}")
+    return tok
+
+
+class CharTokenizer:
+    """A tokenizer stand-in for stop strings: id i decodes to ``PIECES[i % 7]`` (one or two characters,
+    so a stop string can end inside a token or span several); id 0 is special (skipped when asked)."""
+
+    PIECES = ("a", "b", "#", "\n", "ab", "##", "b\n")
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "".join(self.PIECES[t % len(self.PIECES)] for t in ids if not (skip_special_tokens and t == 0))
+
+    def batch_decode(self, rows, skip_special_tokens=False) -> list[str]:
+        return [self.decode(row, skip_special_tokens) for row in rows]

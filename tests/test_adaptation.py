@@ -207,7 +207,7 @@ def test_online_recalibration_converges_on_this_machine():
     assert len(errors) == 6 and {"predicted_prefill_ms", "measured_prefill_ms", "prefill_rel_error"} <= set(errors[0])
     assert abs(errors[0]["prefill_rel_error"]) > 2  # defaults: 25 ms fixed cost per forward
     assert all(abs(e["prefill_rel_error"]) < 1.5 for e in errors[3:])  # loose: a shared CPU is noisy
-    assert config.costs == CostCoefficients() and rollout.costs != config.costs
+    assert config.costs == "auto" and rollout.costs != CostCoefficients()
     assert any(e["explored"] for e in errors[:2]) and not any(e["explored"] for e in errors[2:])
     assert set(routes) <= {"nocb", "bucketed"} and dataclasses.is_dataclass(rollout.costs)
 

@@ -90,6 +90,22 @@ def test_plan_file_errors_are_one_line(tmp_path, content, message, capsys):
     assert re.search(message, one_error_line(capsys))
 
 
+def test_plan_refuses_a_huge_file_and_too_many_lengths_before_planning(tmp_path, monkeypatch, capsys):
+    """A 200 MB lengths file once ran past 300 s: an oversized file is refused unread, and more
+    lengths than a batch would hold (from any source) before the DP."""
+    from rollout_lab.cli import MAX_PLAN_PROMPTS
+    from rollout_lab.measure.workloads import MAX_LENGTHS_FILE_BYTES
+
+    monkeypatch.setattr("rollout_lab.cli.plan_buckets", lambda *a, **k: pytest.fail("planned anyway"))
+    with (tmp_path / "huge.txt").open("wb") as handle:
+        handle.truncate(MAX_LENGTHS_FILE_BYTES + 1)  # sparse: its size, not its bytes
+    assert main(["plan", "--file", str(tmp_path / "huge.txt")]) == 2
+    assert f"is {MAX_LENGTHS_FILE_BYTES + 1} bytes, over the {MAX_LENGTHS_FILE_BYTES}" in one_error_line(capsys)
+    (tmp_path / "many.txt").write_text("16 " * MAX_PLAN_PROMPTS)
+    assert main(["plan", "--file", str(tmp_path / "many.txt"), "512"]) == 2
+    assert f"at most {MAX_PLAN_PROMPTS} prompt lengths, got {MAX_PLAN_PROMPTS + 1}" in one_error_line(capsys)
+
+
 def test_plan_without_lengths_or_with_an_unknown_file(tmp_path, capsys):
     assert main(["plan"]) == 2
     assert "give prompt lengths" in one_error_line(capsys)
@@ -244,10 +260,10 @@ def test_every_bad_input_is_one_line_and_status_2_before_any_work(argv, message,
     assert message in one_error_line(capsys)
 
 
-BENCHES = ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail")
+BENCHES = ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail", "trainer-loop")
 
 
-def test_bench_lists_the_six_benchmarks_without_importing_torch():
+def test_bench_lists_the_benchmarks_without_importing_torch():
     code = ("import sys\nfrom rollout_lab.cli import main\n"
             "assert main(['bench', '--help']) == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
@@ -368,6 +384,20 @@ def test_notebooks_get_absolute_paths_and_an_ipc_kernel(tmp_path, monkeypatch):
     assert call["config"].KernelManager.transport == "ipc"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--kernel", "nope"], "no Jupyter kernel named 'nope'; installed kernels: python3"),
+    (["--param", "02:batch_size=abc"], "02_bucket_choices: parameter batch_size='abc' has type str; it takes int"),
+    (["--param", "seeds=5"], "parameter seeds=5 has type int; it takes list (default [0, 1, 2])"),
+    (["--param", "02:interactive=1"], "parameter interactive=1 has type int; it takes bool"),
+    (["--param", "9:batch_size=1"], "parameters given for unknown notebooks ['9']"),
+])
+def test_a_bad_kernel_or_parameter_is_one_line_before_any_notebook_runs(argv, message, tmp_path, monkeypatch, capsys):
+    papermill = pytest.importorskip("papermill")
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: pytest.fail("ran a notebook"))
+    assert main(["notebooks", "--only", "02", "--out-dir", str(tmp_path), *argv]) == 2
+    assert message in one_error_line(capsys)
+
+
 def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
     """`rollout-lab plan ... | head`: the closed pipe ends the command quietly with status 0."""
     root = Path(__file__).resolve().parents[1]
@@ -403,3 +433,20 @@ def test_reproduce_renders_the_committed_gpu_records_without_a_gpu(tmp_path, mon
     monkeypatch.chdir(tmp_path)  # an installed package, away from a checkout: said, not an error
     _committed_gpu_table(Workspace.resolve(tmp_path / "elsewhere"))
     assert "not in this folder" in capsys.readouterr().out
+
+
+def test_measuring_commands_time_on_one_cpu_thread_unless_told(monkeypatch):
+    """issue 36: CPU timings on 2 busy threads were noise; calibrate, sweep and bench default to 1."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["sweep", "--tiny", "qwen2", "--device", "cpu", "--workloads", "no_such_workload"]) == 2
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert main(["sweep", "--tiny", "qwen2", "--device", "cpu", "--threads", "2",
+                     "--workloads", "no_such_workload"]) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -2,19 +2,13 @@
 value, before any forward; and every sequence says why it finished."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.planner.cost import CostCoefficients
-
-
-@pytest.fixture
-def no_forward(monkeypatch):
-    model = get_tiny("qwen2")
-    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("a forward ran despite bad input"))
-    return model
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -40,6 +34,71 @@ def test_the_smallest_temperature_and_largest_seed_run():
     result = Rollout(model).generate([[1, 2, 3]], max_new_tokens=3, do_sample=True, temperature=1e-5,
                                      seed=2**64 - 1)
     assert len(result.sequences[0]) == 3
+
+
+META = torch.device("meta")
+
+
+@pytest.mark.parametrize("kwargs, message", [  # issue 36: each passed the checks, then raised elsewhere
+    (dict(do_sample=True, seed=np.int64(3)), r"seed must be an int in \[0, 2\*\*64\) or None, got np.int64\(3\) "
+                                             r"\(pass int\(seed\)\)"),
+    (dict(do_sample=True, seed=np.uint64(2**64 - 1)), "seed must be an int in"),
+    (dict(do_sample=True, seed=torch.tensor(5)), r"seed must be .*got tensor\(5\)"),
+    (dict(max_new_tokens={2: 2}), r"max_new_tokens must be an int >= 1, or a list of one int >= 1 per request; "
+                                  r"got \{2: 2\}"),
+    (dict(max_new_tokens={2}), r"or a list of one int >= 1 per request; got \{2\}"),
+    (dict(max_new_tokens=torch.tensor(5.0)), r"max_new_tokens must be an int >= 1.*got tensor\(5\.\)"),
+    (dict(max_new_tokens=torch.tensor([[2]])), r"got tensor\(\[\[2\]\]\)"),
+    (dict(max_new_tokens=torch.tensor([2], device=META)), "max_new_tokens .* is on the meta device"),
+    (dict(max_new_tokens=np.uint64(2**64 - 1)), r"max_new_tokens must be an int >= 1 and <= 2\*\*63 - 1"),
+    (dict(do_sample=True, temperature=torch.tensor(5.0)), r"temperature must be .*got tensor\(5\.\)"),
+    (dict(do_sample=True, top_p=torch.tensor(0.5)), "top_p must be a number"),
+    (dict(do_sample=True, top_k=torch.tensor(5.0)), "top_k must be an int"),
+    (dict(temperature=np.array([1.0, 2.0])), r"temperature=array\(\[1\., 2\.\]\) only apply to sampling"),
+    (dict(prompts=torch.tensor([[1, 2]], device=META)), r"input_ids is on the meta device .*shape \(1, 2\)"),
+    (dict(prompts=[torch.tensor([1, 2], device=META)]), "request 0: the prompt is on the meta device"),
+    (dict(prompts=[[torch.tensor(1, device=META)]]), "request 0: token ids must be ints"),
+    (dict(prompts=torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 2, dtype=torch.long, device=META)),
+     "attention_mask is on the meta device"),
+])
+def test_numbers_of_another_kind_are_one_value_error_before_any_forward(no_forward, kwargs, message):
+    call = {"prompts": [[1, 2], [3]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        Rollout(no_forward, RolloutConfig(mode="aligned")).generate(call.pop("prompts"), **call)
+
+
+def test_numpy_and_tensor_ints_are_used_as_python_ints(oracle):
+    """Accepted where an int is expected, and converted: a numpy int kept as it came overflows later,
+    and an EOS id kept as a tensor hashes by identity, so it never stopped a row."""
+    model = get_tiny("qwen2")
+    prompts = [[5, 9, 2], [7, 4]]
+    eos = oracle(model, prompts[:1], max_new_tokens=4)[0][1]
+    config = RolloutConfig(mode="aligned", eos_token_id=torch.tensor(eos), pad_token_id=np.int64(0),
+                           continuous_batch_size=torch.tensor(2), cache_capacity=np.int64(64),
+                           kv_block_size=np.int64(32), decode_widths=torch.tensor(4))
+    for name in ("eos_token_id", "pad_token_id", "continuous_batch_size", "cache_capacity", "kv_block_size",
+                 "decode_widths"):
+        assert type(getattr(config, name)) is int, name
+    assert RolloutConfig(eos_token_id=[np.int64(eos), torch.tensor(1)]).eos_token_id == [eos, 1]
+    rollout = Rollout(model, config)
+    result = rollout.generate(prompts, max_new_tokens=np.array([4, 3]))
+    assert result.finish_reasons[0] == "stop" and result.sequences[0][-1] == eos
+    assert rollout.generate(prompts, max_new_tokens=torch.tensor(4)).sequences[0] == result.sequences[0]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("cache_capacity", 2**70, r"cache_capacity must be an int >= 1 and <= 2\*\*63 - 1, or None, got"),
+    ("kv_cache_tokens", np.uint64(2**64 - 1), r"kv_cache_tokens must be an int >= 1 and <= 2\*\*63 - 1"),
+    ("continuous_batch_size", torch.tensor(2, device=META), "continuous_batch_size must be an int >= 1, or None"),
+    ("decode_widths", 2**70, "decode_widths must be an int >= 1 and <= 4096"),  # its ladder looped 2**70 times
+    ("max_decode_graphs", torch.tensor(True), "max_decode_graphs must be an int >= 1"),
+    ("pad_token_id", torch.tensor(1, device=META), "pad_token_id must be an int >= 0, or None"),
+    ("eos_token_id", 2**70, r"eos_token_id must be an int >= 0 and <= 2\*\*63 - 1"),
+    ("kv_block_size", torch.tensor(64.0), r"kv_block_size must be one of \[16, 32, 64, 128\], got tensor\(64\.\)"),
+])
+def test_config_ints_without_a_value_or_out_of_range_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(**{field: value})
 
 
 @pytest.mark.parametrize("model, lacks", [
@@ -204,6 +263,42 @@ def test_a_generation_config_is_honoured():
     assert greedy.sequences == free
 
 
+@torch.no_grad()
+def _ranks(model, prompts, sequences) -> list[int]:
+    """Each token's rank among its step's logits (0: the largest), by a teacher-forced forward."""
+    ranks = []
+    for prompt, seq in zip(prompts, sequences):
+        logits = model(input_ids=torch.tensor([prompt + seq[:-1]])).logits[0, len(prompt) - 1:]  # [len(seq), vocab]
+        ranks += [int((row > row[token]).sum()) for row, token in zip(logits, seq)]
+    return ranks
+
+
+def test_a_sampling_generation_config_keeps_hfs_default_top_k():
+    """GenerationConfig(do_sample=True) samples as HF does: with top_k=50 unless it or the call says otherwise."""
+    from transformers import GenerationConfig
+
+    from rollout_lab.engine.config import HF_SAMPLING_DEFAULTS
+
+    model = get_tiny("qwen2")
+    rollout = Rollout(model)
+    rows = [p for p in PROMPTS for _ in range(8)]
+    sample = dict(max_new_tokens=16, do_sample=True, seed=11, num_samples=8)
+    got = rollout.generate(PROMPTS, generation_config=GenerationConfig(do_sample=True, max_new_tokens=16),
+                           seed=11, num_samples=8)
+    assert got.sequences == rollout.generate(PROMPTS, top_k=50, **sample).sequences
+    assert max(_ranks(model, rows, got.sequences)) < 50
+    unfiltered = rollout.generate(PROMPTS, **sample)  # rollout_lab's own default: no top-k
+    assert max(_ranks(model, rows, unfiltered.sequences)) >= 50  # so the check above can fail
+    off = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=16)
+    assert rollout.generate(PROMPTS, generation_config=off, seed=11, num_samples=8).sequences == unfiltered.sequences
+    own = rollout.generate(PROMPTS, generation_config=GenerationConfig(do_sample=True, max_new_tokens=16),
+                           top_k=5, seed=11, num_samples=8)  # the call's own top_k wins over the default
+    assert own.sequences == rollout.generate(PROMPTS, top_k=5, **sample).sequences
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:  # transformers >= 5 keeps them there; earlier ones on every instance
+        assert {name: defaults()[name] for name in HF_SAMPLING_DEFAULTS} == HF_SAMPLING_DEFAULTS
+
+
 @pytest.mark.parametrize("gc_kwargs, call, message", [
     (dict(num_beams=2, max_new_tokens=4), {}, "num_beams=2, which rollout_lab does not support"),
     (dict(no_repeat_ngram_size=3, max_new_tokens=4), {}, "no_repeat_ngram_size=3"),
@@ -223,23 +318,6 @@ def test_generation_config_errors_before_any_forward(no_forward, gc_kwargs, call
 
 
 # ---------------------------------------------------------------- text in, text out
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    """A real HF fast tokenizer over the tiny models' 512 ids ("w0".."w511"), with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from rollout_lab.measure.models import TINY_VOCAB_SIZE
-
-    vocab = {f"w{i}": i for i in range(TINY_VOCAB_SIZE)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w1", pad_token="w0", eos_token="w2")
-    tok.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} {% endfor %}"
-                         "{% if add_generation_prompt %}w4{% endif %}")
-    return tok
-
 
 def test_text_and_chat_prompts_with_a_tokenizer(tokenizer):
     model = get_tiny("qwen3")
@@ -268,3 +346,18 @@ def test_text_errors(no_forward, tokenizer):
         Rollout(no_forward, tokenizer=tokenizer).generate(["w5"], apply_chat_template=True, max_new_tokens=2)
     with pytest.raises(ValueError, match="tokenizer must be a transformers tokenizer"):
         Rollout(no_forward, tokenizer=object())
+
+
+def test_sample_and_beam_counts_of_any_kind_are_one_value_error():
+    """issue 36's leftovers: 10**20 samples hung, a numpy array of beams raised numpy's truth-value error."""
+    import numpy as np
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout
+
+    rollout = Rollout(get_tiny("qwen2"))
+    with pytest.raises(ValueError, match=r"num_samples must be an int in \[1, 65536\], got 100000000000000000000"):
+        rollout.generate([[1, 2]], max_new_tokens=2, num_samples=10**20)
+    with pytest.raises(ValueError, match="num_beams=array"):
+        rollout.generate([[1, 2]], max_new_tokens=2, num_beams=np.array([1, 1]))
+    assert rollout.generate([[1, 2]], max_new_tokens=2, num_beams=np.int64(1)).sequences

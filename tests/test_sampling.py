@@ -165,6 +165,21 @@ def test_top_k_one_and_tiny_top_p_are_greedy(mode, oracle):
         assert result.sequences == expected, params
 
 
+@pytest.mark.parametrize("mode", ROUTES)
+def test_temperature_zero_is_greedy(mode, oracle):
+    """vLLM's rule: do_sample=True at temperature 0 is greedy, whatever top_k, top_p and seed say."""
+    from transformers import GenerationConfig
+
+    model = get_tiny("qwen3")
+    prompts = make_prompts([5, 1, 11], seed=3)
+    expected = oracle(model, prompts, max_new_tokens=6)
+    for params in (dict(temperature=0), dict(temperature=0.0, top_k=5, top_p=0.5, seed=4)):
+        result = run(model, prompts, 6, mode=mode, generate=dict(do_sample=True, num_samples=2, **params))
+        assert result.grouped() == [[e] * 2 for e in expected] and result.seed is None, params
+    config = GenerationConfig(do_sample=True, temperature=0.0, max_new_tokens=6)
+    assert run(model, prompts, None, mode=mode, generate=dict(generation_config=config)).sequences == expected
+
+
 def test_greedy_samples_all_equal_the_oracle(oracle):
     model = get_tiny("qwen2")
     prompts = make_prompts([9, 2, 5], seed=1)
@@ -273,7 +288,8 @@ BAD_SAMPLING = {
     "temperature_without_sampling": (dict(temperature=0.5), "do_sample=True"),
     "seed_without_sampling": (dict(seed=3), "do_sample=True"),
     "top_p_without_sampling": (dict(top_p=0.9), "do_sample=True"),
-    "zero_temperature": (dict(do_sample=True, temperature=0.0), "temperature"),
+    "negative_temperature": (dict(do_sample=True, temperature=-0.5), "temperature"),
+    "bad_top_k_at_zero_temperature": (dict(do_sample=True, temperature=0, top_k=-1), "top_k"),
     "nan_temperature": (dict(do_sample=True, temperature=float("nan")), "temperature"),
     "negative_top_k": (dict(do_sample=True, top_k=-1), "top_k"),
     "float_top_k": (dict(do_sample=True, top_k=2.0), "top_k"),

@@ -39,6 +39,7 @@ from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams
 from rollout_lab.engine.steppers import EagerStepper, StepperKey
+from rollout_lab.engine.stopping import StopStrings
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.routes import plan_admission
@@ -60,13 +61,14 @@ class BatchSettings:
     num_slots: int
     capacity: int
     trim_cache: bool
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # the ids that end a row: EOS and the call's stop_token_ids
     pad_token_id: int
     repetition_penalty: float
     cache_kwarg: str
     sampling: SamplingParams | None = None  # None: greedy
     prefill_classes: ShapeClasses | None = None  # bucketed prefill at class shapes
     logprobs_mode: str | None = None  # engine.decode.LOGPROB_MODES: each token's log-probability too
+    stop_strings: StopStrings | None = None  # checked on the host after every token (engine.stopping)
 
 
 class ContinuousBatcher:
@@ -118,10 +120,10 @@ class ContinuousBatcher:
                 if not self.queue:
                     break  # the last admissions all finished on their first token
                 raise RuntimeError("no request is admissible into an empty cache (capacity or pool check missed)")
-            # Without EOS ids nothing retires before the nearest budget: run those steps without
-            # reading tokens back, so the host never waits on the device in between.
+            # Without EOS ids or stop strings nothing retires before the nearest budget: run those
+            # steps without reading tokens back, so the host never waits on the device in between.
             burst = 1
-            if not self.settings.eos_token_ids:
+            if not self.settings.eos_token_ids and self.settings.stop_strings is None:
                 burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
             burst = self._reserve(burst)
             num_rows = len(self.rows)
@@ -175,6 +177,16 @@ class ContinuousBatcher:
     def _is_done(self, row: _Row) -> bool:
         last = self.outputs[row.request][-1]
         return last in self.settings.eos_token_ids or row.num_generated >= self.settings.budgets[row.request]
+
+    def _live_slots(self) -> list[int]:
+        """The slots of rows still generating: not done (``_is_done``), nor stopped by a stop string,
+        which is checked only on the rows still live (one batched decode of their tails)."""
+        live = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
+        stop = self.settings.stop_strings
+        if stop is None or not live:
+            return live
+        hits = stop.hits([self.outputs[self.rows[slot].request] for slot in live])
+        return [slot for slot, hit in zip(live, hits) if not hit]
 
     def _note_peak(self) -> None:
         self.profile.peak_cache_columns = max(self.profile.peak_cache_columns, self.cache.front_int)
@@ -381,7 +393,7 @@ class ContinuousBatcher:
     # -- retirement -------------------------------------------------------------------------
     def _retire(self) -> None:
         """Drop finished rows, fill their holes with the last live rows, then trim if asked."""
-        keep = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
+        keep = self._live_slots()
         if len(keep) == len(self.rows):
             return
         self._compact(keep)

@@ -1,8 +1,9 @@
-"""What a rollout is asked to do and what it gives back: ``RolloutConfig``, ``RolloutResult``.
+"""What a rollout is asked to do and what it gives back: ``RolloutConfig``, ``RolloutResult``
+(per request, a ``RequestOutput`` of ``SampleOutput``s).
 
 Every check of a user's value lives here, so a bad value fails before any model work:
 ``RolloutConfig.__post_init__`` for the config, ``sampling_params`` for ``generate``'s sampling
-arguments, ``prompt_lists`` for the prompts.
+arguments, ``stop_conditions`` for its stop strings and ids, ``prompt_lists`` for the prompts.
 
 """
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 from rollout_lab.engine.paged_attention import BLOCK_SIZES
 from rollout_lab.engine.profile import Profile
 from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.engine.stopping import StopStrings
+from rollout_lab.engine.trainer import padded_batch
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.checks import as_int, is_int
+from rollout_lab.planner.checks import MAX_INT, as_int, check_int, is_int
 from rollout_lab.planner.cost import CostCoefficients, CostFile
 from rollout_lab.planner.decode_steps import check_prior_settings
 from rollout_lab.planner.shape_classes import ShapeClasses
@@ -31,6 +34,9 @@ DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager
 # decode attention: "span" reads each row's live columns (engine.span_attention), "masked" the
 # window with a mask; "auto": span where its kernel runs (CUDA with Triton), masked elsewhere
 DECODE_ATTENTIONS = ("auto", "span", "masked")
+# decode_widths at most: the windows are rounded to 16 columns, so past capacity / 16 they coincide
+# (4096 covers a 64K-token capacity), and the ladder is built by a loop over them
+MAX_DECODE_WIDTHS = 4096
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,9 @@ class RolloutConfig:
     continuous_batch_size: int | None = None
     # the user's own CostCoefficients (used as given), or a cost file's path: read here, and checked
     # against the model by Rollout (its provenance must match; override_costs=True accepts a mismatch)
-    costs: CostCoefficients | CostFile = field(default_factory=CostCoefficients)
+    # "auto": on CUDA the cost cache's coefficients for this model, refined online and saved back
+    # (engine.cost_cache), elsewhere the reference's; "reference": the reference's (CostCoefficients())
+    costs: CostCoefficients | CostFile | str = "auto"
     override_costs: bool = False
     eos_token_id: int | list[int] | None = None  # None: the model's
     ignore_eos: bool = False  # True: no EOS stops a row (benchmarks)
@@ -109,23 +117,30 @@ class RolloutConfig:
             raise ValueError(f"max_prefill_graphs must be an int >= 1, got {self.max_prefill_graphs!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
-        for name in ("max_decode_graphs", "decode_widths"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        size = self.kv_block_size
-        if not is_int(size) or size not in BLOCK_SIZES:
-            raise ValueError(f"kv_block_size must be one of {list(BLOCK_SIZES)}, got {size!r}")
+        # the int fields are kept as Python ints: a numpy int overflows in later arithmetic, a tensor
+        # hashes by identity (an EOS id given as a tensor would never stop a row)
+        object.__setattr__(self, "max_decode_graphs", check_int(self.max_decode_graphs, name="max_decode_graphs"))
+        object.__setattr__(self, "decode_widths", check_int(
+            self.decode_widths, name="decode_widths", maximum=MAX_DECODE_WIDTHS))
+        size = as_int(self.kv_block_size)
+        if size not in BLOCK_SIZES:
+            raise ValueError(f"kv_block_size must be one of {list(BLOCK_SIZES)}, got {self.kv_block_size!r}")
+        object.__setattr__(self, "kv_block_size", size)
         fraction = self.gpu_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be a number in (0, 1], got {fraction!r}")
         for name in ("continuous_batch_size", "cache_capacity", "kv_cache_tokens", "refill_rows"):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if isinstance(self.costs, (str, os.PathLike)):
+            if value is not None:
+                object.__setattr__(self, name, check_int(value, name=name, or_none=True))
+        if self.costs == "reference":
+            object.__setattr__(self, "costs", CostCoefficients())
+        elif isinstance(self.costs, (str, os.PathLike)) and not (isinstance(self.costs, str) and self.costs == "auto"):
             object.__setattr__(self, "costs", CostFile.read(self.costs))
-        if not isinstance(self.costs, (CostCoefficients, CostFile)):
-            raise ValueError(f"costs must be a CostCoefficients or a cost file path, got {self.costs!r}")
+        if not isinstance(self.costs, (CostCoefficients, CostFile)) and not (
+                isinstance(self.costs, str) and self.costs == "auto"):
+            raise ValueError(f"costs must be 'auto', 'reference', a CostCoefficients or a cost file path, "
+                             f"got {self.costs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.ignore_eos and self.eos_token_id is not None:
@@ -133,12 +148,17 @@ class RolloutConfig:
                              "give one or the other")
         eos = self.eos_token_id
         if isinstance(eos, (list, tuple)):
-            if not all(is_int(e) and e >= 0 for e in eos):
+            ids = [as_int(e) for e in eos]
+            if not all(e is not None and 0 <= e <= MAX_INT for e in ids):
                 raise ValueError(f"eos_token_id must hold non-negative ints, got {eos!r}")
-        elif eos is not None and (not is_int(eos) or eos < 0):
-            raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
-        if self.pad_token_id is not None and (not is_int(self.pad_token_id) or self.pad_token_id < 0):
-            raise ValueError(f"pad_token_id must be a non-negative int or None, got {self.pad_token_id!r}")
+            object.__setattr__(self, "eos_token_id", type(eos)(ids))
+        elif eos is not None:
+            if as_int(eos) is None:
+                raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+            object.__setattr__(self, "eos_token_id", check_int(eos, name="eos_token_id", minimum=0))
+        if self.pad_token_id is not None:
+            object.__setattr__(self, "pad_token_id", check_int(
+                self.pad_token_id, name="pad_token_id", minimum=0, or_none=True))
         penalty = self.repetition_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0 \
                 or penalty == float("inf"):
@@ -170,11 +190,31 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class SampleOutput:
+    """One response of a request (vLLM's ``CompletionOutput``): a view of ``RolloutResult``'s rows."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None  # with generate(return_logprobs=True)
+    finish_reason: str  # "stop" or "length"
+    text: str | None  # with a tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request (vLLM's ``RequestOutput``): its prompt's ids and its ``num_samples`` responses."""
+
+    prompt_token_ids: list[int]
+    outputs: list[SampleOutput]
+
+
+@dataclass(frozen=True)
 class RolloutResult:
-    """Per (request, sample), request-major, the generated ids up to and including the first EOS.
+    """Per (request, sample), request-major, the generated ids up to and including the token that
+    stopped the row (an EOS or stop id, or the one completing a stop string).
 
     ``sequences[r * num_samples + s]`` is sample s of request r (HF's ``num_return_sequences``
-    order); ``grouped()`` gives one list of samples per request. ``seed`` is the seed sampling used
+    order); ``grouped()`` gives one list of samples per request, ``requests`` one ``RequestOutput``
+    per request, ``to_tensors()`` the padded tensors of a loss. ``seed`` is the seed sampling used
     (drawn from torch's global generator when none was given), None for greedy.
     """
 
@@ -184,17 +224,67 @@ class RolloutResult:
     profile: Profile | None
     num_samples: int = 1
     seed: int | None = None
-    # per sequence: "stop" (it ended with an EOS id) or "length" (it ran its budget)
+    # per sequence: "stop" (an EOS id, a stop id or a stop string ended it) or "length" (its budget)
     finish_reasons: list[str] = field(default_factory=list)
     # with generate(return_logprobs=True): per sequence, each token's log-probability
     logprobs: list[list[float]] | None = None
-    # with a tokenizer: per sequence, its decoded text (special tokens skipped)
+    # with a tokenizer: per sequence, its decoded text (special tokens skipped), cut before a stop string
     texts: list[str] | None = None
+    prompt_token_ids: list[list[int]] = field(default_factory=list)  # per request, the ids prefilled
+    pad_token_id: int = 0  # the call's pad id: to_tensors' padding unless it is given one
 
     def grouped(self) -> list[list[list[int]]]:
         """Per request, its ``num_samples`` sequences."""
         k = self.num_samples
         return [self.sequences[i : i + k] for i in range(0, len(self.sequences), k)]
+
+    @property
+    def requests(self) -> list[RequestOutput]:
+        """Per request, in input order, its prompt and its samples in sample order."""
+        k = self.num_samples
+
+        def sample(row: int) -> SampleOutput:
+            return SampleOutput(self.sequences[row], None if self.logprobs is None else self.logprobs[row],
+                                self.finish_reasons[row], None if self.texts is None else self.texts[row])
+
+        return [RequestOutput(prompt, [sample(r * k + s) for s in range(k)])
+                for r, prompt in enumerate(self._prompts())]
+
+    def to_tensors(self, pad_token_id: int | None = None,
+                   device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Every row (``request * num_samples + sample``) padded into the tensors of a policy-gradient
+        loss, in ``engine.trainer.padded_batch``'s layout: with P the longest prompt and R the longest
+        response, row i is its prompt left-padded to P, then its response right-padded to R.
+
+        - ``input_ids`` [rows, P + R] int64 (``pad_token_id`` as padding; None: the call's pad id) and
+          ``attention_mask`` [rows, P + R] int64, 1 on every prompt and response token;
+        - ``prompt_ids`` [rows, P] and ``response_ids`` [rows, R]: its two blocks;
+        - ``response_mask`` [rows, R] bool: True on generated tokens (the stopping token included);
+        - ``logprobs`` [rows, R] fp32, 0 where ``response_mask`` is False (with ``return_logprobs=True``).
+
+        A forward over ``input_ids`` predicts ``response_ids`` with its logits at columns
+        ``P - 1 .. P + R - 2``; ``engine.trainer.sequence_logprobs`` runs it with each row's own positions.
+        """
+        pad = self.pad_token_id if pad_token_id is None else check_int(pad_token_id, name="pad_token_id", minimum=0)
+        prompts = [prompt for prompt in self._prompts() for _ in range(self.num_samples)]
+        ids, attention_mask, response_mask = padded_batch(prompts, self.sequences, pad_token_id=pad,
+                                                          device=device or "cpu")
+        width = max(map(len, prompts), default=0)  # P
+        out = {"input_ids": ids, "attention_mask": attention_mask, "prompt_ids": ids[:, :width].contiguous(),
+               "response_ids": ids[:, width:].contiguous(), "response_mask": response_mask[:, width:].contiguous()}
+        if self.logprobs is not None:
+            length = ids.shape[1] - width  # R
+            out["logprobs"] = torch.tensor([list(lp) + [0.0] * (length - len(lp)) for lp in self.logprobs],
+                                           dtype=torch.float32).reshape(len(prompts), length).to(ids.device)
+        return out
+
+    def _prompts(self) -> list[list[int]]:
+        """``prompt_token_ids``, one per request (a result built without them has none to give)."""
+        num_requests = len(self.sequences) // self.num_samples
+        if len(self.prompt_token_ids) != num_requests:
+            raise ValueError(f"this result holds {len(self.prompt_token_ids)} prompt_token_ids for "
+                             f"{num_requests} requests: build it with one prompt per request")
+        return self.prompt_token_ids
 
 
 # generate's own keywords a GenerationConfig may set, with their neutral values, and its fields that
@@ -204,6 +294,9 @@ CALL_DEFAULTS = {"max_new_tokens": None, "num_samples": 1, "do_sample": False, "
 CONFIG_FIELDS = ("repetition_penalty", "eos_token_id", "pad_token_id")
 HARMLESS_FIELDS = {"transformers_version", "bos_token_id", "decoder_start_token_id", "use_cache",
                    "_from_model_config", "max_length"}
+# HF's global defaults of the sampling fields (GenerationConfig._get_default_generation_params): a
+# GenerationConfig that samples without setting them samples with these, top-k 50 included
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> tuple[dict, dict]:
@@ -213,6 +306,9 @@ def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> t
     ``num_samples``), repetition_penalty and the EOS/PAD ids. A keyword that the call also set
     away from its default is an error, and so is any other setting (beams, ``no_repeat_ngram_size``,
     stop strings, ...): never silently ignored. ``max_length`` counts only beside ``max_new_tokens``.
+    As in HF, a call that samples takes the temperature, top_k and top_p the config leaves unset
+    from HF's defaults (``HF_SAMPLING_DEFAULTS``: top-k 50) unless the call itself sets them;
+    to sample without top-k, set ``top_k=0`` in the config.
     """
     if not callable(getattr(generation_config, "to_diff_dict", None)):
         raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {generation_config!r}")
@@ -231,28 +327,77 @@ def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> t
     for name, default in CALL_DEFAULTS.items():
         if name not in given:
             continue
-        if call.get(name, default) != default and call[name] != given[name]:
+        if not _is_number(call.get(name, default), default) and not _is_number(call[name], given[name]):
             raise ValueError(f"{name} is set twice: {call[name]!r} in the call and {given[name]!r} in generation_config")
         keywords[name] = given[name]
+    if keywords.get("do_sample") is True:
+        for name, value in HF_SAMPLING_DEFAULTS.items():
+            if name not in given and _is_number(call.get(name, CALL_DEFAULTS[name]), CALL_DEFAULTS[name]):
+                keywords[name] = value
     return keywords, {k: given[k] for k in CONFIG_FIELDS if k in given}
 
 
 def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParams | None:
-    """None for greedy; sampling parameters without ``do_sample=True`` are an error."""
+    """None for greedy; sampling parameters without ``do_sample=True`` are an error. As vLLM,
+    ``temperature=0`` is greedy (top_k and top_p are still checked, then have nothing to filter).
+
+    They are Python numbers, as ``SamplingParams`` takes them: a numpy or tensor scalar is refused
+    by name (the seed is used as given, and a numpy int overflows the 64-bit key arithmetic)."""
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
-        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        hint = " (pass int(seed))" if as_int(seed) is not None else ""
+        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}{hint}")
     if not do_sample:
         given = {name: value for name, value, default in (
             ("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
-            ("seed", seed, None)) if value != default}
+            ("seed", seed, None)) if not _is_number(value, default)}
         if given:
             raise ValueError(
                 f"{', '.join(f'{k}={v!r}' for k, v in given.items())} only apply to sampling: "
                 "pass do_sample=True (greedy is the default)")
         return None
+    if _is_number(temperature, 0):
+        SamplingParams(1.0, top_k, top_p)  # their checks
+        return None
     return SamplingParams(temperature, top_k, top_p)
+
+
+def stop_conditions(stop: Any, stop_token_ids: Any, *, tokenizer: Any,
+                    vocab_size: int) -> tuple[StopStrings | None, tuple[int, ...]]:
+    """A call's (stop strings, stop ids), checked. ``stop``: None or a list of non-empty strings,
+    which need the Rollout's tokenizer to decode rows; ``stop_token_ids``: None or a list of ids in
+    the vocabulary, which end a row as EOS does."""
+    strings = None
+    if stop is not None:
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence) or \
+                not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a list of non-empty strings or None, got {stop!r}")
+        if stop and tokenizer is None:
+            raise ValueError(f"stop={list(stop)!r} needs a tokenizer to decode rows: "
+                             "Rollout(model, config, tokenizer=tokenizer), or give stop_token_ids")
+        strings = StopStrings(tuple(stop), tokenizer) if stop else None
+    if stop_token_ids is None:
+        return strings, ()
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Sequence):
+        raise ValueError(f"stop_token_ids must be a list of token ids or None, got {stop_token_ids!r}")
+    ids = tuple(as_int(t) for t in stop_token_ids)
+    for token, number in zip(stop_token_ids, ids):
+        if number is None or not 0 <= number < vocab_size:
+            raise ValueError(f"stop_token_ids must hold ids in the vocabulary [0, {vocab_size}), "
+                             f"got {token!r} in {stop_token_ids!r}")
+    return strings, ids
+
+
+def _is_number(value: Any, number: Any) -> bool:
+    """``value`` is ``number`` (None: is None), compared only as a Python number: an array's ``==``
+    is elementwise, a tensor's is a tensor, and either in an ``if`` is an error."""
+    if number is None or isinstance(number, bool) or isinstance(value, bool):
+        return value is number
+    integer = as_int(value)  # a numpy int equals its int
+    if integer is not None:
+        return integer == number
+    return isinstance(value, float) and value == number
 
 
 def encode_texts(tokenizer: Any, prompts: Any, *, apply_chat_template: bool) -> Any:
@@ -298,7 +443,9 @@ def prompt_lists(prompts, attention_mask=None, *, pad_token_id: int | None = Non
             raise ValueError("attention_mask is given twice: in the dict and as an argument")
         attention_mask = prompts.get("attention_mask") if attention_mask is None else attention_mask
         prompts = prompts["input_ids"]
+    _check_has_data(attention_mask, "attention_mask")
     if isinstance(prompts, torch.Tensor):
+        _check_has_data(prompts, "input_ids")
         if prompts.dtype == torch.bool or prompts.is_floating_point() or prompts.is_complex():
             raise ValueError(f"input_ids must be an integer tensor, got {prompts.dtype}")
         if prompts.dim() != 2:
@@ -318,6 +465,7 @@ def prompt_lists(prompts, attention_mask=None, *, pad_token_id: int | None = Non
     out = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, torch.Tensor):
+            _check_has_data(prompt, f"request {index}: the prompt")
             prompt = prompt.tolist()
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise ValueError(f"request {index}: a prompt must be a list of token ids, got {prompt!r}")
@@ -326,6 +474,13 @@ def prompt_lists(prompts, attention_mask=None, *, pad_token_id: int | None = Non
             raise ValueError(f"request {index}: token ids must be ints, got {list(prompt)[:8]!r}")
         out.append(ids)
     return out
+
+
+def _check_has_data(value: Any, what: str) -> None:
+    """ValueError when ``value`` is a tensor on the meta device: it has a shape but no values to read."""
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise ValueError(f"{what} is on the meta device (a tensor without values, shape "
+                         f"{tuple(value.shape)}): give it on the CPU or the model's device")
 
 
 def _unpadded(input_ids, attention_mask) -> list[list[int]]:

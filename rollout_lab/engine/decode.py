@@ -16,7 +16,11 @@ from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.sampling import SamplingParams, draw, filter_logits
 
-LOGPROB_MODES = ("raw", "processed")
+# "raw" and "processed" are computed in the decode step (STEP_LOGPROB_MODES); "trainer" and
+# "trainer_fp32" by one teacher-forced forward after it (engine.trainer.rollout_logprobs; the LM head
+# in the model's dtype, or in fp32)
+LOGPROB_MODES = ("raw", "processed", "trainer", "trainer_fp32")
+STEP_LOGPROB_MODES = LOGPROB_MODES[:2]
 
 
 def apply_repetition_penalty(

@@ -81,7 +81,7 @@ def distributed_generate(
         max_new_tokens=budgets, continuous_batch_size=config.continuous_batch_size,
         nocb_allowed=config.cache_capacity is None and not config.trim_cache,
     )
-    shards = shard_requests(lengths, world_size, rollout.geometry, config.costs, method=method,
+    shards = shard_requests(lengths, world_size, rollout.geometry, rollout.costs, method=method,
                             **cost_args)
     _check_same_everywhere(prompts, shards, method, budgets, group, world_size)
     mine = shards[rank]
@@ -105,7 +105,7 @@ def distributed_generate(
     if any(s is None for s in sequences):
         missing = [i for i, s in enumerate(sequences) if s is None]
         raise RuntimeError(f"requests {missing[:10]} came back from no rank")
-    predicted = predicted_rank_costs(shards, lengths, rollout.geometry, config.costs, **cost_args)
+    predicted = predicted_rank_costs(shards, lengths, rollout.geometry, rollout.costs, **cost_args)
     return DistributedResult(
         sequences, shards, routes, times, predicted, method, time.perf_counter() - start
     )

@@ -12,12 +12,13 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids, token_logprobs
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams, filter_logits, gumbel_noise
+from rollout_lab.engine.stopping import StopStrings
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
 
@@ -26,7 +27,7 @@ def run_nocb(
     model: torch.nn.Module, prompts: list[list[int]], *, budgets: Sequence[int], eos_ids: Sequence[int],
     pad_id: int, repetition_penalty: float, vocab_size: int, geometry: ModelGeometry,
     costs: CostCoefficients, profile: Profile, timer: Timer, sampling: SamplingParams | None = None,
-    keys: Sequence[int] = (), logprobs_mode: str | None = None,
+    keys: Sequence[int] = (), logprobs_mode: str | None = None, stop_strings: StopStrings | None = None,
 ) -> tuple[list[list[int]], list[BucketPlan], list[list[float]] | None]:
     """(sequences cut after the first EOS, the one-bucket plan) of one HF ``generate`` call.
 
@@ -34,7 +35,9 @@ def run_nocb(
     and each row is cut at its own: the tokens are the same as a call with that row's budget (a
     row's token at step t depends only on its own earlier tokens), the extra steps are wasted.
     With ``logprobs_mode``, the third item holds each kept token's log-probability, from HF's raw
-    logits of every step (``decode.token_logprobs``); else None."""
+    logits of every step (``decode.token_logprobs``); else None. ``eos_ids``: every id that ends a
+    row (EOS and stop ids); ``stop_strings`` are checked after each token as the other routes do
+    (``_StopStringCriteria``), and a row is cut at the token that completed one."""
     device = next(model.parameters()).device
     ids, mask = left_padded(prompts, pad_id, device)
     width = ids.shape[1]
@@ -50,10 +53,11 @@ def run_nocb(
     if sampling is not None:  # after the penalty, as in our decode; HF's greedy argmax then picks
         key_t = torch.tensor(list(keys), dtype=torch.long, device=device)
         processors.append(_HashGumbelSampler(sampling, key_t, width))
+    criteria = None if stop_strings is None else _StopStringCriteria(stop_strings, width, budgets, eos_ids)
     with _neutral_generation_config(model), _count_forwards(model, profile, timer):
         out = model.generate(
             input_ids=ids, attention_mask=mask, generation_config=gen_config,
-            logits_processor=processors,
+            logits_processor=processors, stopping_criteria=StoppingCriteriaList([criteria] if criteria else []),
         )
     logprobs = None
     if logprobs_mode is not None:
@@ -61,6 +65,8 @@ def run_nocb(
                                                     mode=logprobs_mode, penalty=penalty, sampling=sampling)
     eos = set(eos_ids)
     sequences = [_cut_at_eos(row[:budget], eos) for row, budget in zip(out[:, width:].tolist(), budgets)]
+    if criteria is not None:
+        sequences = [seq if n is None else seq[:n] for seq, n in zip(sequences, criteria.lengths)]
     if logprobs is not None:
         logprobs = [row[: len(seq)] for row, seq in zip(logprobs, sequences)]
     profile.decode_ms = max(0.0, profile.decode_ms - profile.prefill_ms)
@@ -97,6 +103,28 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
         if token in eos:
             return tokens[: i + 1]
     return tokens
+
+
+class _StopStringCriteria(StoppingCriteria):
+    """Stop strings inside HF ``generate``: after each token, the rows still open (no stop id, within
+    their budget) are checked (``StopStrings.hits``); a row that hits is done, and ``lengths`` keeps
+    its tokens at that hit. A row past its own budget is done too, so generate can end early."""
+
+    def __init__(self, stops: StopStrings, prompt_width: int, budgets: Sequence[int], stop_ids: Sequence[int]):
+        self.stops, self.prompt_width, self.budgets, self.stop_ids = stops, prompt_width, list(budgets), set(stop_ids)
+        self.lengths: list[int | None] = [None] * len(self.budgets)  # tokens kept, per row that hit
+        self.closed = [False] * len(self.budgets)  # hit, ended by a stop id, or at its budget
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        generated = input_ids[:, self.prompt_width:].tolist()
+        open_rows = [i for i, closed in enumerate(self.closed) if not closed]
+        hits = self.stops.hits([generated[i] for i in open_rows])
+        for i, hit in zip(open_rows, hits):
+            if hit:
+                self.lengths[i] = len(generated[i])
+            if hit or generated[i][-1] in self.stop_ids or len(generated[i]) >= self.budgets[i]:
+                self.closed[i] = True
+        return torch.tensor(self.closed, dtype=torch.bool, device=input_ids.device)
 
 
 class _HashGumbelSampler(LogitsProcessor):

@@ -183,7 +183,7 @@ class PagedBatcher(ContinuousBatcher):
 
     # -- retirement -------------------------------------------------------------------------
     def _retire(self) -> None:
-        keep = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
+        keep = self._live_slots()
         if len(keep) < len(self.rows):
             self._compact(keep)
 

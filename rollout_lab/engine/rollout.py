@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rollout_lab.engine.batching import BatchSettings, ContinuousBatcher
+from rollout_lab.engine.cost_cache import cached_cost_file, save_costs
 from rollout_lab.engine.config import (
     RolloutConfig,
     RolloutResult,
@@ -34,14 +35,15 @@ from rollout_lab.engine.config import (
     from_generation_config,
     prompt_lists,
     sampling_params,
+    stop_conditions,
 )
-from rollout_lab.engine.decode import LOGPROB_MODES
+from rollout_lab.engine.decode import LOGPROB_MODES, STEP_LOGPROB_MODES
 from rollout_lab.engine.nocb import run_nocb
 from rollout_lab.engine.paged_batching import PagedBatcher
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import SamplingParams, sample_key
-from rollout_lab.engine.setting import model_metadata
+from rollout_lab.engine.setting import model_metadata, model_name_of
 from rollout_lab.engine.steppers import (
     EagerStepper,
     StepperKey,
@@ -54,8 +56,9 @@ from rollout_lab.engine.steppers import (
     weights_signature,
 )
 from rollout_lab.engine.prefill_graphs import PrefillGraphs, graph_reserve_bytes
+from rollout_lab.engine.trainer import rollout_logprobs
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.checks import budgets_of, check_context, is_int
+from rollout_lab.planner.checks import as_int, budgets_of, check_context, is_int
 from rollout_lab.planner.cost import CHECKED_GRID_FIELDS, CostCoefficients, CostFile, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
@@ -63,6 +66,7 @@ from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_
 from rollout_lab.planner.shape_classes import ShapeClasses
 
 
+MAX_SAMPLES = 2**16  # num_samples at most: rows are request x sample, each with its own slot and state
 MAX_PAGED_SLOTS = 1024  # the paged route's slots when the pool alone would choose more
 PAGED_RESERVE_FRACTION = 0.05  # of the device's memory, kept out of the paged pool for activations
 
@@ -138,14 +142,31 @@ class Rollout:
         self._prefill_graphs: PrefillGraphs | None = None
         self._prefill_signature: tuple | None = None
         # learned across calls; the frozen config is never changed. A cost file is used only once its
-        # provenance matches this model (CostFile.check names every field that differs)
+        # provenance matches this model, its name included as the CLI checks it (model_name_of: the
+        # checkpoint's folder name, else family and size); CostFile.check names every field that differs
         costs = self.config.costs
-        self.costs: CostCoefficients = costs if isinstance(costs, CostCoefficients) else \
-            costs.check(model_metadata(model, prefill_graphs=self.prefill_graphs),
-                        override=self.config.override_costs)
+        # costs="auto" on CUDA: the cost cache's file for this setting, refined online and saved back
+        self._cache_metadata = model_metadata(model, prefill_graphs=self.prefill_graphs) \
+            if isinstance(costs, str) and self.device.type == "cuda" else None
+        self.costs_source = "the user's coefficients" if isinstance(costs, CostCoefficients) else \
+            f"cost file {str(costs.path)!r}" if isinstance(costs, CostFile) else "the reference's coefficients"
+        if isinstance(costs, CostCoefficients):
+            self.costs: CostCoefficients = costs
+        elif isinstance(costs, CostFile):
+            self.costs = costs.check(model_metadata(model, model_name=model_name_of(model),
+                                                    prefill_graphs=self.prefill_graphs),
+                                     override=self.config.override_costs)
+        else:  # "auto"
+            found = cached_cost_file(self._cache_metadata) if self._cache_metadata is not None else None
+            self.costs = found.coeffs if found is not None else CostCoefficients()
+            if found is not None:
+                self.costs_source = f"cached cost file {str(found.path)!r}"
+            elif self._cache_metadata is not None:
+                self.costs_source += ", refined online (cost cache: nothing for this setting yet)"
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
+        learn = self.config.online_recalibration or self._cache_metadata is not None
         self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
-            if self.config.online_recalibration else None
+            if learn else None
         self._explored = False
 
     @property
@@ -253,6 +274,8 @@ class Rollout:
         return_logprobs: bool = False,
         logprobs_mode: str = "raw",
         apply_chat_template: bool = False,
+        stop: Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
     ) -> RolloutResult:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
         before the first forward.
@@ -264,18 +287,26 @@ class Rollout:
         ``apply_chat_template=True``; the result then carries ``texts``.
 
         ``max_new_tokens`` is one budget for every request, or one per request (its samples share
-        it); a row stops at EOS or at its own budget.
+        it); a row stops at EOS or at its own budget. As vLLM's, ``stop_token_ids`` (ids) stop a row as
+        EOS does, and ``stop`` (strings; they need the tokenizer) stop it at the token whose text
+        completes one (``engine.stopping``): the tokens end with it, the text ends before the string.
+        Each stopped row's ``finish_reasons`` entry is "stop", each row at its budget "length".
 
         With ``do_sample=True``, ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off)
         shape the distribution and ``seed`` (an int >= 0; None draws one from torch's global
         generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
-        any of them without ``do_sample=True`` is an error, not a silent greedy run. ``profile``
+        any of them without ``do_sample=True`` is an error, not a silent greedy run;
+        ``temperature=0`` is greedy (vLLM's rule). ``profile``
         overrides ``config.profile`` for this call (None keeps it).
 
         ``return_logprobs=True`` adds ``result.logprobs``: per sequence, each token's log-probability,
         computed inside the decode step (a logsumexp and a gather). ``logprobs_mode`` "raw" (the
         default) is the fp32 log-softmax of the model's logits; "processed" is the distribution the
         token was drawn from (after the penalty, then temperature and top-k/top-p when sampling).
+        "trainer" is ``engine.trainer.sequence_logprobs`` of the padded batch (prompts left-padded,
+        responses right-padded: ``engine.trainer.padded_batch``), one teacher-forced forward after the
+        decode, in eval mode under no_grad: bit-identical to a trainer's call of it on that batch in
+        the same dtype ("trainer_fp32": with ``fp32_head=True``), at the cost of that forward.
 
         ``generation_config`` (a ``transformers.GenerationConfig``) sets those keywords, and the
         repetition penalty and EOS/PAD ids for this call (``config.from_generation_config``); a
@@ -300,7 +331,8 @@ class Rollout:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
         rest = dict(input_ids=input_ids, seed=seed, attention_mask=attention_mask, num_beams=num_beams,
                     num_return_sequences=num_return_sequences, profile=profile,
-                    logprobs_mode=logprobs_mode if return_logprobs else None)
+                    logprobs_mode=logprobs_mode if return_logprobs else None, stop=stop,
+                    stop_token_ids=stop_token_ids)
         if not overrides:
             return self._generate(prompts, **call, **rest)
         saved = self.config
@@ -312,7 +344,7 @@ class Rollout:
 
     def _generate(
         self, prompts, *, max_new_tokens, input_ids, num_samples, do_sample, temperature, top_k, top_p,
-        seed, attention_mask, num_beams, num_return_sequences, profile, logprobs_mode,
+        seed, attention_mask, num_beams, num_return_sequences, profile, logprobs_mode, stop, stop_token_ids,
     ) -> RolloutResult:
         start = time.perf_counter()
         cfg = self.config
@@ -323,13 +355,14 @@ class Rollout:
         if profile is not None and not isinstance(profile, bool):
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
         profiling = cfg.profile if profile is None else profile
-        prompts, budgets, sampling, seed, eos_ids, pad_id = self._check_call(
+        prompts, budgets, sampling, seed, stop_ids, stop_strings, pad_id = self._check_call(
             prompts, attention_mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            num_beams=num_beams, num_return_sequences=num_return_sequences)
+            num_beams=num_beams, num_return_sequences=num_return_sequences, stop=stop,
+            stop_token_ids=stop_token_ids)
         stats = Profile()
-        timer = Timer(stats, self.device, enabled=profiling or cfg.online_recalibration)
-        if profiling or cfg.online_recalibration:
+        timer = Timer(stats, self.device, enabled=profiling or self.online is not None)
+        if profiling or self.online is not None:
             stats.forwards = []
         lengths = [len(p) for p in prompts]
         # rows, request-major: row = request * num_samples + sample
@@ -343,38 +376,41 @@ class Rollout:
             route = self._route(lengths, budgets, num_samples=num_samples, groups=groups)
         if not prompts:
             return RolloutResult([], route, (), stats if profiling else None, num_samples, seed,
-                                 logprobs=[] if logprobs_mode else None)
+                                 logprobs=[] if logprobs_mode else None, pad_token_id=pad_id)
         capacity = self._capacity(lengths, budgets, route)
         num_rows = len(row_prompts)
         num_slots = min(cfg.continuous_batch_size or num_rows, num_rows)
         stepper = None
+        # the "trainer" modes take no logprobs in the step: one teacher-forced forward after it
+        step_logprobs = logprobs_mode if logprobs_mode in STEP_LOGPROB_MODES else None
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
             num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets)
             with timer.phase("stepper_build_ms"):
-                stepper = self._stepper_for(num_slots, capacity, False, sampling, logprobs_mode, num_blocks)
+                stepper = self._stepper_for(num_slots, capacity, False, sampling, step_logprobs, num_blocks)
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
         # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
         # its compile) is neither built nor replaced.
         elif route != "nocb" and max(row_budgets) > 1:
             with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
                 stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling,
-                                            logprobs_mode)
+                                            step_logprobs)
             capacity = stepper.key.capacity
         with torch.no_grad():
             if route == "nocb":
                 sequences, plans, logprobs = run_nocb(
-                    self.model, row_prompts, budgets=row_budgets, eos_ids=eos_ids,
+                    self.model, row_prompts, budgets=row_budgets, eos_ids=stop_ids,
                     pad_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     vocab_size=self.vocab_size, geometry=self.geometry, costs=self.costs,
-                    profile=stats, timer=timer, sampling=sampling, keys=keys, logprobs_mode=logprobs_mode)
+                    profile=stats, timer=timer, sampling=sampling, keys=keys, logprobs_mode=step_logprobs,
+                    stop_strings=stop_strings)
             else:
                 settings = BatchSettings(
                     route=route, budgets=tuple(row_budgets), num_slots=num_slots,
-                    capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(eos_ids),
+                    capacity=capacity, trim_cache=cfg.trim_cache, eos_token_ids=frozenset(stop_ids),
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     cache_kwarg=self.cache_kwarg, sampling=sampling,
                     prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
-                    logprobs_mode=logprobs_mode,
+                    logprobs_mode=step_logprobs, stop_strings=stop_strings,
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               groups=groups, sample_keys=keys, prefill_graphs=self._captured_prefill())
@@ -384,32 +420,39 @@ class Rollout:
                 else:
                     batcher = ContinuousBatcher(self.model, row_prompts, settings, **common)
                 sequences, plans = batcher.run()
-                logprobs = batcher.logprobs if logprobs_mode else None
+                logprobs = batcher.logprobs if step_logprobs else None
+        if logprobs_mode is not None and step_logprobs is None:
+            logprobs = rollout_logprobs(self.model, row_prompts, sequences, pad_token_id=pad_id,
+                                        fp32_head=logprobs_mode == "trainer_fp32")
         if num_samples > 1:  # plans name rows; report requests
             plans = [_plan_of_requests(plan, num_samples) for plan in plans]
         stats.num_generated_tokens = sum(len(s) for s in sequences)
         timer.sync()
         stats.total_ms = (time.perf_counter() - start) * 1e3
         self._learn(route, sequences, stats)
-        stop = set(eos_ids)
-        reasons = ["stop" if s and s[-1] in stop else "length" for s in sequences]
+        reasons = ["stop" if s and s[-1] in stop_ids else "length" for s in sequences]
         texts = None if self.tokenizer is None else self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
+        if stop_strings is not None:  # the rows that ended on a stop string: their text stops before it
+            reasons = ["stop" if stop_strings.find(text) is not None else r for r, text in zip(reasons, texts)]
+            texts = [stop_strings.cut(text) for text in texts]
         return RolloutResult(sequences, route, tuple(plans), stats if profiling else None,
-                             num_samples, seed, reasons, logprobs, texts)
+                             num_samples, seed, reasons, logprobs, texts, prompts, pad_id)
 
     # -- checks -----------------------------------------------------------------------------
     def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,
-                    temperature, top_k, top_p, seed, num_beams, num_return_sequences):
+                    temperature, top_k, top_p, seed, num_beams, num_return_sequences, stop, stop_token_ids):
         """Every check of a call, before any forward: (prompt lists, budgets per request, sampling,
-        seed, eos ids, pad id)."""
+        seed (None for greedy), the ids that end a row (EOS and stop ids), stop strings, pad id)."""
         sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
-        if num_beams != 1:
+        stop_strings, extra_ids = stop_conditions(stop, stop_token_ids, tokenizer=self.tokenizer,
+                                                  vocab_size=self.vocab_size)
+        if as_int(num_beams) != 1:
             raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
-        if num_return_sequences != 1:
+        if as_int(num_return_sequences) != 1:
             raise ValueError(
                 f"num_return_sequences={num_return_sequences!r} is not supported: use num_samples")
-        if not is_int(num_samples) or num_samples < 1:
-            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        if not is_int(num_samples) or not 1 <= num_samples <= MAX_SAMPLES:
+            raise ValueError(f"num_samples must be an int in [1, {MAX_SAMPLES}], got {num_samples!r}")
         prompts = prompt_lists(prompts, attention_mask, pad_token_id=self._pad_token_id(),
                                eos_token_ids=self.eos_token_ids)
         budgets = budgets_of(max_new_tokens, len(prompts))
@@ -420,9 +463,12 @@ class Rollout:
             for token in ids:
                 if token >= self.vocab_size:
                     raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
-        if sampling is not None and seed is None:
+        if sampling is None:
+            seed = None  # greedy (temperature=0 among it) draws nothing
+        elif seed is None:
             seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
-        return prompts, budgets, sampling, seed, eos_ids, pad_id
+        stop_ids = tuple(dict.fromkeys((*eos_ids, *extra_ids)))
+        return prompts, budgets, sampling, seed, stop_ids, stop_strings, pad_id
 
     def _check_prompts(self, prompts: list[list[int]], budgets: list[int]) -> None:
         for index, (ids, max_new_tokens) in enumerate(zip(prompts, budgets)):
@@ -479,7 +525,7 @@ class Rollout:
             classes=self.prefill_classes(lengths, min(n, slots or n)), paged_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
         )
         self._explored = False
-        if self.online is not None and plan.nocb_cost_ms is not None:
+        if self.online is not None and cfg.online_recalibration and plan.nocb_cost_ms is not None:
             other = "bucketed" if plan.route == "nocb" else "nocb"
             if not self.online.has_decode(other):  # its decode cost is still a guess: measure it
                 self._explored = True
@@ -492,7 +538,10 @@ class Rollout:
         if self.online is not None and profile.forwards is not None:
             self.online.observe(profile.forwards, self.costs, route=route, explored=self._explored,
                                 total_ms=profile.total_ms)
-            self.costs = self.online.refit(self.costs)
+            refit = self.online.refit(self.costs)
+            if self._cache_metadata is not None and refit != self.costs:  # costs="auto": the next process starts here
+                save_costs(refit, self._cache_metadata, source="online refit (costs='auto')")
+            self.costs = refit
 
     def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int]) -> tuple[int, int]:
         """(slots, blocks in the pool) of a paged call over rows of ``lengths`` and ``budgets``.

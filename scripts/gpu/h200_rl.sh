@@ -11,12 +11,16 @@
 # Each step has its own time limit, sized from measured times (the device tool allows 600 s a call),
 # and every bench writes its record after each case or path, so a step that runs out loses nothing
 # it finished. RL_PATHS picks `bench rl`'s paths (e.g. "ours hf_generate_batch" for the peer).
+# trainer_loop*: Rollout.generate alternated with a GRPO step on one Qwen2.5-0.5B (64 x 8 x 256, T=1):
+# the decode step's logprobs, then logprobs_mode=trainer, then parameters replaced by
+# load_state_dict(assign=True) after each step; TL_ARGS adds options (e.g. --gradient-checkpointing).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"; GRPO="--tiny qwen2 --scale 0.1 --max-new-tokens 16"
   GPQA="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8 --prefill-classes"; PEER="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8"
   VARIANTS="ours ours_no_compile ours_masked"
+  TL="--tiny qwen2 --num-prompts 4 --num-samples 2 --max-new-tokens 8 --scale 0.1 --iterations 2 --train-rows 4"
 else
   STEP="--preset qwen2.5-3b"; RL="--preset qwen3-0.6b"
   LOGITS="--preset qwen2.5-3b --steps 32"; GRPO="--preset qwen2.5-3b --max-new-tokens 512"
@@ -24,6 +28,7 @@ else
   PEER="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256"
   # ours_compile_layers: each decoder layer compiled (CUDA only), its step and first-call cost beside the whole model's
   VARIANTS="ours ours_compile_layers ours_no_compile ours_masked"
+  TL="--preset qwen2.5-0.5b --num-prompts 64 --num-samples 8 --max-new-tokens 256 --iterations 4 --train-rows 64"
 fi
 versions
 for what in "$@"; do
@@ -39,6 +44,11 @@ for what in "$@"; do
                --paths nocb bucketed packed auto --out $OUT/sweep_gpqa128_256 ;;
     gpqa_peer) step 300 $PY -m rollout_lab.cli sweep $PEER --no-progress --workloads gpqa_diamond_128 --paths hf_static \
                --out $OUT/sweep_gpqa128_256_hf_static ;;
-    *) echo "unknown step $what (tests, step, rl, logits, grpo, gpqa, gpqa_peer)"; exit 2 ;;
+    trainer_loop) step 420 $PY -m rollout_lab.cli bench trainer-loop $TL ${TL_ARGS:-} --out $OUT/trainer_loop ;;
+    trainer_loop_trainer) step 420 $PY -m rollout_lab.cli bench trainer-loop $TL ${TL_ARGS:-} --logprobs-mode trainer \
+               --out $OUT/trainer_loop_trainer ;;
+    trainer_loop_assign) step 480 $PY -m rollout_lab.cli bench trainer-loop $TL ${TL_ARGS:-} --assign \
+               --out $OUT/trainer_loop_assign ;;
+    *) echo "unknown step $what (tests, step, rl, logits, grpo, gpqa, gpqa_peer, trainer_loop, trainer_loop_trainer, trainer_loop_assign)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,186 @@
+"""The trainer's side of a rollout: the padded batch an RL trainer steps on, its teacher-forced
+log-probabilities, and the GRPO loss over them.
+
+    t = result.to_tensors(device=device)      # padded_batch's layout, response_mask [rows, R]
+    logprobs = sequence_logprobs(model, t["input_ids"], t["attention_mask"], t["response_mask"])  # [rows, R]
+    loss = policy_gradient_loss(logprobs, group_advantages(rewards, num_samples=8), t["response_mask"])
+
+The layout (``padded_batch``): prompts left-padded to the longest, P, responses right-padded after
+them to the longest, R, so every response starts at column P. ``Rollout.generate(...,
+return_logprobs=True, logprobs_mode="trainer")`` returns ``sequence_logprobs`` of exactly that batch
+(``rollout_logprobs``), bit-identical to the trainer's own call on it (``t["logprobs"]`` equals
+``logprobs`` above); ``examples/grpo_loop.py`` runs the whole loop.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+# LM-head positions per chunk: [8192, 151936] fp32 logits are 5 GB; the chunks are rows of the batch
+HEAD_CHUNK_TOKENS = 8192
+# config fields that make a model's logits something other than head(last hidden state)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def padded_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *, pad_token_id: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, response_mask), each [rows, P + R] for the longest prompt P and
+    response R: row i is ``prompts[i]`` left-padded to P, then ``responses[i]`` right-padded to R.
+    ``attention_mask`` is 1 on every real token; ``response_mask`` (bool) on the response tokens."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: give one prompt per row")
+    width_p = max((len(p) for p in prompts), default=0)
+    width_r = max((len(r) for r in responses), default=0)
+    ids = torch.full((len(prompts), width_p + width_r), pad_token_id, dtype=torch.long)  # [rows, P + R]
+    mask = torch.zeros_like(ids)
+    response_mask = torch.zeros_like(ids, dtype=torch.bool)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        start, end = width_p - len(prompt), width_p + len(response)
+        ids[row, start:end] = torch.tensor([*prompt, *response], dtype=torch.long)
+        mask[row, start:end] = 1
+        response_mask[row, width_p:end] = True
+    return ids.to(device), mask.to(device), response_mask.to(device)
+
+
+def check_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                response_mask: torch.Tensor, fp32_head: bool) -> None:
+    """ValueError naming what is wrong with ``sequence_logprobs``'s arguments, before any forward."""
+    if not callable(getattr(model, "get_decoder", None)) or not callable(getattr(model, "get_output_embeddings", None)) \
+            or model.get_output_embeddings() is None:
+        raise ValueError(f"sequence_logprobs needs a Hugging Face causal LM with get_decoder() and an LM head; "
+                         f"got {type(model).__name__}")
+    config = model.config.get_text_config(decoder=True)
+    transformed = [f"{name}={getattr(config, name)!r}" for name in LOGIT_TRANSFORMS
+                   if getattr(config, name, None) not in (None, 0, 1, 1.0)]
+    if transformed:
+        raise ValueError(f"{type(model).__name__} transforms its logits ({', '.join(transformed)}); "
+                         "sequence_logprobs applies only the LM head")
+    if not isinstance(fp32_head, bool):
+        raise ValueError(f"fp32_head must be a bool, got {fp32_head!r}")
+    for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                         ("response_mask", response_mask)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [rows, width], got "
+                             f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}: they must match")
+    if response_mask.shape[0] != input_ids.shape[0] or response_mask.shape[1] > input_ids.shape[1]:
+        raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}, input_ids {tuple(input_ids.shape)}: "
+                         "it must be [rows, width], or [rows, R] for the last R columns")
+    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if response_mask.dtype != torch.bool:
+        raise ValueError(f"response_mask must be a bool tensor, got {response_mask.dtype}")
+    response_mask = full_width(response_mask, input_ids.shape[1])
+    if input_ids.numel() and bool(response_mask[:, 0].any()):
+        raise ValueError("response_mask is set in column 0: a response token needs a prompt token before it")
+    if bool((response_mask & (attention_mask == 0)).any()):
+        raise ValueError("response_mask is set where attention_mask is 0: response tokens must be attended to")
+
+
+def full_width(response_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, width]: a response mask of the last R columns (``RolloutResult.to_tensors()``'s) padded
+    on the left with False; a full-width one as it is."""
+    return F.pad(response_mask, (width - response_mask.shape[1], 0))
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+    *, fp32_head: bool = False,
+) -> torch.Tensor:
+    """fp32 log p(input_ids[t] | input_ids[:t]) at each ``response_mask`` column t, 0 elsewhere, by one
+    teacher-forced forward of the whole batch; shaped as ``response_mask``: [rows, width], or [rows, R]
+    for the last R columns (``RolloutResult.to_tensors()``'s). Differentiable: a trainer calls it
+    under autograd for its loss, as the rollout calls it under ``no_grad``.
+
+    Positions are each row's own (``cumsum(attention_mask) - 1``, as HF ``generate``), so padding on
+    either side gives the unpadded sequence's values up to kernel rounding. The LM head runs on the
+    response columns only, in chunks of rows (``HEAD_CHUNK_TOKENS``), in the model's dtype then a
+    fp32 log-softmax (as the rollout's "raw" logprobs), or with ``fp32_head`` in fp32 throughout.
+
+    Guarantee: two calls on the same tensors, in the same dtype, head precision and train/eval state,
+    give the same bits. Another batch holding the same sequences (other rows beside them, another
+    width, a micro-batch of it) runs other kernel shapes and in bf16 can differ by their rounding.
+    """
+    check_batch(model, input_ids, attention_mask, response_mask, fp32_head)
+    rows, width = input_ids.shape
+    num_columns = response_mask.shape[1]  # the result's width
+    response_mask = full_width(response_mask, width)  # [rows, width]
+    columns = response_mask.any(0).nonzero()[:, 0]  # host sync: the response columns bound the head
+    out = torch.zeros(rows, width, dtype=torch.float32, device=input_ids.device)
+    if columns.numel() == 0:
+        return out[:, width - num_columns:]
+    lo, hi = int(columns[0]), int(columns[-1]) + 1
+    positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # [rows, width]
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                 use_cache=False).last_hidden_state  # [rows, width, hidden]
+    hidden = hidden[:, lo - 1: hi - 1]  # [rows, span, hidden]: the position before each response column
+    targets = input_ids[:, lo:hi]  # [rows, span]
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if fp32_head:
+        weight, bias = weight.float(), None if bias is None else bias.float()
+    step = max(1, HEAD_CHUNK_TOKENS // (hi - lo))
+    pieces = []
+    for start in range(0, rows, step):
+        h = hidden[start: start + step]
+        logits = F.linear(h.float() if fp32_head else h, weight, bias).float()  # [chunk, span, vocab]
+        chosen = logits.gather(-1, targets[start: start + step, :, None])[..., 0]  # [chunk, span]
+        pieces.append(chosen - torch.logsumexp(logits, dim=-1))
+    full = F.pad(torch.cat(pieces), (lo, width - hi))  # [rows, width]
+    return torch.where(response_mask, full, out)[:, width - num_columns:]
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` in eval mode inside the block; every module's own train/eval flag restored after."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def rollout_logprobs(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+    pad_token_id: int, fp32_head: bool = False,
+) -> list[list[float]]:
+    """Per row, ``sequence_logprobs`` of its response tokens in ``padded_batch(prompts, responses)``,
+    in eval mode under ``no_grad`` (the model's train/eval state is restored after): what
+    ``Rollout.generate`` returns for ``logprobs_mode`` "trainer" ("trainer_fp32": ``fp32_head``).
+
+    Cost: one forward over prompt + response of every row, after the decode (~ the prefill's cost
+    plus a forward over the generated tokens; the head only over the response columns)."""
+    device = next(model.parameters()).device
+    ids, mask, response_mask = padded_batch(prompts, responses, pad_token_id=pad_token_id, device=device)
+    width_p = max((len(p) for p in prompts), default=0)
+    with torch.no_grad(), eval_mode(model):  # [rows, R]: the mask of to_tensors(), as a trainer gives it
+        logprobs = sequence_logprobs(model, ids, mask, response_mask[:, width_p:], fp32_head=fp32_head)
+    return [row[: len(r)] for row, r in zip(logprobs.tolist(), responses)]
+
+
+def group_advantages(rewards: torch.Tensor, *, num_samples: int, eps: float = 1e-6) -> torch.Tensor:
+    """[rows] GRPO advantages: each reward minus its group's mean, over the group's std (+ ``eps``);
+    rows request-major (row = request * num_samples + sample), as ``Rollout.generate`` returns them."""
+    if rewards.dim() != 1 or num_samples < 1 or rewards.shape[0] % num_samples:
+        raise ValueError(f"rewards must be 1-D with a multiple of num_samples={num_samples!r} rows, "
+                         f"got shape {tuple(rewards.shape)}")
+    groups = rewards.float().view(-1, num_samples)  # [requests, samples]
+    std = groups.std(dim=1, keepdim=True) if num_samples > 1 else torch.ones_like(groups[:, :1])
+    return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+
+
+def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The on-policy GRPO loss: minus each row's advantage times its response tokens' log-probabilities,
+    averaged over the response tokens. ``logprobs``, ``response_mask`` [rows, width] or [rows, R];
+    ``advantages`` [rows]."""
+    weighted = advantages[:, None].to(logprobs.dtype) * torch.where(response_mask, logprobs, 0.0)  # [rows, width]
+    return -weighted.sum() / response_mask.sum().clamp(min=1)

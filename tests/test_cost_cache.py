@@ -1,0 +1,75 @@
+"""costs="auto" (engine.cost_cache): the cache of coefficients per setting, found by provenance,
+refined online and saved back; on a CPU the reference's coefficients, and nothing written."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import get_tiny
+
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.engine.cost_cache import CACHE_ENV, cache_dir, cached_cost_file, cost_cache_path, save_costs
+from rollout_lab.engine.setting import model_metadata
+from rollout_lab.planner.cost import CostCoefficients
+from rollout_lab.planner.fit import OnlineCalibrator
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    return tmp_path / "costs"
+
+
+def test_a_saved_setting_is_found_by_its_provenance_only(cache):
+    meta = model_metadata(get_tiny("qwen2"), prefill_graphs=True)
+    assert cache_dir() == cache and cached_cost_file(meta) is None
+    coeffs = dataclasses.replace(CostCoefficients(), prefill_fixed_cost_ms=3.25)
+    path = save_costs(coeffs, meta, source="test")
+    assert path == cost_cache_path(meta) and path.parent == cache
+    assert cached_cost_file(meta).coeffs == coeffs
+    assert cached_cost_file({**meta, "dtype": "bfloat16"}) is None  # another dtype
+    assert cached_cost_file({**meta, "prefill_graphs": False}) is None  # priced captured forwards
+    major, minor, *_ = torch.__version__.split(".")
+    patched = {**meta, "torch": f"{major}.{minor}.99"}  # a patch release apart: the same file serves
+    assert cached_cost_file(patched).coeffs == coeffs and cost_cache_path(patched) != path
+    (cache / "broken.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="skipping an unreadable cached cost file"):
+        assert cached_cost_file({**meta, "dtype": "float16"}) is None
+    assert (cache / "broken.json").exists()  # never deleted
+
+
+def test_cost_names_and_errors():
+    assert RolloutConfig().costs == "auto"
+    assert RolloutConfig(costs="reference").costs == CostCoefficients()
+    with pytest.raises(ValueError, match="cost file 'no-such-costs.json' does not exist|no-such-costs.json"):
+        RolloutConfig(costs="no-such-costs.json")
+    with pytest.raises(ValueError, match="costs must be 'auto', 'reference', a CostCoefficients or a cost file path"):
+        RolloutConfig(costs=3)
+
+
+def test_auto_on_a_cpu_is_the_reference_and_writes_nothing(cache):
+    rollout = Rollout(get_tiny("qwen2"))
+    assert rollout.costs == CostCoefficients() and rollout.online is None
+    assert rollout.costs_source == "the reference's coefficients"
+    rollout.generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
+    assert not cache.exists()
+
+
+def test_auto_learning_saves_the_refit_for_the_next_process(cache):
+    """What a CUDA rollout with costs="auto" does after each call, run on the CPU by giving the
+    rollout the setting's metadata and learner that CUDA would: the refit lands in the cache and is
+    what the next lookup finds."""
+    model = get_tiny("qwen2")
+    rollout = Rollout(model)
+    meta = model_metadata(model, prefill_graphs=False)
+    rollout._cache_metadata = meta
+    rollout.online = OnlineCalibrator(rollout.geometry, rollout.costs, window=256)
+    prompts = [[3 + i] * n for i, n in enumerate((5, 9, 14, 30, 7, 21, 2, 11))]
+    for _ in range(3):
+        rollout.generate(prompts, max_new_tokens=6)
+    assert rollout.costs != CostCoefficients()  # refitted from its own forwards
+    found = cached_cost_file(meta)
+    assert found is not None and found.coeffs == rollout.costs
+    assert found.metadata["source"].startswith("online refit")
+    assert not rollout.online.errors[-1]["explored"]  # the default never detours to measure another route

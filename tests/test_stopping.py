@@ -1,0 +1,143 @@
+"""Stop ids and stop strings (vLLM's ``stop_token_ids`` and ``stop``): every route ends a row where the
+one-request oracle's tokens first hold a stop id or, decoded, a stop string; bad values are one
+ValueError before any forward."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import CharTokenizer, get_tiny
+
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.engine.stopping import StopStrings
+from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.planner.cost import CostCoefficients
+
+ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
+SPLIT_COSTS = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
+_rng = random.Random(0)
+PROMPTS = [[_rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in (5, 1, 9, 3, 12, 2, 7, 4)]
+STOPS = (["b#", "a\n"], ["##", "\n\n"])
+
+
+def rollout(model, mode, slots=None, tokenizer=None, **config) -> Rollout:
+    config = RolloutConfig(mode=mode, continuous_batch_size=slots, costs=SPLIT_COSTS, **config)
+    return Rollout(model, config, tokenizer=tokenizer)
+
+
+def routes_and_slots():
+    """Every route at once, and the continuous-batching ones on 3 slots (rows retire and refill)."""
+    return [(mode, None) for mode in ROUTES] + [(mode, 3) for mode in ROUTES[1:]]
+
+
+def cut_at_stop(tokens, stops, tokenizer):
+    """Brute force: the shortest prefix whose text holds a stop string, else all the tokens."""
+    for t in range(1, len(tokens) + 1):
+        if any(s in tokenizer.decode(tokens[:t], skip_special_tokens=True) for s in stops):
+            return tokens[:t]
+    return tokens
+
+
+def text_before_stop(tokens, stops, tokenizer):
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return text[: min((text.find(s) for s in stops if s in text), default=len(text))]
+
+
+def test_stop_token_ids_end_rows_on_every_route(family, oracle):
+    model = get_tiny(family)
+    free = oracle(model, PROMPTS, max_new_tokens=10)
+    eos, stop_ids = free[1][2], [free[0][3], free[2][1]]
+    expected = oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=[eos, *stop_ids])
+    assert expected != free
+    reasons = ["stop" if s[-1] in {eos, *stop_ids} else "length" for s in expected]
+    for mode, slots in routes_and_slots():
+        result = rollout(model, mode, slots, eos_token_id=eos).generate(
+            PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids)
+        assert result.sequences == expected, (mode, slots)
+        assert result.finish_reasons == reasons
+        # ignore_eos drops EOS, not the call's stop ids (and without EOS the batcher would burst)
+        result = rollout(model, mode, slots, ignore_eos=True).generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids)
+        assert result.sequences == oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=stop_ids), (mode, slots)
+
+
+@pytest.mark.parametrize("stops", STOPS)
+def test_stop_strings_cut_rows_where_the_oracle_text_first_holds_one(family, stops, oracle):
+    model, tokenizer = get_tiny(family), CharTokenizer()
+    free = oracle(model, PROMPTS, max_new_tokens=12)
+    expected = [cut_at_stop(tokens, stops, tokenizer) for tokens in free]
+    assert expected != free  # some rows stop (with STOPS[0] others run their budget)
+    texts = [text_before_stop(e, stops, tokenizer) for e in expected]
+    reasons = ["stop" if any(s in tokenizer.decode(e, skip_special_tokens=True) for s in stops) else "length"
+               for e in expected]
+    for mode, slots in routes_and_slots():
+        engine = rollout(model, mode, slots, tokenizer=tokenizer)
+        result = engine.generate(PROMPTS, max_new_tokens=12, stop=stops, return_logprobs=True)
+        assert result.sequences == expected, (mode, slots)
+        assert result.texts == texts and result.finish_reasons == reasons
+        unstopped = engine.generate(PROMPTS, max_new_tokens=12, return_logprobs=True).logprobs
+        for got, full in zip(result.logprobs, unstopped):  # trimmed with the tokens
+            assert got == pytest.approx(full[: len(got)], abs=1e-5)
+
+
+def test_sampled_rows_stop_where_their_unstopped_tokens_first_hold_a_stop_string():
+    model, tokenizer, stops = get_tiny("llama"), CharTokenizer(), STOPS[0]
+    call = dict(max_new_tokens=12, do_sample=True, seed=7, num_samples=3)
+    free = rollout(model, "bucketed").generate(PROMPTS, **call).sequences
+    expected = [cut_at_stop(tokens, stops, tokenizer) for tokens in free]
+    assert expected != free
+    for mode, slots in routes_and_slots():
+        result = rollout(model, mode, slots, tokenizer=tokenizer).generate(PROMPTS, stop=stops, **call)
+        assert result.sequences == expected, (mode, slots)
+
+
+def test_stop_strings_and_ids_together_with_a_real_tokenizer(tokenizer, oracle):
+    """An HF fast tokenizer ("w0", "w1", ...; "w2" special); a stop id and a stop string in one call."""
+    model = get_tiny("qwen2")
+    free = oracle(model, PROMPTS, max_new_tokens=10)
+    stop_id, stop = free[0][4], [f" w{free[3][2]} "]
+    expected = [cut_at_stop(tokens, stop, tokenizer) for tokens in oracle(
+        model, PROMPTS, max_new_tokens=10, eos_token_id=[stop_id])]
+    assert sum(len(e) < 10 for e in expected) > sum(len(e) < 10 for e in oracle(
+        model, PROMPTS, max_new_tokens=10, eos_token_id=[stop_id]))  # the string stops rows the id does not
+    for mode in ("nocb", "bucketed", "paged"):
+        result = rollout(model, mode, tokenizer=tokenizer).generate(PROMPTS, max_new_tokens=10, stop=stop,
+                                                                    stop_token_ids=[stop_id])
+        assert result.sequences == expected, mode
+        assert result.texts == [text_before_stop(e, stop, tokenizer) for e in expected]
+
+
+def test_a_stop_string_is_confirmed_on_the_whole_text():
+    """A tail that decodes to a stop string the whole text does not hold is no hit."""
+
+    class LeadingSpace(CharTokenizer):  # like sentencepiece: a text's first "a" decodes as "#"
+        def decode(self, ids, skip_special_tokens=False):
+            text = super().decode(ids, skip_special_tokens)
+            return "#" + text[1:] if text.startswith("a") else text
+
+    stops = StopStrings(("##",), LeadingSpace())
+    row = [1] * 5 + [7, 2] + [1] * 8  # "bbbbba#bbbbbbbb"; its last 10 tokens decode to "##bbbbbbbb"
+    assert stops.hits([row, [7, 2]]) == [False, True]  # "a#" as a whole text decodes to "##"
+    assert stops.cut("xx##y") == "xx" and stops.cut("xy") == "xy"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stop="###"), r"stop must be a list of non-empty strings or None, got '###'"),
+    (dict(stop=["a", 3]), r"stop must be a list of non-empty strings or None, got \['a', 3\]"),
+    (dict(stop=[""]), "stop must be a list of non-empty strings"),
+    (dict(stop_token_ids=[TINY_VOCAB_SIZE]), rf"stop_token_ids must hold ids in the vocabulary \[0, {TINY_VOCAB_SIZE}\), "
+                                             rf"got {TINY_VOCAB_SIZE} in"),
+    (dict(stop_token_ids=[3, -1]), r"got -1 in \[3, -1\]"),
+    (dict(stop_token_ids=[True]), "stop_token_ids must hold ids in the vocabulary"),
+    (dict(stop_token_ids=[2.0]), "stop_token_ids must hold ids in the vocabulary"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids or None, got 5"),
+    (dict(stop_token_ids="5"), "stop_token_ids must be a list of token ids or None"),
+])
+def test_bad_stop_values_fail_before_any_forward(no_forward, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Rollout(no_forward, tokenizer=CharTokenizer()).generate([[1, 2]], max_new_tokens=2, **kwargs)
+
+
+def test_stop_strings_need_a_tokenizer(no_forward):
+    with pytest.raises(ValueError, match=r"stop=\['###'\] needs a tokenizer"):
+        Rollout(no_forward).generate([[1, 2]], max_new_tokens=2, stop=["###"])
+    Rollout(get_tiny("llama")).generate([[1, 2]], max_new_tokens=2, stop=[])  # no stop strings: no tokenizer needed

@@ -1,0 +1,123 @@
+"""engine.trainer: the padded batch, the teacher-forced logprobs a trainer computes, and
+``logprobs_mode="trainer"``, which returns exactly those bits (tiny fp32 models, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import get_tiny
+
+from rollout_lab import Rollout, RolloutConfig
+from rollout_lab.engine.trainer import (eval_mode, group_advantages, padded_batch, policy_gradient_loss,
+                                        rollout_logprobs, sequence_logprobs)
+
+PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
+BUDGETS = [5, 2, 7, 3, 4]
+
+
+def trainer_forward(model, result, *, fp32_head=False):
+    """What a trainer computes: ``sequence_logprobs`` on ``result.to_tensors()``, [rows, R]."""
+    t = result.to_tensors()
+    with torch.no_grad():
+        return sequence_logprobs(model, t["input_ids"], t["attention_mask"], t["response_mask"], fp32_head=fp32_head)
+
+
+def max_abs_diff(a, b):
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_padded_batch_left_pads_prompts_and_right_pads_responses():
+    ids, mask, response_mask = padded_batch([[5, 6], [7]], [[1], [2, 3, 4]], pad_token_id=9)
+    assert ids.tolist() == [[5, 6, 1, 9, 9], [9, 7, 2, 3, 4]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert response_mask.tolist() == [[False, False, True, False, False], [False, False, True, True, True]]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "opt"])
+@pytest.mark.parametrize("mode", ["bucketed", "paged", "nocb"])
+def test_trainer_logprobs_are_bit_identical_to_the_trainers_forward(family, mode):
+    model = get_tiny(family)
+    rollout = Rollout(model, RolloutConfig(mode=mode, continuous_batch_size=None if mode == "nocb" else 3))
+    call = dict(max_new_tokens=BUDGETS, num_samples=2, do_sample=True, seed=1, return_logprobs=True)
+    trainer = rollout.generate(PROMPTS, logprobs_mode="trainer", **call)
+    assert len(trainer.sequences) == 10 and len(set(map(tuple, trainer.sequences))) > 5  # sampled rows differ
+    assert (trainer_forward(model, trainer) - trainer.to_tensors()["logprobs"]).abs().max().item() == 0
+    raw = rollout.generate(PROMPTS, **call)  # the decode step's own: the same tokens, equal up to rounding
+    assert raw.sequences == trainer.sequences and max_abs_diff(raw.logprobs, trainer.logprobs) < 1e-5
+    fp32 = rollout.generate(PROMPTS, logprobs_mode="trainer_fp32", **call)
+    assert torch.equal(trainer_forward(model, fp32, fp32_head=True), fp32.to_tensors()["logprobs"])
+
+
+def test_a_full_width_response_mask_gives_the_same_values():
+    model = get_tiny("qwen3")
+    t = Rollout(model).generate(PROMPTS, max_new_tokens=BUDGETS, return_logprobs=True,
+                                logprobs_mode="trainer").to_tensors()
+    width_p = t["prompt_ids"].shape[1]
+    with torch.no_grad():
+        full = sequence_logprobs(model, t["input_ids"], t["attention_mask"],
+                                 torch.nn.functional.pad(t["response_mask"], (width_p, 0)))  # [rows, P + R]
+    assert full.shape == t["input_ids"].shape and torch.equal(full[:, width_p:], t["logprobs"])
+    assert bool((full[:, :width_p] == 0).all())
+
+
+def test_trainer_logprobs_under_autograd_in_train_mode_are_the_same_bits_and_have_gradients():
+    model = get_tiny("qwen2")
+    result = Rollout(model).generate(PROMPTS, max_new_tokens=BUDGETS, return_logprobs=True, logprobs_mode="trainer")
+    t = result.to_tensors()
+    response_mask = t["response_mask"]
+    model.train()
+    try:
+        logprobs = sequence_logprobs(model, t["input_ids"], t["attention_mask"], response_mask)
+        assert torch.equal(logprobs.detach(), t["logprobs"])
+        loss = policy_gradient_loss(logprobs, torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0]), response_mask)
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    assert bool((logprobs[~response_mask] == 0).all()) and bool((logprobs[response_mask] < 0).all())
+
+
+def test_rollout_logprobs_restore_each_modules_train_flag():
+    model = get_tiny("llama")
+    layer = model.get_decoder().layers[0]
+    layer.train()
+    try:
+        rollout_logprobs(model, [[5, 6]], [[1, 2]], pad_token_id=0)
+        assert layer.training and not model.training
+        with eval_mode(model):
+            assert not layer.training
+        assert layer.training
+    finally:
+        model.eval()
+
+
+def test_group_advantages_and_the_loss():
+    advantages = group_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), num_samples=2)
+    assert torch.allclose(advantages, torch.tensor([-0.7071, 0.7071, 0.0, 0.0]), atol=1e-3)
+    logprobs = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]])
+    response_mask = torch.tensor([[False, True, True], [False, True, False]])
+    loss = policy_gradient_loss(logprobs, torch.tensor([1.0, -1.0]), response_mask)
+    assert loss.item() == pytest.approx(-(-1.0 - 2.0 + 3.0) / 3)
+    with pytest.raises(ValueError, match=r"multiple of num_samples=3 rows, got shape \(4,\)"):
+        group_advantages(torch.zeros(4), num_samples=3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"response_mask": torch.ones(2, 4, dtype=torch.bool)}, "response_mask is set in column 0"),
+    ({"response_mask": torch.zeros(2, 4, dtype=torch.long)}, "response_mask must be a bool tensor, got torch.int64"),
+    ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"attention_mask has shape \(2, 3\), input_ids \(2, 4\)"),
+    ({"response_mask": torch.zeros(2, 5, dtype=torch.bool)}, r"response_mask has shape \(2, 5\).*\[rows, R\] for the last"),
+    ({"input_ids": torch.zeros(2, 4)}, "input_ids must be an integer tensor, got torch.float32"),
+    ({"fp32_head": 1}, "fp32_head must be a bool, got 1"),
+    ({"model": torch.nn.Linear(2, 2)}, "needs a Hugging Face causal LM with get_decoder"),
+])
+def test_bad_arguments_are_errors_before_any_forward(change, message):
+    ids, mask, response_mask = padded_batch([[5, 6], [7]], [[1, 2], [3]], pad_token_id=0)
+    args = {"model": get_tiny("qwen2"), "input_ids": ids, "attention_mask": mask,
+            "response_mask": response_mask, "fp32_head": False} | change
+    fp32_head = args.pop("fp32_head")
+    with pytest.raises(ValueError, match=message):
+        sequence_logprobs(*args.values(), fp32_head=fp32_head)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        padded_batch([[5], [6]], [[1]], pad_token_id=0)

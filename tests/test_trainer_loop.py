@@ -1,0 +1,125 @@
+"""measure.trainer_loop: rollout alternated with a GRPO step on one model, behind
+`rollout-lab bench trainer-loop` (tiny fp32 models, CPU; each test trains its own model)."""
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from rollout_lab.cli import main
+from rollout_lab.measure import trainer_loop as trainer_loop_module
+from rollout_lab.measure.models import tiny_model
+from rollout_lab.measure.trainer_loop import (TRAINER_LOOP_DEFAULTS, check_trainer_loop_settings, decode_captures,
+                                              replace_parameters, run_trainer_loop, trainer_loop_rows)
+from rollout_lab.workspace import check_record_pair
+
+TINY_SHAPE = {"num_prompts": 4, "num_samples": 2, "max_new_tokens": 8, "scale": 0.1, "iterations": 2}
+
+
+def quiet(line: str) -> None:
+    pass
+
+
+@pytest.mark.parametrize("logprobs_mode, train_rows", [("raw", None), ("trainer", 3)])
+def test_the_loop_records_every_iteration_and_the_logprob_mismatch(logprobs_mode, train_rows):
+    model = tiny_model("qwen2", seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    saved = []
+    record = run_trainer_loop(model, model_name="tiny-qwen2", dtype="float32", logprobs_mode=logprobs_mode,
+                              train_rows=train_rows, save=lambda r: saved.append(json.loads(json.dumps(r))),
+                              progress=quiet, script="test", **TINY_SHAPE)
+    iterations = record["results"]["iterations"]
+    assert [len(r["results"]["iterations"]) for r in saved] == [1, 2]  # saved after every iteration
+    assert record["kind"] == "trainer_loop" and record["provenance"]["script"] == "test"
+    assert record["config"]["logprobs_mode"] == logprobs_mode and record["workload"]["num_rows"] == 8
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # AdamW stepped every weight
+    assert not model.training  # left in eval mode
+    for it in iterations:
+        assert it["first_rollout_ms"] > 0 and it["steady_rollout_ms"] > 0 and it["train_ms"] > 0
+        assert it["decode_captures"] == 0 and not it["stepper_rebuilt"] and it["steady_same_tokens"]
+        assert it["peak_rollout_bytes"] is None and it["assign_ms"] is None
+        mismatch = it["logprob_mismatch"]
+        if logprobs_mode == "trainer":  # the trainer's forward in its micro-batches of 3 rows, train mode, autograd
+            assert mismatch["max_abs"] == 0 and mismatch["equal_share"] == 1
+        else:  # the decode step's own logprobs: fp32 rounding only
+            assert 0 < mismatch["max_abs"] < 1e-4 and mismatch["mean_abs"] <= mismatch["max_abs"]
+    rows = trainer_loop_rows(record)
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert rows[1]["logprob_max_abs"] == iterations[1]["logprob_mismatch"]["max_abs"] and rows[0]["peak_train_gb"] is None
+
+
+def test_assign_and_checkpointing_run_and_leave_the_model_trainable():
+    model = tiny_model("llama", seed=0)
+    record = run_trainer_loop(model, model_name="tiny-llama", dtype="float32", assign=True,
+                              gradient_checkpointing=True, train_mode="train", progress=quiet, **TINY_SHAPE)
+    assert all(it["assign_ms"] > 0 for it in record["results"]["iterations"])
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and not model.training
+
+
+def test_replace_parameters_gives_new_storage_keeps_ties_and_moves_the_optimizer_state():
+    model = tiny_model("qwen2", seed=0)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    old = list(model.parameters())
+    replace_parameters(model, optimizer)
+    new = list(model.parameters())
+    assert len(new) == len(old) and all(a.data_ptr() != b.data_ptr() and torch.equal(a, b) for a, b in zip(old, new))
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert all(p in optimizer.state and p.requires_grad for p in new) and optimizer.param_groups[0]["params"] == new
+
+
+def test_decode_captures_count_a_rebuilt_steppers_own():
+    kept = {"kind": "graph", "build_ms": 5.0, "num_captures": 1}
+    assert decode_captures(kept, kept) == (0, False)
+    assert decode_captures(kept, kept | {"build_ms": 7.0}) == (1, True)
+    assert decode_captures({"kind": None}, {"kind": None}) == (0, False)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"logprobs_mode": "softmax"}, r"logprobs_mode must be one of \['raw', 'processed', 'trainer', 'trainer_fp32'\]"),
+    ({"train_mode": "train()"}, r"train_mode must be one of \['toggle', 'eval', 'train'\], got 'train\(\)'"),
+    ({"train_rows": 0}, "train_rows must be None .* or an int >= 1, got 0"),
+    ({"iterations": 0}, "iterations must be an int >= 1, got 0"),
+    ({"lr": float("nan")}, "lr must be a number > 0, got nan"),
+    ({"assign": "yes"}, "assign must be a bool, got 'yes'"),
+    ({"mode": "vllm"}, "mode must be one of"),
+    ({"dataset": "mmlu"}, "dataset must be one of"),
+])
+def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
+    monkeypatch.setattr(trainer_loop_module, "Rollout", lambda *a, **k: pytest.fail("a rollout was built"))
+    with pytest.raises(ValueError, match=message):
+        check_trainer_loop_settings(**(dict(TRAINER_LOOP_DEFAULTS) | bad))
+    with pytest.raises(ValueError, match=message):
+        run_trainer_loop(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", **bad)
+
+
+def test_trainer_loop_defaults_are_run_trainer_loops_own():
+    signature = inspect.signature(run_trainer_loop).parameters
+    assert {k: signature[k].default for k in TRAINER_LOOP_DEFAULTS} == TRAINER_LOOP_DEFAULTS
+
+
+def test_bench_trainer_loop_writes_the_record_and_refuses_an_existing_one(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "trainer_loop"
+    argv = ["--tiny", "qwen2", "--num-prompts", "4", "--num-samples", "2", "--max-new-tokens", "8", "--scale", "0.1",
+            "--iterations", "2", "--logprobs-mode", "trainer", "--train-rows", "4", "--out", str(out)]
+    assert main(["bench", "trainer-loop", *argv]) == 0
+    record = json.loads((tmp_path / "trainer_loop.json").read_text())
+    assert check_record_pair(tmp_path / "trainer_loop.json", tmp_path / "trainer_loop.csv") == record["run_id"]
+    assert record["provenance"]["script"] == "rollout-lab bench trainer-loop" and record["provenance"]["argv"] == argv
+    assert record["config"]["tiny"] == "qwen2" and record["config"]["train_rows"] == 4
+    assert [it["logprob_mismatch"]["max_abs"] for it in record["results"]["iterations"]] == [0, 0]
+    assert (tmp_path / "trainer_loop.csv").read_text().splitlines()[0].startswith("run_id,iteration,git_sha")
+    capsys.readouterr()
+    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["bench", "trainer-loop", *argv]) == 2
+    assert "already exist" in capsys.readouterr().err
+    for bad, message in ((["--lr", "-1"], "lr must be a number > 0, got -1.0"),
+                         (["--train-mode", "both"], "invalid choice: 'both'")):
+        assert main(["bench", "trainer-loop", "--tiny", "qwen2", "--out", str(tmp_path / "x"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err
