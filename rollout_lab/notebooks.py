@@ -55,6 +55,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
                                               "slots": 4, "paths": ["paged_128", "aligned_128"]},
                           "grpo_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 3, "scale": 0.05,
                                          "reps": 1},
+                          "trainer_loop_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 4, "scale": 0.05,
+                                                 "iterations": 2, "logprobs_mode": "trainer"},
                           "more_shape": {"workloads": ["short_tail"], "max_new_tokens": 2, "paths": ["bucketed", "auto"]}},
     "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
                       "online_calls": 6, "repetitions": 1},
@@ -98,7 +100,7 @@ def notebook_parameters(
 
 # the parameters that name files or folders: those read, and those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "long_tail_results_file",
-                    "decode_step_file",
+                    "trainer_loop_results_file", "decode_step_file",
                     "prefill_routes_file", "grpo_results_file", "peer_results_file", "more_results_file",
                     "more_peer_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")

@@ -263,6 +263,13 @@ def test_03_latency_outputs(executed):
     assert float(tail["paged_128"]["queued_occupancy"]) > 0.95 > float(tail["aligned_128"]["queued_occupancy"])
     assert (out / "data" / "results" / "long_tail_tiny-qwen2_float32_cpu.json").is_file()
     assert_figure(out / "figures", "03_long_tail_tiny_qwen2_float32_cpu")
+    # trainer_loop_shape: rollouts alternated with GRPO steps on one model, as a record and drawn; the
+    # trainer-mode logprobs are the trainer forward's, bit for bit
+    loop = read_csv(out / "data" / "tables" / "03_trainer_loop_tiny_qwen2_float32_cpu.csv")
+    assert [int(r["iteration"]) for r in loop] == [0, 1]
+    assert all(float(r["logprob_max_abs"]) == 0 and float(r["train_ms"]) > 0 for r in loop)
+    assert (out / "data" / "results" / "trainer_loop_tiny-qwen2_float32_cpu.json").is_file()
+    assert_figure(out / "figures", "03_trainer_loop_tiny_qwen2_float32_cpu")
     # grpo_shape: GRPO measured on the notebook's model, written as a record, drawn, and in the whole table
     grpo = json.loads((out / "data" / "results" / "grpo_tiny-qwen2_float32_cpu.json").read_text())
     assert set(grpo["results"]) == {"shared", "unshared", "hf_generate"} and grpo["workload"]["num_rows"] == 4

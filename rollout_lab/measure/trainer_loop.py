@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -40,11 +41,13 @@ from rollout_lab.engine.decode import LOGPROB_MODES
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.engine.trainer import group_advantages, policy_gradient_loss, sequence_logprobs
-from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.paths import timed_call
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.records import load_record
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, sample_lengths, scale_lengths
 from rollout_lab.planner.checks import is_int
+from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 TRAIN_MODES = ("toggle", "eval", "train")  # the model's mode: train() for the step and eval() for rollouts, or one
 # run_trainer_loop's settings and their defaults (its signature's): the issue's 64 prompts x 8 samples x 256 tokens
@@ -265,3 +268,30 @@ def trainer_loop_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
                      **{f"peak_{phase}_gb": None if it[f"peak_{phase}_bytes"] is None else it[f"peak_{phase}_bytes"] / 1e9
                         for phase in ("rollout", "train")}})
     return rows
+
+
+def trainer_loop_or_load(
+    *, trainer_loop_shape: Mapping[str, Any] | None, trainer_loop_results_file: str | None, model: str, dtype: str,
+    device: str, output_dir: Any = None,
+) -> tuple[str, dict[str, Any]] | None:
+    """(name, record) of the trainer loop notebook 03 shows: ``trainer_loop_shape`` (``run_trainer_loop``'s
+    settings, ``TRAINER_LOOP_DEFAULTS`` where it says nothing) measured on ``model`` into
+    ``<workspace>/data/results/trainer_loop_<model>_<dtype>_<device>`` (written after every iteration; an
+    existing record there is an error), else the saved record ``trainer_loop_results_file``, else None.
+    Bad settings and a record in the way are a ValueError raised before the model is built."""
+    if trainer_loop_shape is None:
+        if trainer_loop_results_file is None:
+            return None
+        return str(trainer_loop_results_file), load_record(Path(trainer_loop_results_file), "trainer_loop")
+    unknown = sorted(set(trainer_loop_shape) - set(TRAINER_LOOP_DEFAULTS))
+    if unknown:
+        raise ValueError(f"trainer_loop_shape has unknown settings {unknown}; valid: {', '.join(TRAINER_LOOP_DEFAULTS)}")
+    shape = {**TRAINER_LOOP_DEFAULTS, **trainer_loop_shape}
+    check_trainer_loop_settings(**shape)
+    _, name = model_config(model)
+    out = record_paths(Workspace.resolve(output_dir).results / f"trainer_loop_{run_tag(name, dtype, device)}")
+    net, name = load_model(model, dtype=dtype, device=device)
+    record = run_trainer_loop(net, model_name=name, dtype=dtype,
+                              save=lambda r: write_record(out, r, trainer_loop_rows(r)),
+                              script="notebook 03 (trainer_loop_shape)", **shape)
+    return str(out[0]), record

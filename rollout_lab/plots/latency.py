@@ -204,6 +204,38 @@ def plot_occupancy(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Fig
     return fig
 
 
+def plot_trainer_loop(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Per iteration of a trainer-loop record (``measure.trainer_loop.trainer_loop_rows``): the first
+    rollout after an optimizer step against the same call again (what a weight sync costs) and the
+    train step, in ms; and the rollout's logprobs against the trainer's forward (mean and max |Δ|,
+    nats; 0 is drawn at the axis floor)."""
+    its = [r["iteration"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    x = np.arange(len(rows))
+    for k, (key, label) in enumerate((("first_rollout_ms", "rollout after a step"),
+                                      ("steady_rollout_ms", "the same rollout again"), ("train_ms", "train step"))):
+        left.bar(x + (k - 1) * 0.27, [r[key] for r in rows], 0.27, color=PALETTE(k), label=label)
+    left.set_xticks(x, [str(i) for i in its])
+    left.set_xlabel("iteration")
+    left.set_ylabel("ms")
+    left.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=3, fontsize=8, frameon=False)
+    floor = 1e-9
+    for key, label, marker in (("logprob_mean_abs", "mean |Δ|", "o"), ("logprob_max_abs", "max |Δ|", "^")):
+        right.plot(x, [max(r[key], floor) for r in rows], marker=marker, label=label)
+    if all(r["logprob_max_abs"] == 0 for r in rows):
+        right.text(0.5, 0.5, "exactly 0 on every token\n(drawn at the floor)", transform=right.transAxes,
+                   ha="center", va="center", fontsize=9)
+    right.set_yscale("log")
+    right.set_ylim(bottom=floor / 2)
+    right.set_xticks(x, [str(i) for i in its])
+    right.set_xlabel("iteration")
+    right.set_ylabel("rollout − trainer logprob (nats)")
+    right.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Median decode ms per step (error bar: one standard deviation over the timed steps) per case
     and variant of a decode-step record (``measure.records.decode_step_rows``)."""
