@@ -30,19 +30,24 @@ class Oracle:
     def __init__(self) -> None:
         self._memo: dict = {}
 
-    def __call__(self, model, prompts, *, max_new_tokens, eos_token_id=None, repetition_penalty=1.0):
+    def __call__(self, model, prompts, *, max_new_tokens, eos_token_id=None, repetition_penalty=1.0,
+                 min_new_tokens=0):
+        """``max_new_tokens`` and ``min_new_tokens``: an int for all, or one per prompt."""
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        minimums = min_new_tokens if isinstance(min_new_tokens, list) else [min_new_tokens] * len(prompts)
         return [
-            self.one(model, p, max_new_tokens, eos_token_id, repetition_penalty) for p in prompts
+            self.one(model, p, b, eos_token_id, repetition_penalty, m) for p, b, m in zip(prompts, budgets, minimums)
         ]
 
-    def one(self, model, prompt, max_new_tokens, eos_token_id, repetition_penalty):
+    def one(self, model, prompt, max_new_tokens, eos_token_id, repetition_penalty, min_new_tokens=0):
         eos = tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else eos_token_id
-        key = (id(model), tuple(prompt), max_new_tokens, eos, repetition_penalty)
+        key = (id(model), tuple(prompt), max_new_tokens, eos, repetition_penalty, min_new_tokens)
         if key not in self._memo:
             config = GenerationConfig(
                 max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                 eos_token_id=list(eos) if isinstance(eos, tuple) else eos,
                 pad_token_id=0, repetition_penalty=float(repetition_penalty),
+                min_new_tokens=min_new_tokens or None,
             )
             saved = model.generation_config
             model.generation_config = GenerationConfig()  # no eos from the model's defaults

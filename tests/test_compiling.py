@@ -106,25 +106,33 @@ def test_one_compile_serves_every_row_count_past_one(mode):
                                                               reason="needs a CUDA GPU"))])
 def test_compiled_select_draws_eagers_tokens(backend, device):
     """The decode step's compiled token choice (``compile_select``) equals ``select_tokens``: greedy,
-    seeded sampling with and without top-k/top-p and the penalty, logprobs, at two row counts
-    (symbolic sizes: one compile serves both)."""
+    seeded sampling with and without top-k/top-p and the penalty, rows of mixed settings (greedy
+    among them), min_new_tokens, logprobs, at two row counts (symbolic sizes: one compile serves
+    both); traced with no graph break but ``sampling.token_salts`` (so nothing in it reads the host)."""
     from rollout_lab.engine.compiling import compile_select
     from rollout_lab.engine.decode import select_tokens
-    from rollout_lab.engine.sampling import SamplingParams
+    from rollout_lab.engine.sampling import RowSampling, SamplingParams
 
     torch._dynamo.reset()
     select = compile_select(backend=backend)
     gen = torch.Generator().manual_seed(0)
-    for sampling in (None, SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)):
+    for params in (None, [SamplingParams()], [SamplingParams(temperature=0.7, top_k=20, top_p=0.9)],
+                   [SamplingParams(0.7, 20, 0.9), SamplingParams(0), SamplingParams(1.3, 5), SamplingParams(top_p=0.5)]):
         for rows in (3, 5):
+            sampling = None if params is None else RowSampling.of([params[i % len(params)] for i in range(rows)], device)
             logits = (torch.randn(rows, 1000, generator=gen) * 4).to(device)
             seen = (torch.rand(rows, 1000, generator=gen) < 0.05).to(device)
             keys = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
             steps = torch.randint(0, 500, (rows,), generator=gen).to(device)
+            minimum = torch.randint(0, 500, (rows,), generator=gen).to(device)
+            stop_mask = (torch.rand(1000, generator=gen) < 0.01).to(device)
             for penalty, mode in ((1.0, None), (1.3, "processed"), (1.0, "raw")):
-                kwargs = dict(sampling=sampling, sample_keys=keys, steps=steps, logprobs_mode=mode)
+                kwargs = dict(sampling=sampling, sample_keys=keys, steps=steps, logprobs_mode=mode,
+                              min_new_tokens=minimum if mode == "processed" else None, stop_mask=stop_mask)
                 want, want_lp = select_tokens(logits, seen, penalty, **kwargs)
                 got, got_lp = select(logits, seen, penalty, **kwargs)
                 assert torch.equal(got, want)
                 if mode is not None:
                     torch.testing.assert_close(got_lp, want_lp)
+    breaks = torch._dynamo.utils.counters["graph_break"]  # token_salts is left out of the trace on purpose
+    assert all("token_salts" in reason for reason in breaks), list(breaks)

@@ -10,6 +10,7 @@ from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.sampling import (
+    RowSampling,
     SamplingParams,
     _mix64,
     _mix64_int,
@@ -60,7 +61,7 @@ def test_sampler_distribution_over_seeds():
     temperature, num_draws = 0.7, 3000
     keys = torch.tensor([sample_key(seed, 0, 0) for seed in range(num_draws)])
     tokens = sample_tokens(logits.expand(num_draws, -1), keys, torch.zeros_like(keys),
-                           SamplingParams(temperature))
+                           RowSampling.of([SamplingParams(temperature)] * num_draws, "cpu"))
     counts = torch.bincount(tokens, minlength=12).double()
     assert _chi_square(counts, torch.softmax(logits / temperature, -1)) < _critical(12)
     assert _chi_square(counts, torch.softmax(logits / (temperature * 1.3), -1)) > _critical(12)
@@ -84,12 +85,15 @@ def _critical(num_cells: int) -> float:
 
 def test_top_k_and_top_p_filters_keep_ties_and_at_least_one():
     scores = torch.tensor([[3.0, 1.0, 1.0, 0.0, -2.0]])
-    kept = filter_logits(scores, SamplingParams(top_k=2)).isfinite()
-    assert kept.tolist() == [[True, True, True, False, False]]  # the tie at the k-th value stays
-    assert filter_logits(scores, SamplingParams(top_p=1e-9)).isfinite().sum() == 1
+
+    def kept(**params):
+        return filter_logits(scores, RowSampling.of([SamplingParams(**params)], "cpu")).isfinite()
+
+    assert kept(top_k=2).tolist() == [[True, True, True, False, False]]  # the tie at the k-th value stays
+    assert kept(top_p=1e-9).sum() == 1
     probs = torch.softmax(scores, -1)[0]
     top_p = float(probs[0] + 1e-4)  # just above the top token's mass: the ties at rank 1 join
-    assert filter_logits(scores, SamplingParams(top_p=top_p)).isfinite().sum() == 3
+    assert kept(top_p=top_p).sum() == 3
 
 
 # -- the engine ----------------------------------------------------------------------------------
@@ -247,7 +251,7 @@ def test_seed_none_draws_from_torch_generator():
     assert fixed.sequences == first.sequences
 
 
-def test_graph_key_holds_the_sampling_parameters():
+def test_graph_key_holds_the_filters_not_their_values():
     model = get_tiny("qwen2")
     prompts = make_prompts([4, 6], seed=8)
     with Rollout(model, RolloutConfig(mode="aligned")) as rollout:
@@ -255,9 +259,69 @@ def test_graph_key_holds_the_sampling_parameters():
         greedy = rollout._stepper
         rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=1, top_k=5)
         sampled = rollout._stepper
-        assert sampled is not greedy and sampled.key.do_sample and sampled.key.top_k == 5
-        rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=2, top_k=5)
-        assert rollout._stepper is sampled  # a new seed needs no new stepper (keys are buffers)
+        assert sampled is not greedy and sampled.key.do_sample and sampled.key.max_top_k == 8
+        assert not sampled.key.top_p_filter
+        # a new seed, temperature or top-k of the same width needs no new stepper (they are buffers)
+        rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=2, top_k=7, temperature=0.5)
+        rollout.generate(prompts, max_new_tokens=3, sampling=[SamplingParams(0.3, 6, seed=4), SamplingParams(0)])
+        assert rollout._stepper is sampled
+        rollout.generate(prompts, max_new_tokens=3, do_sample=True, top_k=5, top_p=0.9)
+        assert rollout._stepper is not sampled and rollout._stepper.key.top_p_filter
+
+
+# -- per-request settings ------------------------------------------------------------------------
+PER_REQUEST = [SamplingParams(0.9, 40, 0.9, seed=3), SamplingParams(0), SamplingParams(1.3, 5, seed=8),
+               SamplingParams(0.7, top_p=0.8, seed=11), SamplingParams(seed=2), SamplingParams(0.5, 300, 0.95, seed=3)]
+TIGHT_PAGED = dict(kv_block_size=16, continuous_batch_size=3, kv_cache_tokens=64, refill_rows=1)  # preempts
+
+
+def alone(model, prompt, params, max_new_tokens, minimum=0, **config):
+    """One request in a call of its own, with its settings as the call-wide arguments."""
+    call = dict(num_samples=3, min_new_tokens=minimum, return_logprobs=True, logprobs_mode="processed")
+    if not params.is_greedy:
+        call |= dict(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                     seed=params.seed)
+    return run(model, [prompt], max_new_tokens, mode="aligned", generate=call, **config)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_per_request_settings_equal_each_request_alone(family):
+    """Rows of different temperature, top-k, top-p and seed (greedy ones among them) share each step
+    and still draw what each request draws alone with those settings, on every route; with EOS, the
+    penalty, min_new_tokens, samples, refill and preemption."""
+    model = get_tiny(family)
+    prompts = make_prompts([5, 17, 1, 9, 12, 5], seed=4)
+    prompts[5] = list(prompts[0])  # the same prompt, other settings: a shared prefill, its own rows
+    eos = alone(model, prompts[1], PER_REQUEST[1], 24, repetition_penalty=1.3).sequences[0][4]  # the greedy one's
+    minimums = [0, 3, 0, 6, 2, 0]
+    config = dict(eos_token_id=eos, repetition_penalty=1.3)
+    singles = [alone(model, p, q, 24, m, **config) for p, q, m in zip(prompts, PER_REQUEST, minimums)]
+    expected = [s for single in singles for s in single.sequences]
+    assert any(len(s) < 24 for s in expected) and len({tuple(s) for s in singles[0].sequences}) > 1
+    for mode, slots in [(mode, None) for mode in ROUTES + ("packed",)] + [("bucketed", 2), ("paged", 2), ("paged", "tight")]:
+        extra = TIGHT_PAGED if slots == "tight" else dict(continuous_batch_size=slots)
+        got = run(model, prompts, 24, mode=mode, profile=True, **config, **extra,
+                  generate=dict(num_samples=3, sampling=PER_REQUEST, min_new_tokens=minimums, return_logprobs=True,
+                                logprobs_mode="processed"))
+        assert got.sequences == expected, (mode, slots)
+        want = [lp for single in singles for lp in single.logprobs]
+        worst = max(abs(a - b) for g, w in zip(got.logprobs, want) for a, b in zip(g, w))
+        assert worst < 1e-4, (mode, slots, worst)  # other batches and padding: fp32 rounding
+        if slots == "tight":
+            assert got.profile.num_preemptions > 0
+        assert got.seed is None  # every sampled request brought its own
+
+
+def test_requests_without_a_seed_of_their_own_take_the_calls():
+    model = get_tiny("qwen3")
+    prompts = make_prompts([4, 11, 2], seed=2)
+    call_wide = run(model, prompts, 6, mode="bucketed", generate=dict(num_samples=2, seed=5, **SAMPLE))
+    params = SamplingParams(SAMPLE["temperature"], SAMPLE["top_k"], SAMPLE["top_p"])
+    for mode in ("nocb", "bucketed", "paged"):
+        got = run(model, prompts, 6, mode=mode, generate=dict(num_samples=2, seed=5, sampling=[params] * 3))
+        assert got.sequences == call_wide.sequences and got.seed == 5, mode
+    greedy = run(model, prompts, 6, mode="bucketed", generate=dict(sampling=[SamplingParams(0)] * 3))
+    assert greedy.sequences == run(model, prompts, 6, mode="bucketed").sequences and greedy.seed is None
 
 
 # -- route choice --------------------------------------------------------------------------------
@@ -301,6 +365,15 @@ BAD_SAMPLING = {
     "zero_samples": (dict(num_samples=0), "num_samples"),
     "bool_samples": (dict(num_samples=True), "num_samples"),
     "return_sequences": (dict(num_return_sequences=2), "num_samples"),
+    "one_sampling": (dict(sampling=SamplingParams()), "sampling must be a list of SamplingParams, one per request"),
+    "sampling_per_sample": (dict(sampling=[SamplingParams()] * 2), "sampling has 2 SamplingParams for 1 requests"),
+    "sampling_of_dicts": (dict(sampling=[dict(temperature=0.5)]), r"sampling\[0\] must be a SamplingParams"),
+    "sampling_and_temperature": (dict(sampling=[SamplingParams()], do_sample=True, temperature=0.5),
+                                 "leave do_sample=True, temperature=0.5 at the default"),
+    "negative_min_new_tokens": (dict(min_new_tokens=-1), "min_new_tokens must be an int >= 0"),
+    "float_min_new_tokens": (dict(min_new_tokens=2.0), "min_new_tokens must be an int >= 0"),
+    "min_new_tokens_per_sample": (dict(min_new_tokens=[1, 2]), "min_new_tokens has 2 minimums for 1 requests"),
+    "min_new_tokens_past_budget": (dict(min_new_tokens=[4]), "min_new_tokens=4 of request 0 exceeds its max_new_tokens=3"),
 }
 
 
@@ -316,6 +389,19 @@ def test_bad_sampling_arguments_raise_before_any_forward(case):
     finally:
         handle.remove()
     assert calls == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=1e-7), "below 1e-05"),
+    (dict(top_k=1.5), "top_k must be an int >= 0"),
+    (dict(top_p=0), r"top_p must be a number in \(0, 1\]"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\) or None, got -1"),
+    (dict(seed=2**64), "seed must be an int"),
+])
+def test_bad_sampling_params_fail_where_they_are_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
 
 
 def test_nocb_over_slots_counts_samples():

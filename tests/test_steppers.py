@@ -143,6 +143,29 @@ def test_graph_sampling_equals_eager_sampling(family):
         assert nocb.sequences == eager.sequences, penalty
 
 
+@cuda
+def test_graph_per_request_sampling_and_min_new_tokens_equal_eager():
+    """Rows of different settings (a greedy one among them) and of different min_new_tokens share one
+    captured (compiled) step and draw eager's tokens, on the aligned and the paged cache."""
+    from rollout_lab.engine.sampling import SamplingParams
+
+    model = _cuda_model("qwen2")
+    prompts = prompts_of([5, 12, 3, 8], seed=4)
+    params = [SamplingParams(0.8, 50, 0.9, seed=1), SamplingParams(0), SamplingParams(1.2, 5), SamplingParams(top_p=0.7)]
+    gen = dict(num_samples=2, sampling=params, seed=5, max_new_tokens=12)
+    free = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager")).generate(prompts, **gen)
+    eos = max(set(t for s in free.sequences for t in s[:4]), key=lambda t: sum(t in s[:6] for s in free.sequences))
+    gen["min_new_tokens"] = [4, 6, 0, 3]
+    eager = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager", eos_token_id=eos)) \
+        .generate(prompts, **gen)
+    for mode in ("bucketed", "paged"):
+        with Rollout(model, RolloutConfig(mode=mode, costs=SPLIT, decode="graph", eos_token_id=eos,
+                                          continuous_batch_size=5)) as rollout:
+            graph = rollout.generate(prompts, **gen)
+            assert rollout._stepper.key.min_new_tokens and rollout._stepper.key.do_sample
+        assert graph.sequences == eager.sequences, mode
+
+
 def test_graph_ladder_rungs():
     from rollout_lab.engine.steppers import graph_ladder
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import CharTokenizer, get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
@@ -141,3 +142,98 @@ def test_stop_strings_need_a_tokenizer(no_forward):
     with pytest.raises(ValueError, match=r"stop=\['###'\] needs a tokenizer"):
         Rollout(no_forward).generate([[1, 2]], max_new_tokens=2, stop=["###"])
     Rollout(get_tiny("llama")).generate([[1, 2]], max_new_tokens=2, stop=[])  # no stop strings: no tokenizer needed
+
+
+# -- min_new_tokens ------------------------------------------------------------------------------
+def masked_logprobs(model, prompts, sequences, stop_ids, minimums):
+    """Teacher-forced "processed" logprobs: each step's log-softmax with the stop ids at -inf
+    before the row's minimum (HF's MinNewTokensLengthLogitsProcessor), one request at a time."""
+    out = []
+    with torch.no_grad():
+        for prompt, seq, minimum in zip(prompts, sequences, minimums):
+            logits = model(input_ids=torch.tensor([prompt + seq[:-1]])).logits[0, len(prompt) - 1:].float()
+            logits[:minimum, stop_ids] = float("-inf")
+            out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(seq)[:, None])[:, 0].tolist())
+    return out
+
+
+def test_min_new_tokens_hold_eos_and_stop_ids_back_on_every_route(family, oracle):
+    """Before a row has min_new_tokens tokens its EOS and stop ids cannot be chosen, the first one
+    (from the prefill logits) included: HF generate(min_new_tokens=N), one request at a time."""
+    model = get_tiny(family)
+    free = oracle(model, PROMPTS, max_new_tokens=10)
+    common = max(range(TINY_VOCAB_SIZE), key=lambda t: sum(t in s[3:] for s in free))  # ends rows later
+    eos, stop_ids = free[1][0], [free[5][0], common]  # rows 1 and 5 would stop on their first token
+    ids = [eos, *stop_ids]
+    early = oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=ids)
+    minimums = [3, 1, 0, 4, 2, 10, 3, 5]
+    expected = oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=ids, min_new_tokens=minimums)
+    assert len(early[1]) == 1 and len(expected[1]) > 1 and len(expected[5]) == 10
+    assert all(len(e) > m or len(e) == 10 for e, m in zip(expected, minimums))
+    assert any(len(e) < 10 for e in expected)  # the ids still stop rows past their minimum
+    uniform = oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=ids, min_new_tokens=7)
+    assert uniform != early
+    reasons = ["stop" if s[-1] in ids else "length" for s in expected]
+    for mode, slots in routes_and_slots():
+        engine = rollout(model, mode, slots, eos_token_id=eos)
+        result = engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids, min_new_tokens=minimums,
+                                 return_logprobs=True, logprobs_mode="processed")
+        assert result.sequences == expected, (mode, slots)
+        assert result.finish_reasons == reasons
+        want = masked_logprobs(model, PROMPTS, expected, ids, minimums)
+        assert max(abs(a - b) for g, w in zip(result.logprobs, want) for a, b in zip(g, w)) < 1e-5, (mode, slots)
+        assert engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids,
+                               min_new_tokens=7).sequences == uniform, (mode, slots)
+
+
+def test_min_new_tokens_through_preemption_and_a_generation_config(oracle):
+    """The paged route's preempted rows resume with their minimum; a GenerationConfig's
+    min_new_tokens is the call's."""
+    from transformers import GenerationConfig
+
+    model = get_tiny("qwen2")
+    prompts = [[_rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in (7, 2, 15, 1, 9, 4, 11, 20)]
+    free = oracle(model, prompts, max_new_tokens=30)
+    eos = max(range(1, TINY_VOCAB_SIZE), key=lambda t: sum(t in s[:12] for s in free))
+    minimums = [12, 0, 20, 6, 15, 30, 9, 3]
+    expected = oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, min_new_tokens=minimums)
+    assert expected != oracle(model, prompts, max_new_tokens=30, eos_token_id=eos)
+    tight = rollout(model, "paged", 3, eos_token_id=eos, kv_block_size=16, kv_cache_tokens=64, refill_rows=1,
+                    profile=True).generate(prompts, max_new_tokens=30, min_new_tokens=minimums)
+    assert tight.sequences == expected and tight.profile.num_preemptions > 0
+    config = GenerationConfig(max_new_tokens=30, min_new_tokens=12)
+    got = rollout(model, "bucketed", 3, eos_token_id=eos).generate(prompts, generation_config=config)
+    assert got.sequences == oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, min_new_tokens=12)
+    with pytest.raises(ValueError, match="min_new_tokens is set twice"):
+        rollout(model, "bucketed").generate(prompts, generation_config=config, min_new_tokens=3)
+
+
+def cut_after_minimum(tokens, stops, tokenizer, minimum):
+    """Brute force: the shortest prefix of at least ``minimum`` tokens whose text holds a stop string
+    ending past the text of the first ``minimum - 1`` tokens; the text before that string."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    floor = len(decode(tokens[: minimum - 1])) if minimum > 1 else 0
+    for t in range(max(1, minimum), len(tokens) + 1):
+        text = decode(tokens[:t])
+        starts = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
+        if starts:
+            return tokens[:t], text[: min(starts)]
+    return tokens, decode(tokens)
+
+
+def test_min_new_tokens_hold_stop_strings_back(family, oracle):
+    model, tokenizer, stops = get_tiny(family), CharTokenizer(), STOPS[0]
+    free = oracle(model, PROMPTS, max_new_tokens=12)
+    unheld = [cut_at_stop(tokens, stops, tokenizer) for tokens in free]
+    # past the first stop of every other row that has one: it goes on to a later one or its budget
+    minimums = [len(u) + 1 if i % 2 == 0 and len(u) < 12 else i for i, u in enumerate(unheld)]
+    expected = [cut_after_minimum(tokens, stops, tokenizer, m) for tokens, m in zip(free, minimums)]
+    assert [e[0] for e in expected] != unheld
+    reasons = ["length" if len(tokens) == 12 and text == tokenizer.decode(tokens, skip_special_tokens=True)
+               else "stop" for tokens, text in expected]
+    assert "stop" in reasons
+    for mode, slots in routes_and_slots():
+        result = rollout(model, mode, slots, tokenizer=tokenizer).generate(
+            PROMPTS, max_new_tokens=12, stop=stops, min_new_tokens=minimums)
+        assert result.sequences == [e[0] for e in expected], (mode, slots)
+        assert result.texts == [e[1] for e in expected] and result.finish_reasons == reasons, (mode, slots)

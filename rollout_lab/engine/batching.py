@@ -33,11 +33,11 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.decode import seen_from_ids, select_tokens
+from rollout_lab.engine.decode import holds_stops_back, seen_from_ids, select_tokens
 from rollout_lab.engine.prefill import packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import Profile, Timer
-from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.engine.sampling import RowSampling
 from rollout_lab.engine.steppers import EagerStepper, StepperKey
 from rollout_lab.engine.stopping import StopStrings
 from rollout_lab.planner.bucket_dp import BucketPlan
@@ -65,10 +65,16 @@ class BatchSettings:
     pad_token_id: int
     repetition_penalty: float
     cache_kwarg: str
-    sampling: SamplingParams | None = None  # None: greedy
+    sampling: RowSampling | None = None  # each row's settings; None: every row greedy
     prefill_classes: ShapeClasses | None = None  # bucketed prefill at class shapes
     logprobs_mode: str | None = None  # engine.decode.LOGPROB_MODES: each token's log-probability too
     stop_strings: StopStrings | None = None  # checked on the host after every token (engine.stopping)
+    # per row: EOS, stop ids and stop strings cannot end it before it has this many tokens
+    min_new_tokens: tuple[int, ...] | None = None
+
+    @property
+    def holds_stops_back(self) -> bool:
+        return holds_stops_back(self.eos_token_ids, self.min_new_tokens)
 
 
 class ContinuousBatcher:
@@ -91,17 +97,23 @@ class ContinuousBatcher:
         self.groups = list(range(len(prompts))) if groups is None else list(groups)
         keys = [0] * len(prompts) if sample_keys is None else list(sample_keys)
         self.sample_keys = torch.tensor(keys, dtype=torch.long, device=self.device)  # [rows]
+        self.min_new_tokens = None  # [rows] int64, when a row's minimum holds stop ids back
+        if settings.holds_stops_back:
+            self.min_new_tokens = torch.tensor(settings.min_new_tokens, dtype=torch.long, device=self.device)
         with timer.phase("cache_ms"):
             if stepper is None:
-                sampling = settings.sampling or SamplingParams()
+                sampling = settings.sampling
                 stepper = EagerStepper(model, StepperKey(
                     settings.num_slots, settings.capacity, settings.repetition_penalty,
                     settings.repetition_penalty != 1.0, settings.cache_kwarg,
-                    settings.sampling is not None, sampling.temperature, sampling.top_k,
-                    sampling.top_p, logprobs_mode=settings.logprobs_mode))
+                    do_sample=sampling is not None, max_top_k=sampling.max_top_k if sampling else 0,
+                    top_p_filter=sampling is not None and sampling.top_p_filter,
+                    min_new_tokens=settings.holds_stops_back, logprobs_mode=settings.logprobs_mode))
             else:
                 stepper.reset()
         self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
+        if self.min_new_tokens is not None:
+            self.state.set_stop_ids(sorted(settings.eos_token_ids))
         profile.cache_bytes = self.cache.num_bytes
         profile.num_slots = settings.num_slots
         self.rows: list[_Row] = []  # index = slot
@@ -180,12 +192,15 @@ class ContinuousBatcher:
 
     def _live_slots(self) -> list[int]:
         """The slots of rows still generating: not done (``_is_done``), nor stopped by a stop string,
-        which is checked only on the rows still live (one batched decode of their tails)."""
+        which is checked only on the rows still live (one batched decode of their tails) and, with
+        min_new_tokens, only from their minimum on."""
         live = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
-        stop = self.settings.stop_strings
+        stop, minimum = self.settings.stop_strings, self.settings.min_new_tokens
         if stop is None or not live:
             return live
-        hits = stop.hits([self.outputs[self.rows[slot].request] for slot in live])
+        requests = [self.rows[slot].request for slot in live]
+        hits = stop.hits([self.outputs[r] for r in requests],
+                         None if minimum is None else [minimum[r] for r in requests])
         return [slot for slot, hit in zip(live, hits) if not hit]
 
     def _note_peak(self) -> None:
@@ -293,10 +308,14 @@ class ContinuousBatcher:
             if self.state.seen is not None:
                 seen = self._seen_of(prompts)
                 seen = seen if index is None else seen.index_select(0, index)
-            keys = self.sample_keys[torch.tensor(rows, dtype=torch.long, device=self.device)]
+            row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            keys = self.sample_keys[row_index]
+            sampling = None if self.settings.sampling is None else self.settings.sampling.rows(row_index)
+            minimum = None if self.min_new_tokens is None else self.min_new_tokens[row_index]
             first, first_logprobs = select_tokens(
-                logits, seen, self.settings.repetition_penalty, sampling=self.settings.sampling,
+                logits, seen, self.settings.repetition_penalty, sampling=sampling,
                 sample_keys=keys, steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
+                min_new_tokens=minimum, stop_mask=self.state.stop_mask,
             )  # [rows], the token of step 0
             first_logprobs = None if first_logprobs is None else first_logprobs.tolist()
             if seen is not None:
@@ -311,7 +330,8 @@ class ContinuousBatcher:
             else:
                 self.cache.admit(slots, layer_kv, lengths, source_rows=source)
             self._admit_spans(slots, source)
-            self.state.admit(slots, first, lengths, seen, sample_keys=keys)
+            self.state.admit(slots, first, lengths, seen, sample_keys=keys, sampling=sampling,
+                             min_new_tokens=minimum)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
             self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
 

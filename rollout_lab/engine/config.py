@@ -3,7 +3,8 @@
 
 Every check of a user's value lives here, so a bad value fails before any model work:
 ``RolloutConfig.__post_init__`` for the config, ``sampling_params`` for ``generate``'s sampling
-arguments, ``stop_conditions`` for its stop strings and ids, ``prompt_lists`` for the prompts.
+arguments, ``min_new_tokens_of`` for its minimums, ``stop_conditions`` for its stop strings and
+ids, ``prompt_lists`` for the prompts.
 
 """
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 
 from rollout_lab.engine.paged_attention import BLOCK_SIZES
 from rollout_lab.engine.profile import Profile
-from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.engine.sampling import SamplingParams, check_seed
 from rollout_lab.engine.stopping import StopStrings
 from rollout_lab.engine.trainer import padded_batch
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.checks import MAX_INT, as_int, check_int, is_int
+from rollout_lab.planner.checks import MAX_INT, as_int, check_int, ints_per_request, is_int
 from rollout_lab.planner.cost import CostCoefficients, CostFile
 from rollout_lab.planner.decode_steps import check_prior_settings
 from rollout_lab.planner.shape_classes import ShapeClasses
@@ -215,7 +216,8 @@ class RolloutResult:
     ``sequences[r * num_samples + s]`` is sample s of request r (HF's ``num_return_sequences``
     order); ``grouped()`` gives one list of samples per request, ``requests`` one ``RequestOutput``
     per request, ``to_tensors()`` the padded tensors of a loss. ``seed`` is the seed sampling used
-    (drawn from torch's global generator when none was given), None for greedy.
+    (drawn from torch's global generator when none was given), None for greedy or when every
+    sampled request brought its own (``SamplingParams.seed``).
     """
 
     sequences: list[list[int]]
@@ -289,8 +291,8 @@ class RolloutResult:
 
 # generate's own keywords a GenerationConfig may set, with their neutral values, and its fields that
 # go to the RolloutConfig for the call; what else a GenerationConfig may carry without effect here
-CALL_DEFAULTS = {"max_new_tokens": None, "num_samples": 1, "do_sample": False, "temperature": 1.0,
-                 "top_k": 0, "top_p": 1.0}
+CALL_DEFAULTS = {"max_new_tokens": None, "min_new_tokens": 0, "num_samples": 1, "do_sample": False,
+                 "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 CONFIG_FIELDS = ("repetition_penalty", "eos_token_id", "pad_token_id")
 HARMLESS_FIELDS = {"transformers_version", "bos_token_id", "decoder_start_token_id", "use_cache",
                    "_from_model_config", "max_length"}
@@ -302,7 +304,7 @@ HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> tuple[dict, dict]:
     """(generate's keywords, RolloutConfig overrides) from a ``transformers.GenerationConfig``.
 
-    Read: max_new_tokens, do_sample, temperature, top_k, top_p, num_return_sequences (as
+    Read: max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p, num_return_sequences (as
     ``num_samples``), repetition_penalty and the EOS/PAD ids. A keyword that the call also set
     away from its default is an error, and so is any other setting (beams, ``no_repeat_ngram_size``,
     stop strings, ...): never silently ignored. ``max_length`` counts only beside ``max_new_tokens``.
@@ -337,30 +339,62 @@ def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> t
     return keywords, {k: given[k] for k in CONFIG_FIELDS if k in given}
 
 
-def sampling_params(do_sample, temperature, top_k, top_p, seed) -> SamplingParams | None:
-    """None for greedy; sampling parameters without ``do_sample=True`` are an error. As vLLM,
-    ``temperature=0`` is greedy (top_k and top_p are still checked, then have nothing to filter).
+def sampling_params(do_sample, temperature, top_k, top_p, seed, sampling=None, *,
+                    num_requests: int) -> list[SamplingParams] | None:
+    """Each request's ``SamplingParams``, or None when every request is greedy.
+
+    Call-wide: ``do_sample`` with ``temperature``, ``top_k`` and ``top_p``; setting them without
+    ``do_sample=True`` is an error. As vLLM, ``temperature=0`` is greedy (top_k and top_p are
+    still checked, then have nothing to filter). Per request: ``sampling``, a list of one
+    ``SamplingParams`` per request (temperature 0: a greedy request), which the call-wide
+    arguments must then leave at their defaults; ``seed`` keys the requests without their own.
 
     They are Python numbers, as ``SamplingParams`` takes them: a numpy or tensor scalar is refused
     by name (the seed is used as given, and a numpy int overflows the 64-bit key arithmetic)."""
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample must be a bool, got {do_sample!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        hint = " (pass int(seed))" if as_int(seed) is not None else ""
-        raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}{hint}")
+    check_seed(seed)
+    given = {name: value for name, value, default in (
+        ("do_sample", do_sample, False), ("temperature", temperature, 1.0), ("top_k", top_k, 0),
+        ("top_p", top_p, 1.0)) if not _is_number(value, default)}
+    if sampling is not None:
+        if given:
+            raise ValueError(f"sampling=[...] sets each request's temperature, top_k and top_p: leave "
+                             f"{', '.join(f'{k}={v!r}' for k, v in given.items())} at the default "
+                             "(seed= still keys the requests without a seed of their own)")
+        if isinstance(sampling, SamplingParams) or isinstance(sampling, (str, bytes)) \
+                or not isinstance(sampling, Sequence):
+            raise ValueError(f"sampling must be a list of SamplingParams, one per request, got {sampling!r}; "
+                             "for one setting of every request use do_sample, temperature, top_k and top_p")
+        if len(sampling) != num_requests:
+            raise ValueError(f"sampling has {len(sampling)} SamplingParams for {num_requests} requests: "
+                             "give one per request")
+        for index, params in enumerate(sampling):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling[{index}] must be a SamplingParams "
+                                 f"(rollout_lab.engine.sampling), got {params!r}")
+        return None if all(p.is_greedy for p in sampling) else list(sampling)
     if not do_sample:
-        given = {name: value for name, value, default in (
-            ("temperature", temperature, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
-            ("seed", seed, None)) if not _is_number(value, default)}
+        given.pop("do_sample", None)
+        if seed is not None:
+            given["seed"] = seed
         if given:
             raise ValueError(
                 f"{', '.join(f'{k}={v!r}' for k, v in given.items())} only apply to sampling: "
                 "pass do_sample=True (greedy is the default)")
         return None
-    if _is_number(temperature, 0):
-        SamplingParams(1.0, top_k, top_p)  # their checks
-        return None
-    return SamplingParams(temperature, top_k, top_p)
+    params = SamplingParams(temperature, top_k, top_p)  # their checks; temperature 0 is greedy
+    return None if params.is_greedy else [params] * num_requests
+
+
+def min_new_tokens_of(min_new_tokens: Any, budgets: Sequence[int]) -> list[int] | None:
+    """One minimum per request (an int for all, or one per request, as ``max_new_tokens``), each in
+    [0, that request's max_new_tokens]; None when every one is 0."""
+    minimum = ints_per_request(min_new_tokens, len(budgets), name="min_new_tokens", minimum=0, what="minimums")
+    for index, (low, high) in enumerate(zip(minimum, budgets)):
+        if low > high:
+            raise ValueError(f"min_new_tokens={low} of request {index} exceeds its max_new_tokens={high}")
+    return minimum if any(minimum) else None
 
 
 def stop_conditions(stop: Any, stop_token_ids: Any, *, tokenizer: Any,

@@ -14,7 +14,7 @@ import torch
 from rollout_lab.engine.attention import rollout_attention
 from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.paged_cache import PagedKVCache
-from rollout_lab.engine.sampling import SamplingParams, draw, filter_logits
+from rollout_lab.engine.sampling import RowSampling, draw, filter_logits
 
 # "raw" and "processed" are computed in the decode step (STEP_LOGPROB_MODES); "trainer" and
 # "trainer_fp32" by one teacher-forced forward after it (engine.trainer.rollout_logprobs; the LM head
@@ -31,6 +31,28 @@ def apply_repetition_penalty(
     return torch.where(seen, penalized, logits)
 
 
+def suppress_stop_ids(
+    scores: torch.Tensor, steps: torch.Tensor, min_new_tokens: torch.Tensor, stop_mask: torch.Tensor
+) -> torch.Tensor:
+    """HF's ``MinNewTokensLengthLogitsProcessor`` per row: while a row has generated fewer tokens
+    (``steps``) than its ``min_new_tokens`` (both [rows] int64), the ids of ``stop_mask`` ([vocab]
+    bool: EOS and the call's stop ids) are -inf. One elementwise pass, no host sync."""
+    early = (steps < min_new_tokens)[:, None]  # [rows, 1]
+    return scores.masked_fill(early & stop_mask[None, :], float("-inf"))
+
+
+def stop_id_mask(stop_ids: Sequence[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[vocab] bool, True at ``stop_ids``: the ``stop_mask`` of ``suppress_stop_ids``."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[torch.tensor(list(stop_ids), dtype=torch.long, device=device)] = True
+    return mask
+
+
+def holds_stops_back(stop_ids: Sequence[int], min_new_tokens: Sequence[int] | None) -> bool:
+    """Whether a call runs ``suppress_stop_ids``: it has stop ids and some row's min_new_tokens > 0."""
+    return bool(stop_ids) and min_new_tokens is not None and max(min_new_tokens, default=0) > 0
+
+
 def seen_from_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab] bool: which ids occur at the ``valid`` positions of ``ids`` [rows, T]."""
     seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
@@ -40,12 +62,15 @@ def seen_from_ids(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> to
 
 class DecodeState:
     """Static per-slot decode inputs: next input id, logical position, ids seen (for the penalty),
-    and for seeded sampling each row's key and step (the number of tokens it has generated).
+    each row's step (the number of tokens it has generated) and for seeded sampling its key and
+    settings (``sampling``: a ``RowSampling`` over the slots, None when the step is greedy). With
+    ``min_new_tokens`` each row's minimum, and ``stop_mask`` the ids it holds back (one per call).
     With ``keep_logits`` the step also leaves each row's fp32 logits in ``logits`` [slots, vocab]
     (before the penalty), for teacher-forced checks (``measure.fidelity``)."""
 
     def __init__(self, num_slots: int, vocab_size: int, *, track_seen: bool, device, keep_logits: bool = False,
-                 logprobs_mode: str | None = None):
+                 logprobs_mode: str | None = None, sampling: RowSampling | None = None,
+                 min_new_tokens: bool = False):
         self.input_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.position_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.seen = (
@@ -54,6 +79,13 @@ class DecodeState:
         )  # [slots, vocab]
         self.sample_keys = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
         self.steps = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+        self.sampling = sampling  # [slots] temperature, top-k, top-p
+        self.min_new_tokens = (
+            torch.zeros(num_slots, dtype=torch.long, device=device) if min_new_tokens else None
+        )  # [slots]
+        self.stop_mask = (
+            torch.zeros(vocab_size, dtype=torch.bool, device=device) if min_new_tokens else None
+        )  # [vocab]: the ids a row cannot choose before its min_new_tokens (set_stop_ids)
         self.logits = (
             torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=device) if keep_logits else None
         )  # [slots, vocab]
@@ -63,20 +95,33 @@ class DecodeState:
         )  # [slots]
 
     def _buffers(self) -> list[torch.Tensor]:
+        """The per-slot buffers (moved with their rows)."""
         seen = [self.seen] if self.seen is not None else []
-        return [self.input_ids, self.position_ids, self.sample_keys, self.steps] + seen
+        sampling = self.sampling.tensors if self.sampling is not None else []
+        minimum = [self.min_new_tokens] if self.min_new_tokens is not None else []
+        return [self.input_ids, self.position_ids, self.sample_keys, self.steps] + seen + sampling + minimum
 
     def reset(self) -> None:
         for buf in self._buffers():
             buf.zero_()
+        if self.sampling is not None:
+            self.sampling.top_p.fill_(1.0)  # free slots are greedy rows, with every filter off
+        if self.stop_mask is not None:
+            self.stop_mask.zero_()
+
+    def set_stop_ids(self, ids: Sequence[int]) -> None:
+        """The ids ``min_new_tokens`` holds back this call (EOS and the call's stop ids)."""
+        self.stop_mask.copy_(stop_id_mask(ids, self.stop_mask.shape[0], self.stop_mask.device))
 
     def admit(
         self, slots: Sequence[int], first_tokens: torch.Tensor, positions: Sequence[int],
         seen: torch.Tensor | None, sample_keys: torch.Tensor | None = None,
-        steps: Sequence[int] | None = None,
+        steps: Sequence[int] | None = None, sampling: RowSampling | None = None,
+        min_new_tokens: torch.Tensor | None = None,
     ) -> None:
         """Rows enter ``slots`` with their next input id and position; ``steps``: tokens each has
-        generated (default 1, the prefill's; a preempted row resumes with its own count)."""
+        generated (default 1, the prefill's; a preempted row resumes with its own count);
+        ``sampling`` and ``min_new_tokens`` ([rows] int64): their settings, where the state keeps them."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.input_ids.device)
         self.input_ids.index_copy_(0, index, first_tokens[:, None])
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.input_ids.device)
@@ -89,6 +134,11 @@ class DecodeState:
             self.steps.index_fill_(0, index, 1)  # the first token (step 0) came from the prefill
         else:
             self.steps.index_copy_(0, index, torch.tensor(list(steps), dtype=torch.long, device=index.device))
+        if self.sampling is not None and sampling is not None:
+            for buf, rows in zip(self.sampling.tensors, sampling.tensors):
+                buf.index_copy_(0, index, rows)
+        if self.min_new_tokens is not None and min_new_tokens is not None:
+            self.min_new_tokens.index_copy_(0, index, min_new_tokens)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if not src:
@@ -102,13 +152,17 @@ class DecodeState:
 
 def processed_scores(
     logits: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float,
-    sampling: SamplingParams | None,
+    sampling: RowSampling | None, *, steps: torch.Tensor | None = None,
+    min_new_tokens: torch.Tensor | None = None, stop_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fp32 scores a token is chosen from: the penalty over ``seen`` (the ids so far), then,
-    when sampling, temperature and top-k/top-p (HF's order)."""
+    """The fp32 scores a token is chosen from: the penalty over ``seen`` (the ids so far), the stop
+    ids held back from rows short of their ``min_new_tokens`` (``suppress_stop_ids``), then, when
+    sampling, each row's temperature and top-k/top-p (HF's order)."""
     scores = logits.float()
     if seen is not None and repetition_penalty != 1.0:
         scores = apply_repetition_penalty(scores, seen, repetition_penalty)
+    if min_new_tokens is not None:
+        scores = suppress_stop_ids(scores, steps, min_new_tokens, stop_mask)
     return scores if sampling is None else filter_logits(scores, sampling)
 
 
@@ -120,26 +174,31 @@ def logprobs_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, *, mode: str, seen: torch.Tensor | None,
-    repetition_penalty: float, sampling: SamplingParams | None,
+    repetition_penalty: float, sampling: RowSampling | None, steps: torch.Tensor | None = None,
+    min_new_tokens: torch.Tensor | None = None, stop_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[rows] fp32 log-probability of each chosen token: "raw", the model's log-softmax; or
     "processed", the distribution it was drawn from (``processed_scores``). ``seen``: the ids
     before this token."""
     if mode == "processed":
-        return logprobs_of(processed_scores(logits, seen, repetition_penalty, sampling), tokens)
+        return logprobs_of(processed_scores(logits, seen, repetition_penalty, sampling, steps=steps,
+                                            min_new_tokens=min_new_tokens, stop_mask=stop_mask), tokens)
     return logprobs_of(logits, tokens)
 
 
 def select_tokens(
     logits: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float, *,
-    sampling: SamplingParams | None = None, sample_keys: torch.Tensor | None = None,
+    sampling: RowSampling | None = None, sample_keys: torch.Tensor | None = None,
     steps: torch.Tensor | None = None, logprobs_mode: str | None = None,
+    min_new_tokens: torch.Tensor | None = None, stop_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Greedy (``sampling`` None) or seeded sampling from ``processed_scores``; ``logits``
-    [rows, vocab], ``sample_keys`` and ``steps`` [rows] int64. Returns ([rows] ids, their
-    log-probabilities in ``logprobs_mode`` or None), the processed scores computed once for both."""
-    scores = processed_scores(logits, seen, repetition_penalty, sampling)
-    tokens = scores.argmax(dim=-1) if sampling is None else draw(scores, sample_keys, steps)
+    """Greedy (``sampling`` None) or seeded sampling from ``processed_scores`` (its greedy rows:
+    the argmax); ``logits`` [rows, vocab], ``sample_keys``, ``steps`` and ``min_new_tokens``
+    [rows] int64, ``stop_mask`` [vocab] bool. Returns ([rows] ids, their log-probabilities in
+    ``logprobs_mode`` or None), the processed scores computed once for both."""
+    scores = processed_scores(logits, seen, repetition_penalty, sampling, steps=steps,
+                              min_new_tokens=min_new_tokens, stop_mask=stop_mask)
+    tokens = scores.argmax(dim=-1) if sampling is None else draw(scores, sample_keys, steps, sampling.greedy)
     if logprobs_mode is None:
         return tokens, None
     return tokens, logprobs_of(scores if logprobs_mode == "processed" else logits, tokens)
@@ -154,7 +213,6 @@ def decode_step(
     *,
     repetition_penalty: float,
     cache_kwarg: str,
-    sampling: SamplingParams | None = None,
     width: int | None = None,
     spans: bool = False,
     forward=None,
@@ -195,9 +253,12 @@ def decode_step(
     steps = state.steps[:num_rows]
     if state.logits is not None:
         state.logits[:num_rows].copy_(out.logits[:, -1])
+    sampling = None if state.sampling is None else state.sampling.rows(slice(0, num_rows))
+    min_new_tokens = None if state.min_new_tokens is None else state.min_new_tokens[:num_rows]
     tokens, logprobs = (select_tokens if select is None else select)(
         out.logits[:, -1], seen, repetition_penalty, sampling=sampling,
         sample_keys=state.sample_keys[:num_rows], steps=steps, logprobs_mode=state.logprobs_mode,
+        min_new_tokens=min_new_tokens, stop_mask=state.stop_mask,
     )  # [rows]
     if logprobs is not None:
         state.logprobs[:num_rows].copy_(logprobs)

@@ -1,8 +1,9 @@
 """The nocb route: one left-padded HF ``generate`` call over all rows, greedy or with our sampler.
 
-HF's own ``generate`` (dynamic cache) is the no-continuous-batching reference. Our seeded sampler
-and a padding-aware repetition penalty go in as logits processors, so nocb gives the same tokens
-as the continuous-batching routes; forward hooks time its prefill and decode for the profile.
+HF's own ``generate`` (dynamic cache) is the no-continuous-batching reference. Our seeded sampler,
+a padding-aware repetition penalty and each row's min_new_tokens go in as logits processors, so
+nocb gives the same tokens as the continuous-batching routes; forward hooks time its prefill and
+decode for the profile.
 
 """
 from __future__ import annotations
@@ -14,10 +15,17 @@ from typing import Iterator, Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids, token_logprobs
+from rollout_lab.engine.decode import (
+    apply_repetition_penalty,
+    holds_stops_back,
+    seen_from_ids,
+    stop_id_mask,
+    suppress_stop_ids,
+    token_logprobs,
+)
 from rollout_lab.engine.prefill import left_padded
 from rollout_lab.engine.profile import Profile, Timer
-from rollout_lab.engine.sampling import SamplingParams, filter_logits, gumbel_noise
+from rollout_lab.engine.sampling import RowSampling, filter_logits, with_noise
 from rollout_lab.engine.stopping import StopStrings
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
@@ -26,8 +34,9 @@ from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_co
 def run_nocb(
     model: torch.nn.Module, prompts: list[list[int]], *, budgets: Sequence[int], eos_ids: Sequence[int],
     pad_id: int, repetition_penalty: float, vocab_size: int, geometry: ModelGeometry,
-    costs: CostCoefficients, profile: Profile, timer: Timer, sampling: SamplingParams | None = None,
+    costs: CostCoefficients, profile: Profile, timer: Timer, sampling: RowSampling | None = None,
     keys: Sequence[int] = (), logprobs_mode: str | None = None, stop_strings: StopStrings | None = None,
+    min_new_tokens: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], list[BucketPlan], list[list[float]] | None]:
     """(sequences cut after the first EOS, the one-bucket plan) of one HF ``generate`` call.
 
@@ -37,7 +46,8 @@ def run_nocb(
     With ``logprobs_mode``, the third item holds each kept token's log-probability, from HF's raw
     logits of every step (``decode.token_logprobs``); else None. ``eos_ids``: every id that ends a
     row (EOS and stop ids); ``stop_strings`` are checked after each token as the other routes do
-    (``_StopStringCriteria``), and a row is cut at the token that completed one."""
+    (``_StopStringCriteria``), and a row is cut at the token that completed one. ``min_new_tokens``
+    (one per row) holds ``eos_ids`` back (``_MinNewTokens``) and stop strings until a row has that many."""
     device = next(model.parameters()).device
     ids, mask = left_padded(prompts, pad_id, device)
     width = ids.shape[1]
@@ -50,10 +60,16 @@ def run_nocb(
     penalty = float(repetition_penalty)
     if penalty != 1.0:
         processors.append(_PaddedRepetitionPenalty(penalty, mask.bool(), vocab_size))
-    if sampling is not None:  # after the penalty, as in our decode; HF's greedy argmax then picks
+    minimum = stop_mask = None  # [rows] int64 and [vocab] bool, when a row holds stop ids back
+    if holds_stops_back(eos_ids, min_new_tokens):  # after the penalty, before sampling: our decode's order
+        minimum = torch.tensor(list(min_new_tokens), dtype=torch.long, device=device)
+        stop_mask = stop_id_mask(eos_ids, vocab_size, device)
+        processors.append(_MinNewTokens(minimum, stop_mask, width))
+    if sampling is not None:  # HF's greedy argmax then picks our tokens
         key_t = torch.tensor(list(keys), dtype=torch.long, device=device)
         processors.append(_HashGumbelSampler(sampling, key_t, width))
-    criteria = None if stop_strings is None else _StopStringCriteria(stop_strings, width, budgets, eos_ids)
+    criteria = None if stop_strings is None else _StopStringCriteria(stop_strings, width, budgets, eos_ids,
+                                                                     min_new_tokens)
     with _neutral_generation_config(model), _count_forwards(model, profile, timer):
         out = model.generate(
             input_ids=ids, attention_mask=mask, generation_config=gen_config,
@@ -62,7 +78,8 @@ def run_nocb(
     logprobs = None
     if logprobs_mode is not None:
         out, logprobs = out.sequences, _logprobs_of(out.sequences, out.logits, mask.bool(), width, vocab_size,
-                                                    mode=logprobs_mode, penalty=penalty, sampling=sampling)
+                                                    mode=logprobs_mode, penalty=penalty, sampling=sampling,
+                                                    min_new_tokens=minimum, stop_mask=stop_mask)
     eos = set(eos_ids)
     sequences = [_cut_at_eos(row[:budget], eos) for row, budget in zip(out[:, width:].tolist(), budgets)]
     if criteria is not None:
@@ -83,16 +100,17 @@ def run_nocb(
 
 
 def _logprobs_of(sequences: torch.Tensor, logits: Sequence[torch.Tensor], prompt_mask: torch.Tensor,
-                 width: int, vocab_size: int, *, mode: str, penalty: float,
-                 sampling: SamplingParams | None) -> list[list[float]]:
+                 width: int, vocab_size: int, *, mode: str, penalty: float, sampling: RowSampling | None,
+                 min_new_tokens: torch.Tensor | None, stop_mask: torch.Tensor | None) -> list[list[float]]:
     """Per row, the log-probability of each generated token, step by step from HF's raw logits; the
     ids seen before a step (for the penalty) exclude the left padding and grow by one per step."""
     seen = seen_from_ids(sequences[:, :width], prompt_mask, vocab_size) if penalty != 1.0 else None
     steps = []
     for t, step_logits in enumerate(logits):
         tokens = sequences[:, width + t]
-        steps.append(token_logprobs(step_logits, tokens, mode=mode, seen=seen,
-                                   repetition_penalty=penalty, sampling=sampling))
+        steps.append(token_logprobs(step_logits, tokens, mode=mode, seen=seen, repetition_penalty=penalty,
+                                    sampling=sampling, steps=torch.full_like(tokens, t),
+                                    min_new_tokens=min_new_tokens, stop_mask=stop_mask))
         if seen is not None:
             seen.scatter_(1, tokens[:, None], True)
     return torch.stack(steps, 1).tolist()
@@ -107,18 +125,22 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 class _StopStringCriteria(StoppingCriteria):
     """Stop strings inside HF ``generate``: after each token, the rows still open (no stop id, within
-    their budget) are checked (``StopStrings.hits``); a row that hits is done, and ``lengths`` keeps
-    its tokens at that hit. A row past its own budget is done too, so generate can end early."""
+    their budget) are checked (``StopStrings.hits``, from each row's ``min_new_tokens`` on); a row
+    that hits is done, and ``lengths`` keeps its tokens at that hit. A row past its own budget is
+    done too, so generate can end early."""
 
-    def __init__(self, stops: StopStrings, prompt_width: int, budgets: Sequence[int], stop_ids: Sequence[int]):
+    def __init__(self, stops: StopStrings, prompt_width: int, budgets: Sequence[int], stop_ids: Sequence[int],
+                 min_new_tokens: Sequence[int] | None = None):
         self.stops, self.prompt_width, self.budgets, self.stop_ids = stops, prompt_width, list(budgets), set(stop_ids)
+        self.min_new_tokens = None if min_new_tokens is None else list(min_new_tokens)
         self.lengths: list[int | None] = [None] * len(self.budgets)  # tokens kept, per row that hit
         self.closed = [False] * len(self.budgets)  # hit, ended by a stop id, or at its budget
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         generated = input_ids[:, self.prompt_width:].tolist()
         open_rows = [i for i, closed in enumerate(self.closed) if not closed]
-        hits = self.stops.hits([generated[i] for i in open_rows])
+        minimum = None if self.min_new_tokens is None else [self.min_new_tokens[i] for i in open_rows]
+        hits = self.stops.hits([generated[i] for i in open_rows], minimum)
         for i, hit in zip(open_rows, hits):
             if hit:
                 self.lengths[i] = len(generated[i])
@@ -128,16 +150,29 @@ class _StopStringCriteria(StoppingCriteria):
 
 
 class _HashGumbelSampler(LogitsProcessor):
-    """Our seeded sampler inside HF ``generate``: filtered / temperature + the rows' hash-Gumbel
-    noise at step = tokens generated so far, so HF's greedy argmax draws our tokens."""
+    """Our seeded sampler inside HF ``generate``: each row's filtered scores + its hash-Gumbel noise
+    at step = tokens generated so far (a greedy row's scores unchanged), so HF's greedy argmax draws
+    our tokens."""
 
-    def __init__(self, params: SamplingParams, sample_keys: torch.Tensor, prompt_width: int):
-        self.params, self.sample_keys, self.prompt_width = params, sample_keys, prompt_width
+    def __init__(self, sampling: RowSampling, sample_keys: torch.Tensor, prompt_width: int):
+        self.sampling, self.sample_keys, self.prompt_width = sampling, sample_keys, prompt_width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         steps = torch.full_like(self.sample_keys, input_ids.shape[1] - self.prompt_width)
-        scores = filter_logits(scores.float(), self.params)
-        return scores + gumbel_noise(self.sample_keys, steps, scores.shape[-1])
+        scores = filter_logits(scores.float(), self.sampling)
+        return with_noise(scores, self.sample_keys, steps, self.sampling.greedy)
+
+
+class _MinNewTokens(LogitsProcessor):
+    """Each row's min_new_tokens inside HF ``generate`` (``decode.suppress_stop_ids``): HF's own
+    processor takes one minimum for every row."""
+
+    def __init__(self, min_new_tokens: torch.Tensor, stop_mask: torch.Tensor, prompt_width: int):
+        self.min_new_tokens, self.stop_mask, self.prompt_width = min_new_tokens, stop_mask, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        steps = torch.full_like(self.min_new_tokens, input_ids.shape[1] - self.prompt_width)
+        return suppress_stop_ids(scores, steps, self.min_new_tokens, self.stop_mask)
 
 
 class _PaddedRepetitionPenalty(LogitsProcessor):

@@ -122,7 +122,7 @@ class PagedBatcher(ContinuousBatcher):
 
     def _resume(self, requests: Sequence[int]) -> None:
         """Preempted rows come back: one padded prefill of each prompt with its tokens but the last,
-        which is the next input; positions, the ids seen and the sampling step continue."""
+        which is the next input; positions, the ids seen, the sampling step and settings continue."""
         start = len(self.rows)
         slots = list(range(start, start + len(requests)))
         with self.timer.phase("cache_ms"):
@@ -140,9 +140,12 @@ class PagedBatcher(ContinuousBatcher):
         with self.timer.phase("cache_ms"):
             self.cache.admit(slots, layer_kv, [len(i) for i in ids])
             last = torch.tensor([self.outputs[r][-1] for r in requests], dtype=torch.long, device=self.device)
-            keys = self.sample_keys[torch.tensor(list(requests), dtype=torch.long, device=self.device)]
-            self.state.admit(slots, last, [len(i) for i in ids], seen, sample_keys=keys,
-                             steps=[len(self.outputs[r]) for r in requests])
+            index = torch.tensor(list(requests), dtype=torch.long, device=self.device)
+            sampling = None if self.settings.sampling is None else self.settings.sampling.rows(index)
+            minimum = None if self.min_new_tokens is None else self.min_new_tokens[index]
+            self.state.admit(slots, last, [len(i) for i in ids], seen, sample_keys=self.sample_keys[index],
+                             steps=[len(self.outputs[r]) for r in requests], sampling=sampling,
+                             min_new_tokens=minimum)
         self.rows.extend(_Row(r, len(self.outputs[r])) for r in requests)
         self.resuming.difference_update(requests)
         self._mark_admitted(requests)

@@ -13,9 +13,11 @@ packed into one row) -- these four decode by continuous batching over the right-
 
 Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
 counter-based hash of (``seed``, request, sample, step) (``engine.sampling``), so every
-route, slot count and refill order gives the same tokens; ``num_samples`` rows per request share
-one prefill (``planner.routes.prompt_groups``). nocb runs HF ``generate`` with our sampler as a logits
-processor (then HF's greedy argmax), so it gives the same tokens too.
+route, slot count and refill order gives the same tokens; ``sampling=[SamplingParams(...), ...]``
+gives each request its own settings and seed, read per row inside one decode step.
+``num_samples`` rows per request share one prefill (``planner.routes.prompt_groups``). nocb runs HF
+``generate`` with our sampler as a logits processor (then HF's greedy argmax), so it gives the same
+tokens too.
 
 """
 from __future__ import annotations
@@ -33,16 +35,17 @@ from rollout_lab.engine.config import (
     RolloutResult,
     encode_texts,
     from_generation_config,
+    min_new_tokens_of,
     prompt_lists,
     sampling_params,
     stop_conditions,
 )
-from rollout_lab.engine.decode import LOGPROB_MODES, STEP_LOGPROB_MODES
+from rollout_lab.engine.decode import LOGPROB_MODES, STEP_LOGPROB_MODES, holds_stops_back
 from rollout_lab.engine.nocb import run_nocb
 from rollout_lab.engine.paged_batching import PagedBatcher
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
-from rollout_lab.engine.sampling import SamplingParams, sample_key
+from rollout_lab.engine.sampling import RowSampling, SamplingParams, sample_key
 from rollout_lab.engine.setting import model_metadata, model_name_of
 from rollout_lab.engine.steppers import (
     EagerStepper,
@@ -222,10 +225,13 @@ class Rollout:
 
     def _stepper_for(
         self, num_slots: int, capacity: int, explicit_capacity: bool,
-        sampling: SamplingParams | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,
+        sampling: RowSampling | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,
+        min_new_tokens: bool = False,
     ) -> EagerStepper:
         """Reuse the kept stepper when it fits this call, else build (and capture) a new one;
-        ``num_blocks``: a paged pool of that many blocks (``capacity``: the longest row's tokens)."""
+        ``num_blocks``: a paged pool of that many blocks (``capacity``: the longest row's tokens);
+        ``sampling``: the call's rows (the key takes its filters), ``min_new_tokens``: whether rows
+        hold stop ids back."""
         penalty = float(self.config.repetition_penalty)
         old = self._stepper
         if self.decode_mode == "graph" and not explicit_capacity:
@@ -237,11 +243,11 @@ class Rollout:
         if num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots \
                 and num_blocks <= old.key.num_blocks <= 2 * num_blocks:
             num_blocks = old.key.num_blocks  # a pool that holds this call's rows: keep it (and its graphs)
-        params = sampling or SamplingParams()  # greedy keys keep the neutral values
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
-                         sampling is not None, params.temperature, params.top_k, params.top_p,
-                         self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
-                         self.config.decode_widths, self.spans, self.compiled,
+                         do_sample=sampling is not None, max_top_k=sampling.max_top_k if sampling else 0,
+                         top_p_filter=sampling is not None and sampling.top_p_filter, min_new_tokens=min_new_tokens,
+                         max_graphs=self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
+                         num_widths=self.config.decode_widths, spans=self.spans, compiled=self.compiled,
                          logprobs_mode=logprobs_mode, block_size=block_size, num_blocks=num_blocks or 0)
         if old is not None and old.fits(self.model, key):
             return old
@@ -259,6 +265,7 @@ class Rollout:
         prompts: Sequence[Sequence[int]] | torch.Tensor | Mapping[str, Any] | None = None,
         *,
         max_new_tokens: int | Sequence[int] | None = None,
+        min_new_tokens: int | Sequence[int] = 0,
         input_ids: Sequence[Sequence[int]] | torch.Tensor | None = None,
         generation_config: Any = None,
         num_samples: int = 1,
@@ -267,6 +274,7 @@ class Rollout:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        sampling: Sequence[SamplingParams] | None = None,
         attention_mask: torch.Tensor | None = None,
         num_beams: int = 1,
         num_return_sequences: int = 1,
@@ -291,12 +299,18 @@ class Rollout:
         EOS does, and ``stop`` (strings; they need the tokenizer) stop it at the token whose text
         completes one (``engine.stopping``): the tokens end with it, the text ends before the string.
         Each stopped row's ``finish_reasons`` entry is "stop", each row at its budget "length".
+        ``min_new_tokens`` (one for all, or one per request, at most its budget; HF's name) holds
+        them back: before a row has that many tokens its EOS and stop ids are -inf (HF's
+        ``MinNewTokensLengthLogitsProcessor``, on every route) and stop strings do not end it.
 
         With ``do_sample=True``, ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off)
         shape the distribution and ``seed`` (an int >= 0; None draws one from torch's global
         generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
         any of them without ``do_sample=True`` is an error, not a silent greedy run;
-        ``temperature=0`` is greedy (vLLM's rule). ``profile``
+        ``temperature=0`` is greedy (vLLM's rule). ``sampling`` instead gives each request its own:
+        a list of one ``engine.sampling.SamplingParams(temperature, top_k, top_p, seed)`` per request
+        (temperature 0: greedy; a request's own seed makes its tokens those of a call of it alone
+        with that seed; ``seed=`` keys the others). ``profile``
         overrides ``config.profile`` for this call (None keeps it).
 
         ``return_logprobs=True`` adds ``result.logprobs``: per sequence, each token's log-probability,
@@ -312,8 +326,8 @@ class Rollout:
         repetition penalty and EOS/PAD ids for this call (``config.from_generation_config``); a
         setting it carries that rollout_lab does not support is an error.
         """
-        call = dict(max_new_tokens=max_new_tokens, num_samples=num_samples, do_sample=do_sample,
-                    temperature=temperature, top_k=top_k, top_p=top_p)
+        call = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_samples=num_samples,
+                    do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         overrides: dict[str, Any] = {}
         if generation_config is not None:
             call, overrides = from_generation_config(generation_config, call)
@@ -329,8 +343,8 @@ class Rollout:
             raise ValueError(f"return_logprobs must be a bool, got {return_logprobs!r}")
         if logprobs_mode not in LOGPROB_MODES:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
-        rest = dict(input_ids=input_ids, seed=seed, attention_mask=attention_mask, num_beams=num_beams,
-                    num_return_sequences=num_return_sequences, profile=profile,
+        rest = dict(input_ids=input_ids, seed=seed, sampling=sampling, attention_mask=attention_mask,
+                    num_beams=num_beams, num_return_sequences=num_return_sequences, profile=profile,
                     logprobs_mode=logprobs_mode if return_logprobs else None, stop=stop,
                     stop_token_ids=stop_token_ids)
         if not overrides:
@@ -343,8 +357,9 @@ class Rollout:
             self.config = saved
 
     def _generate(
-        self, prompts, *, max_new_tokens, input_ids, num_samples, do_sample, temperature, top_k, top_p,
-        seed, attention_mask, num_beams, num_return_sequences, profile, logprobs_mode, stop, stop_token_ids,
+        self, prompts, *, max_new_tokens, min_new_tokens, input_ids, num_samples, do_sample, temperature, top_k,
+        top_p, seed, sampling, attention_mask, num_beams, num_return_sequences, profile, logprobs_mode, stop,
+        stop_token_ids,
     ) -> RolloutResult:
         start = time.perf_counter()
         cfg = self.config
@@ -355,11 +370,11 @@ class Rollout:
         if profile is not None and not isinstance(profile, bool):
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
         profiling = cfg.profile if profile is None else profile
-        prompts, budgets, sampling, seed, stop_ids, stop_strings, pad_id = self._check_call(
-            prompts, attention_mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            num_beams=num_beams, num_return_sequences=num_return_sequences, stop=stop,
-            stop_token_ids=stop_token_ids)
+        prompts, budgets, minimums, params, seed, stop_ids, stop_strings, pad_id = self._check_call(
+            prompts, attention_mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+            num_samples=num_samples, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, sampling=sampling, num_beams=num_beams, num_return_sequences=num_return_sequences,
+            stop=stop, stop_token_ids=stop_token_ids)
         stats = Profile()
         timer = Timer(stats, self.device, enabled=profiling or self.online is not None)
         if profiling or self.online is not None:
@@ -368,10 +383,15 @@ class Rollout:
         # rows, request-major: row = request * num_samples + sample
         row_prompts = [p for p in prompts for _ in range(num_samples)]
         row_budgets = [b for b in budgets for _ in range(num_samples)]
+        row_minimums = None if minimums is None else tuple(m for m in minimums for _ in range(num_samples))
+        holds_back = holds_stops_back(stop_ids, row_minimums)  # the decode step masks stop ids
         groups = prompt_groups(prompts, num_samples=num_samples, share=cfg.share_prefill)
         keys = [0] * len(row_prompts)
-        if sampling is not None:
-            keys = [sample_key(seed, r, s) for r in range(len(prompts)) for s in range(num_samples)]
+        sampling = None  # each row's settings, on the device
+        if params is not None:  # a request's own seed keys it as request 0 of a call with that seed
+            keys = [0 if p.is_greedy else sample_key(seed, r, s) if p.seed is None else sample_key(p.seed, 0, s)
+                    for r, p in enumerate(params) for s in range(num_samples)]
+            sampling = RowSampling.of([p for p in params for _ in range(num_samples)], self.device)
         with timer.phase("planning_ms"):
             route = self._route(lengths, budgets, num_samples=num_samples, groups=groups)
         if not prompts:
@@ -386,14 +406,15 @@ class Rollout:
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
             num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets)
             with timer.phase("stepper_build_ms"):
-                stepper = self._stepper_for(num_slots, capacity, False, sampling, step_logprobs, num_blocks)
+                stepper = self._stepper_for(num_slots, capacity, False, sampling, step_logprobs, num_blocks,
+                                            holds_back)
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
         # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
         # its compile) is neither built nor replaced.
         elif route != "nocb" and max(row_budgets) > 1:
             with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
                 stepper = self._stepper_for(num_slots, capacity, cfg.cache_capacity is not None, sampling,
-                                            step_logprobs)
+                                            step_logprobs, min_new_tokens=holds_back)
             capacity = stepper.key.capacity
         with torch.no_grad():
             if route == "nocb":
@@ -402,7 +423,7 @@ class Rollout:
                     pad_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     vocab_size=self.vocab_size, geometry=self.geometry, costs=self.costs,
                     profile=stats, timer=timer, sampling=sampling, keys=keys, logprobs_mode=step_logprobs,
-                    stop_strings=stop_strings)
+                    stop_strings=stop_strings, min_new_tokens=row_minimums)
             else:
                 settings = BatchSettings(
                     route=route, budgets=tuple(row_budgets), num_slots=num_slots,
@@ -410,7 +431,7 @@ class Rollout:
                     pad_token_id=pad_id, repetition_penalty=float(cfg.repetition_penalty),
                     cache_kwarg=self.cache_kwarg, sampling=sampling,
                     prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
-                    logprobs_mode=step_logprobs, stop_strings=stop_strings,
+                    logprobs_mode=step_logprobs, stop_strings=stop_strings, min_new_tokens=row_minimums,
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               groups=groups, sample_keys=keys, prefill_graphs=self._captured_prefill())
@@ -433,17 +454,21 @@ class Rollout:
         reasons = ["stop" if s and s[-1] in stop_ids else "length" for s in sequences]
         texts = None if self.tokenizer is None else self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
         if stop_strings is not None:  # the rows that ended on a stop string: their text stops before it
-            reasons = ["stop" if stop_strings.find(text) is not None else r for r, text in zip(reasons, texts)]
-            texts = [stop_strings.cut(text) for text in texts]
+            floors = [stop_strings.floor(seq, m) for seq, m in zip(sequences, row_minimums or [0] * len(sequences))]
+            reasons = ["stop" if stop_strings.find(text, f) is not None else r
+                       for r, text, f in zip(reasons, texts, floors)]
+            texts = [stop_strings.cut(text, f) for text, f in zip(texts, floors)]
         return RolloutResult(sequences, route, tuple(plans), stats if profiling else None,
                              num_samples, seed, reasons, logprobs, texts, prompts, pad_id)
 
     # -- checks -----------------------------------------------------------------------------
-    def _check_call(self, prompts, attention_mask, *, max_new_tokens, num_samples, do_sample,
-                    temperature, top_k, top_p, seed, num_beams, num_return_sequences, stop, stop_token_ids):
-        """Every check of a call, before any forward: (prompt lists, budgets per request, sampling,
-        seed (None for greedy), the ids that end a row (EOS and stop ids), stop strings, pad id)."""
-        sampling = sampling_params(do_sample, temperature, top_k, top_p, seed)
+    def _check_call(self, prompts, attention_mask, *, max_new_tokens, min_new_tokens, num_samples, do_sample,
+                    temperature, top_k, top_p, seed, sampling, num_beams, num_return_sequences, stop,
+                    stop_token_ids):
+        """Every check of a call, before any forward: (prompt lists, budgets and minimums per
+        request (None: none), SamplingParams per request (None: all greedy), the call's seed (None
+        when no request draws with it), the ids that end a row (EOS and stop ids), stop strings,
+        pad id)."""
         stop_strings, extra_ids = stop_conditions(stop, stop_token_ids, tokenizer=self.tokenizer,
                                                   vocab_size=self.vocab_size)
         if as_int(num_beams) != 1:
@@ -456,6 +481,8 @@ class Rollout:
         prompts = prompt_lists(prompts, attention_mask, pad_token_id=self._pad_token_id(),
                                eos_token_ids=self.eos_token_ids)
         budgets = budgets_of(max_new_tokens, len(prompts))
+        minimums = min_new_tokens_of(min_new_tokens, budgets)
+        params = sampling_params(do_sample, temperature, top_k, top_p, seed, sampling, num_requests=len(prompts))
         self._check_prompts(prompts, budgets)
         eos_ids = self.eos_token_ids
         pad_id = self._pad_token_id()
@@ -463,12 +490,12 @@ class Rollout:
             for token in ids:
                 if token >= self.vocab_size:
                     raise ValueError(f"{name} {token} is outside the vocabulary [0, {self.vocab_size})")
-        if sampling is None:
-            seed = None  # greedy (temperature=0 among it) draws nothing
+        if params is None or all(p.is_greedy or p.seed is not None for p in params):
+            seed = None  # greedy (temperature=0 among it) draws nothing; own seeds key their requests
         elif seed is None:
             seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
         stop_ids = tuple(dict.fromkeys((*eos_ids, *extra_ids)))
-        return prompts, budgets, sampling, seed, stop_ids, stop_strings, pad_id
+        return prompts, budgets, minimums, params, seed, stop_ids, stop_strings, pad_id
 
     def _check_prompts(self, prompts: list[list[int]], budgets: list[int]) -> None:
         for index, (ids, max_new_tokens) in enumerate(zip(prompts, budgets)):

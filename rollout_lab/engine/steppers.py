@@ -6,8 +6,10 @@ to ``max_graphs``; from 2 when the step is compiled), all in one memory pool. Sl
 (compaction), so a step replays the smallest graph that covers the live rows: retired rows stop
 costing. ``Rollout`` keeps its stepper
 across calls: the graphs are captured once and replayed while the slot count, the capacity, the
-penalty and the weights' storage are unchanged; replacing a parameter or buffer (a new tensor, dtype,
-shape or layout) triggers a recapture. ``Rollout.close()`` releases them.
+penalty, the filters that run (``StepperKey``) and the weights' storage are unchanged; each row's
+temperature, top-k, top-p, seed and min_new_tokens are buffers the graph reads, so they never
+recapture. Replacing a parameter or buffer (a new tensor, dtype, shape or layout) triggers a
+recapture. ``Rollout.close()`` releases them.
 
 Attention reads a window of the first ``width`` columns, the smallest of ``width_ladder`` (the
 capacity cut in ``num_widths`` even parts) that covers the front: early in a call, while the front
@@ -43,7 +45,7 @@ from rollout_lab.engine.compiling import compile_forward, compile_select
 from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
 from rollout_lab.engine.paged_cache import PagedKVCache
-from rollout_lab.engine.sampling import SamplingParams
+from rollout_lab.engine.sampling import RowSampling
 from rollout_lab.engine.span_attention import kernel_available
 
 GRAPH_CAPACITY_STEP = 64  # graph capacities are rounded up so that nearby shapes share a capture
@@ -96,7 +98,10 @@ def weights_signature(model: torch.nn.Module) -> tuple:
 
 @dataclass(frozen=True)
 class StepperKey:
-    """What a captured decode step bakes in; the sampling fields only count when ``do_sample``."""
+    """What a captured decode step bakes in. Each row's temperature, top-k, top-p, seed and
+    min_new_tokens are buffers the step reads (``DecodeState``); the key holds only which code runs:
+    sampling at all, the top-k width and the top-p filter (``RowSampling``'s static fields: they
+    only count when ``do_sample``), and holding stop ids back (``min_new_tokens``)."""
 
     num_slots: int
     capacity: int
@@ -104,9 +109,9 @@ class StepperKey:
     track_seen: bool
     cache_kwarg: str
     do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    max_top_k: int = 0  # sampling.top_k_width of the rows' largest top-k (0: no top-k)
+    top_p_filter: bool = False
+    min_new_tokens: bool = False  # rows hold EOS and stop ids back until their min_new_tokens
     max_graphs: int = 1  # row counts captured (graph decode only)
     num_widths: int = 1  # masked attention: windows over the capacity
     spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
@@ -122,11 +127,6 @@ class StepperKey:
     def paged(self) -> bool:
         return self.block_size is not None
 
-    @property
-    def sampling(self) -> SamplingParams | None:
-        if not self.do_sample:
-            return None
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 class EagerStepper:
@@ -144,9 +144,11 @@ class EagerStepper:
                                                 max_blocks_per_row=-(-key.capacity // key.block_size))
         else:
             self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
+        sampling = RowSampling.zeros(key.num_slots, device, max_top_k=key.max_top_k,
+                                     top_p_filter=key.top_p_filter) if key.do_sample else None
         self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device,
-                                 keep_logits=key.keep_logits, logprobs_mode=key.logprobs_mode)
-        self.sampling = key.sampling
+                                 keep_logits=key.keep_logits, logprobs_mode=key.logprobs_mode,
+                                 sampling=sampling, min_new_tokens=key.min_new_tokens)
         # attention windows, ascending; span and paged attention read live tokens whatever the window
         self.widths = (key.capacity,) if key.spans or key.paged else width_ladder(key.capacity, key.num_widths)
         self.forward = None  # the model, unless compiled
@@ -173,7 +175,7 @@ class EagerStepper:
         return decode_step(
             self.model, self.cache, self.state, num_rows,
             repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
-            sampling=self.sampling, width=width, spans=self.key.spans, forward=self.forward, select=self.select,
+            width=width, spans=self.key.spans, forward=self.forward, select=self.select,
         )
 
     def logprobs(self, num_rows: int) -> torch.Tensor:

@@ -8,6 +8,10 @@ completed spans at most n tokens of at least one character each, and the slack c
 decode to nothing (special tokens, the first bytes of a multi-byte character). A hit in that tail is
 confirmed on the row's whole text, which the result's ``texts`` then cut before the stop string.
 
+With ``min_new_tokens`` (per row, N) no stop string ends a row before its N-th token, and then only
+one that ends past the text of its first N - 1 tokens (``floor``): one that token N or a later one
+completed, as vLLM's ``min_tokens``; an earlier one neither ends the row nor cuts its text.
+
     stops = StopStrings(("\\n\\n", "###"), tokenizer)
     stops.hits([tokens_of_row_0, tokens_of_row_1])   # [False, True]: row 1 ends at its last token
     stops.cut("a\\n\\nb")                              # "a"
@@ -29,26 +33,37 @@ class StopStrings:
     strings: tuple[str, ...]
     tokenizer: Any
 
-    def hits(self, rows: Sequence[Sequence[int]]) -> list[bool]:
+    def hits(self, rows: Sequence[Sequence[int]], min_new_tokens: Sequence[int] | None = None) -> list[bool]:
         """Per row (the tokens it generated so far, checked after each one), whether its text now
-        contains a stop string."""
+        contains a stop string; with ``min_new_tokens`` (per row), one that counts (``floor``)."""
         if not rows:
             return []
+        minimum = [0] * len(rows) if min_new_tokens is None else list(min_new_tokens)
         tail = max(len(s) for s in self.strings) + TAIL_SLACK_TOKENS
-        found = [i for i, text in enumerate(self._decode([row[-tail:] for row in rows]))
+        due = [i for i, row in enumerate(rows) if len(row) >= minimum[i]]
+        found = [i for i, text in zip(due, self._decode([rows[i][-tail:] for i in due]))
                  if self.find(text) is not None]
         out = [False] * len(rows)
         for i, text in zip(found, self._decode([rows[i] for i in found]) if found else []):
-            out[i] = self.find(text) is not None  # the whole text: a tail can decode differently
+            # the whole text: a tail can decode differently
+            out[i] = self.find(text, self.floor(rows[i], minimum[i])) is not None
         return out
 
-    def find(self, text: str) -> int | None:
-        """Where the earliest stop string in ``text`` starts; None when it holds none."""
-        return min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=None)
+    def floor(self, tokens: Sequence[int], min_new_tokens: int) -> int:
+        """The characters of the text of a row's first ``min_new_tokens - 1`` tokens: a stop string
+        counts only where it ends past them (0 without a minimum)."""
+        return len(self._decode([tokens[: min_new_tokens - 1]])[0]) if min_new_tokens > 1 else 0
 
-    def cut(self, text: str) -> str:
-        """``text`` up to its first stop string (vLLM's default: the stop string is not kept)."""
-        start = self.find(text)
+    def find(self, text: str, floor: int = 0) -> int | None:
+        """Where the earliest stop string in ``text`` that ends past character ``floor`` starts;
+        None when it holds none."""
+        starts = (text.find(s, max(0, floor - len(s) + 1)) for s in self.strings)
+        return min((i for i in starts if i >= 0), default=None)
+
+    def cut(self, text: str, floor: int = 0) -> str:
+        """``text`` up to its first stop string past ``floor`` (vLLM's default: the stop string is
+        not kept)."""
+        start = self.find(text, floor)
         return text if start is None else text[:start]
 
     def _decode(self, rows: Sequence[Sequence[int]]) -> list[str]:

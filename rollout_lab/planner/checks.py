@@ -5,6 +5,7 @@
     check_max_new_tokens(16)      # ValueError naming the value unless an int >= 1
     check_context(500, 16, 512, what="request 3")  # ValueError: 516 positions past a 512 context
     budgets_of([8, 512], 2)       # [8, 512]: one budget per request; budgets_of(16, 3) == [16, 16, 16]
+    ints_per_request(0, 2, name="min_new_tokens", minimum=0, what="minimums")   # [0, 0]
 
 A value that passes a check is returned as a Python int and that is the value to use: a numpy int
 kept as it came overflows in later arithmetic, and a tensor hashes by identity. Pure Python.
@@ -64,22 +65,29 @@ def check_context(prompt_length: int, max_new_tokens: int, max_positions: int | 
 
 def budgets_of(max_new_tokens: object, num_requests: int) -> list[int]:
     """One generation budget per request: an int for all, or one int >= 1 per request (a list, a
-    tuple, a 1-D numpy array or tensor).
+    tuple, a 1-D numpy array or tensor); the errors of ``ints_per_request``."""
+    return ints_per_request(max_new_tokens, num_requests, name="max_new_tokens", minimum=1, what="budgets")
 
-    ValueError naming the request and value, the length mismatch, or anything else (a dict, a set,
-    a float, a 2-D array, a tensor without data).
+
+def ints_per_request(value: object, num_requests: int, *, name: str, minimum: int, what: str) -> list[int]:
+    """One int >= ``minimum`` per request: an int for all, or one per request (a list, a tuple, a
+    1-D numpy array or tensor).
+
+    ValueError naming ``name``, the request and value, the length mismatch (``what`` the items are
+    called: "3 budgets for 8 requests"), or anything else (a dict, a set, a float, a 2-D array, a
+    tensor without data).
     """
-    if as_int(max_new_tokens) is not None:
-        return [check_max_new_tokens(max_new_tokens)] * num_requests
-    is_array = getattr(max_new_tokens, "ndim", None) == 1 and callable(getattr(max_new_tokens, "tolist", None))
-    if not isinstance(max_new_tokens, (list, tuple, range)) and not is_array:
-        raise ValueError(f"max_new_tokens must be an int >= 1, or a list of one int >= 1 per request; "
-                         f"got {max_new_tokens!r}")
-    if getattr(max_new_tokens, "is_meta", False):
-        raise ValueError(f"max_new_tokens {max_new_tokens!r} is on the meta device and holds no values; "
+    if as_int(value) is not None:
+        return [check_int(value, name=name, minimum=minimum)] * num_requests
+    is_array = getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None))
+    if not isinstance(value, (list, tuple, range)) and not is_array:
+        raise ValueError(f"{name} must be an int >= {minimum}, or a list of one int >= {minimum} per request; "
+                         f"got {value!r}")
+    if getattr(value, "is_meta", False):
+        raise ValueError(f"{name} {value!r} is on the meta device and holds no values; "
                          "give ints, or a tensor on the CPU")
-    budgets: Sequence[object] = max_new_tokens.tolist() if is_array else max_new_tokens
-    if len(budgets) != num_requests:
-        raise ValueError(f"max_new_tokens has {len(budgets)} budgets for {num_requests} requests; "
+    items: Sequence[object] = value.tolist() if is_array else value
+    if len(items) != num_requests:
+        raise ValueError(f"{name} has {len(items)} {what} for {num_requests} requests; "
                          "give an int, or one int per request")
-    return [check_int(budget, name=f"max_new_tokens[{index}]") for index, budget in enumerate(budgets)]
+    return [check_int(item, name=f"{name}[{index}]", minimum=minimum) for index, item in enumerate(items)]
