@@ -212,7 +212,7 @@ def grpo_or_load(
     settings and a record in the way, all raised before the model is built."""
     from rollout_lab.measure.calibrate import load_calibration
     from rollout_lab.measure.models import load_model, model_config
-    from rollout_lab.measure.records import grpo_rows, load_grpo_results
+    from rollout_lab.measure.records import grpo_rows, load_grpo_results, shape_settings
     from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
     if grpo_shape is not None and grpo_results_file is not None:
@@ -221,10 +221,7 @@ def grpo_or_load(
         return str(grpo_results_file), load_grpo_results(grpo_results_file)
     if grpo_shape is None:
         return None
-    unknown = sorted(set(grpo_shape) - set(GRPO_DEFAULTS))
-    if unknown:
-        raise ValueError(f"grpo_shape has unknown settings {unknown}; valid: {', '.join(GRPO_DEFAULTS)}")
-    shape = {**GRPO_DEFAULTS, **grpo_shape}
+    shape = shape_settings("grpo_shape", grpo_shape, GRPO_DEFAULTS)
     check_grpo_settings(**shape)
     _, name = model_config(model)
     out = record_paths(Workspace.resolve(output_dir).results / f"grpo_{run_tag(name, dtype, device)}")

@@ -41,7 +41,7 @@ from rollout_lab.measure.models import load_model, model_config, special_token_i
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.rl import peak_memory_over
 from rollout_lab.measure.paths import release_memory
-from rollout_lab.measure.records import load_record
+from rollout_lab.measure.records import load_record, shape_settings
 from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts
 from rollout_lab.planner.checks import is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
@@ -199,10 +199,7 @@ def long_tail_or_load(
         if long_tail_results_file is None:
             return None
         return str(long_tail_results_file), load_record(Path(long_tail_results_file), "eos_long_tail")
-    unknown = sorted(set(long_tail_shape) - set(LONG_TAIL_DEFAULTS))
-    if unknown:
-        raise ValueError(f"long_tail_shape has unknown settings {unknown}; valid: {', '.join(LONG_TAIL_DEFAULTS)}")
-    shape = {**LONG_TAIL_DEFAULTS, **long_tail_shape}
+    shape = shape_settings("long_tail_shape", long_tail_shape, LONG_TAIL_DEFAULTS)
     check_long_tail_settings(**{k: shape[k] for k in ("num_prompts", "dataset", "hazard", "max_new_tokens", "slots",
                                                       "seed", "reps", "paths")})
     _, name = model_config(model)

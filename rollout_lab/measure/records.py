@@ -200,6 +200,15 @@ def load_grpo_results(path: str | os.PathLike) -> dict[str, Any]:
 MAX_RECORD_BYTES = 256 * 2**20  # a sweep with every profile is ~100 KiB; refuse anything absurd
 
 
+def shape_settings(name: str, shape: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """A notebook's ``<name>`` parameter (a benchmark's settings, e.g. ``grpo_shape``) over the
+    benchmark's ``defaults``; ValueError naming the settings it does not know and the valid ones."""
+    unknown = sorted(set(shape) - set(defaults))
+    if unknown:
+        raise ValueError(f"{name} has unknown settings {unknown}; valid: {', '.join(defaults)}")
+    return {**defaults, **shape}
+
+
 def load_record(path: Path, kind: str) -> dict[str, Any]:
     """A record of ``kind`` read from ``path`` and checked against its CSV twin."""
     record = read_record(path, kind)

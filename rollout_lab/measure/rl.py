@@ -212,7 +212,7 @@ def rl_or_load(
     ``rl_results_file``. They must all run one workload (the same lengths and budgets). Bad settings,
     a record in the way or another workload are a ValueError raised before the model is built."""
     from rollout_lab.measure.models import load_model, model_config
-    from rollout_lab.measure.records import load_rl_results, rl_throughput_rows
+    from rollout_lab.measure.records import load_rl_results, rl_throughput_rows, shape_settings
     from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
     files = [] if rl_results_file is None else \
@@ -220,10 +220,7 @@ def rl_or_load(
     runs = [(f, load_rl_results(f)) for f in files]
     workloads = [(name, (r["workload"]["lengths"], r["workload"]["budgets"])) for name, r in runs]
     if rl_shape is not None:
-        unknown = sorted(set(rl_shape) - set(RL_DEFAULTS))
-        if unknown:
-            raise ValueError(f"rl_shape has unknown settings {unknown}; valid: {', '.join(RL_DEFAULTS)}")
-        shape = {**RL_DEFAULTS, **rl_shape}
+        shape = shape_settings("rl_shape", rl_shape, RL_DEFAULTS)
         check_rl_settings(**{k: shape[k] for k in ("num_seqs", "min_len", "max_len", "mode", "slots", "reps",
                                                    "peer_calls", "paths")})
         _, name = model_config(model)

@@ -44,7 +44,7 @@ from rollout_lab.engine.trainer import group_advantages, policy_gradient_loss, s
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.paths import timed_call
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.records import load_record
+from rollout_lab.measure.records import load_record, shape_settings
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, sample_lengths, scale_lengths
 from rollout_lab.planner.checks import is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
@@ -283,10 +283,7 @@ def trainer_loop_or_load(
         if trainer_loop_results_file is None:
             return None
         return str(trainer_loop_results_file), load_record(Path(trainer_loop_results_file), "trainer_loop")
-    unknown = sorted(set(trainer_loop_shape) - set(TRAINER_LOOP_DEFAULTS))
-    if unknown:
-        raise ValueError(f"trainer_loop_shape has unknown settings {unknown}; valid: {', '.join(TRAINER_LOOP_DEFAULTS)}")
-    shape = {**TRAINER_LOOP_DEFAULTS, **trainer_loop_shape}
+    shape = shape_settings("trainer_loop_shape", trainer_loop_shape, TRAINER_LOOP_DEFAULTS)
     check_trainer_loop_settings(**shape)
     _, name = model_config(model)
     out = record_paths(Workspace.resolve(output_dir).results / f"trainer_loop_{run_tag(name, dtype, device)}")
