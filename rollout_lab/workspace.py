@@ -99,11 +99,16 @@ def check_writable(folder: str | os.PathLike, *, what: str = "output folder") ->
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    tmp = _write_temporary(path, text)
+    tmp = _write_temporary(path, data)
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -112,14 +117,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def _write_temporary(path: Path, text: str) -> str:
-    """``text`` in a fsynced ``.<name>.*.tmp`` beside ``path``, mode 0666 less the umask (mkstemp's
+def _write_temporary(path: Path, data: bytes) -> str:
+    """``data`` in a fsynced ``.<name>.*.tmp`` beside ``path``, mode 0666 less the umask (mkstemp's
     0600 would make results unreadable to the rest of a team); removed again on any error."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
     except BaseException:

@@ -55,7 +55,7 @@ class RolloutConfig:
     # the user's own CostCoefficients (used as given), or a cost file's path: read here, and checked
     # against the model by Rollout (its provenance must match; override_costs=True accepts a mismatch)
     # "auto": on CUDA the cost cache's coefficients for this model, refined online and saved back
-    # (engine.cost_cache), elsewhere the reference's; "reference": the reference's (CostCoefficients())
+    # (engine.disk_cache), elsewhere the reference's; "reference": the reference's (CostCoefficients())
     costs: CostCoefficients | CostFile | str = "auto"
     override_costs: bool = False
     eos_token_id: int | list[int] | None = None  # None: the model's
@@ -72,6 +72,9 @@ class RolloutConfig:
     # torch.compile the graph-captured decode step and prefill graphs: "auto"/True the whole model,
     # "layers" each decoder layer (a shorter first compile, engine.compiling), False to debug
     compile: bool | str = "auto"
+    # CUDA: load torch.compile's artifacts for this setting from the rollout cache before compiling,
+    # and save them after a call that compiled (engine.disk_cache); False leaves the disk alone
+    compile_cache: bool = True
     # bucketed prefill at a bounded set of shapes (planner.shape_classes), planned and priced there;
     # "auto": on CUDA the standard ladder grown to each call's prompts and slots
     # (ShapeClasses.covering), elsewhere none; None: every bucket at its own shape
@@ -166,7 +169,8 @@ class RolloutConfig:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
         check_prior_settings(self.response_length_prior, self.prior_ewma)
         check_window(self.online_window)
-        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration", "override_costs"):
+        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration", "override_costs",
+                     "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):

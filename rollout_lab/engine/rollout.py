@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rollout_lab.engine.batching import BatchSettings, ContinuousBatcher
-from rollout_lab.engine.cost_cache import cached_cost_file, save_costs
+from rollout_lab.engine.disk_cache import cached_cost_file, load_compiled, save_compiled, save_costs
 from rollout_lab.engine.config import (
     RolloutConfig,
     RolloutResult,
@@ -82,6 +82,11 @@ def model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
             ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
             return tuple(int(i) for i in ids if is_int(i))
     return ()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def resolve_prefill_graphs(config: RolloutConfig, device: torch.device) -> bool:
@@ -166,6 +171,11 @@ class Rollout:
                 self.costs_source = f"cached cost file {str(found.path)!r}"
             elif self._cache_metadata is not None:
                 self.costs_source += ", refined online (cost cache: nothing for this setting yet)"
+        # compile_cache on CUDA: torch.compile's artifacts of this setting, loaded before the first compile
+        self._compiled_metadata = model_metadata(model, prefill_graphs=self.prefill_graphs) \
+            if self.compiled and self.config.compile_cache and self.device.type == "cuda" else None
+        self.compiled_artifacts_loaded = load_compiled(self._compiled_metadata) \
+            if self._compiled_metadata is not None else 0
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
         learn = self.config.online_recalibration or self._cache_metadata is not None
         self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
@@ -362,6 +372,7 @@ class Rollout:
         stop_token_ids,
     ) -> RolloutResult:
         start = time.perf_counter()
+        compiled_before = compiled_graphs() if self._compiled_metadata is not None else None
         cfg = self.config
         if (prompts is None) == (input_ids is None):
             raise ValueError("give the prompts either positionally or as input_ids=, not "
@@ -451,6 +462,8 @@ class Rollout:
         timer.sync()
         stats.total_ms = (time.perf_counter() - start) * 1e3
         self._learn(route, sequences, stats)
+        if self._compiled_metadata is not None and compiled_graphs() != compiled_before:
+            save_compiled(self._compiled_metadata)  # this call compiled: the next process loads it
         reasons = ["stop" if s and s[-1] in stop_ids else "length" for s in sequences]
         texts = None if self.tokenizer is None else self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
         if stop_strings is not None:  # the rows that ended on a stop string: their text stops before it

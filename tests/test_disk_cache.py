@@ -1,4 +1,4 @@
-"""costs="auto" (engine.cost_cache): the cache of coefficients per setting, found by provenance,
+"""costs="auto" (engine.disk_cache): the cache of coefficients per setting, found by provenance,
 refined online and saved back; on a CPU the reference's coefficients, and nothing written."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.cost_cache import CACHE_ENV, cache_dir, cached_cost_file, cost_cache_path, save_costs
+from rollout_lab.engine.disk_cache import CACHE_ENV, cache_dir, cached_cost_file, cost_cache_path, save_costs
 from rollout_lab.engine.setting import model_metadata
 from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.planner.fit import OnlineCalibrator
@@ -73,3 +73,33 @@ def test_auto_learning_saves_the_refit_for_the_next_process(cache):
     assert found is not None and found.coeffs == rollout.costs
     assert found.metadata["source"].startswith("online refit")
     assert not rollout.online.errors[-1]["explored"]  # the default never detours to measure another route
+
+
+@pytest.mark.slow  # an inductor compile on the CPU
+def test_compiled_artifacts_round_trip_through_the_cache(cache):
+    """compile_cache: what this process compiled is saved per setting and loaded back (torch.compile's
+    portable cache); nothing saved, nothing loaded; a damaged file is skipped with a warning."""
+    from rollout_lab.engine.disk_cache import compiled_cache_path, load_compiled, save_compiled
+
+    meta = model_metadata(get_tiny("qwen2"), prefill_graphs=True)
+    assert load_compiled(meta) == 0  # no file yet
+    torch._dynamo.reset()
+    square = torch.compile(lambda x: x * x + 1, backend="inductor")
+    assert torch.equal(square(torch.arange(4.0)), torch.arange(4.0) ** 2 + 1)
+    path = save_compiled(meta)
+    assert path == compiled_cache_path(meta) and path.is_file() and path.stat().st_size > 0
+    torch._dynamo.reset()
+    assert load_compiled(meta) > 0
+    path.write_bytes(b"not a cache")
+    with pytest.warns(UserWarning, match="skipping the compile cache"):
+        assert load_compiled(meta) == 0
+    assert path.exists()  # never deleted
+
+
+def test_compile_cache_is_a_cuda_compile_setting(cache):
+    rollout = Rollout(get_tiny("qwen2"))  # a CPU: no compile, so nothing is loaded or saved
+    assert rollout._compiled_metadata is None and rollout.compiled_artifacts_loaded == 0
+    rollout.generate([[5, 6, 7]], max_new_tokens=3)
+    assert not (cache.parent / "compiled").exists()
+    with pytest.raises(ValueError, match="compile_cache must be a bool"):
+        RolloutConfig(compile_cache="yes")
