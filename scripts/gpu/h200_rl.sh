@@ -13,7 +13,8 @@
 # it finished. RL_PATHS picks `bench rl`'s paths (e.g. "ours hf_generate_batch" for the peer).
 # trainer_loop*: Rollout.generate alternated with a GRPO step on one Qwen2.5-0.5B (64 x 8 x 256, T=1):
 # the decode step's logprobs, then logprobs_mode=trainer, then parameters replaced by
-# load_state_dict(assign=True) after each step; TL_ARGS adds options (e.g. --gradient-checkpointing).
+# load_state_dict(assign=True) after each step (with gradient checkpointing: _assign_checkpointing), and
+# trainer_loop_3b the same loop on Qwen2.5-3B; TL_ARGS adds options (e.g. --train-mode train).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   STEP="--tiny qwen2 --cases 4x40 6x60 --steps 8"; RL="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
@@ -21,6 +22,7 @@ if [ -n "${TINY:-}" ]; then
   GPQA="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8 --prefill-classes"; PEER="--tiny qwen2 --scale 0.1 --repetitions 1 --max-new-tokens 8"
   VARIANTS="ours ours_no_compile ours_masked"
   TL="--tiny qwen2 --num-prompts 4 --num-samples 2 --max-new-tokens 8 --scale 0.1 --iterations 2 --train-rows 4"
+  TL3B="--tiny llama --num-prompts 4 --num-samples 2 --max-new-tokens 8 --scale 0.1 --iterations 2 --train-rows 2"
 else
   STEP="--preset qwen2.5-3b"; RL="--preset qwen3-0.6b"
   LOGITS="--preset qwen2.5-3b --steps 32"; GRPO="--preset qwen2.5-3b --max-new-tokens 512"
@@ -29,6 +31,8 @@ else
   # ours_compile_layers: each decoder layer compiled (CUDA only), its step and first-call cost beside the whole model's
   VARIANTS="ours ours_compile_layers ours_no_compile ours_masked"
   TL="--preset qwen2.5-0.5b --num-prompts 64 --num-samples 8 --max-new-tokens 256 --iterations 4 --train-rows 64"
+  # 3B: smaller micro-batches (the trainer's fp32 log-softmax over a 152k vocabulary is 0.6 GB per 1k tokens)
+  TL3B="--preset qwen2.5-3b --num-prompts 64 --num-samples 8 --max-new-tokens 256 --iterations 3 --train-rows 16"
 fi
 versions
 for what in "$@"; do
@@ -49,6 +53,10 @@ for what in "$@"; do
                --out $OUT/trainer_loop_trainer ;;
     trainer_loop_assign) step 480 $PY -m rollout_lab.cli bench trainer-loop $TL ${TL_ARGS:-} --assign \
                --out $OUT/trainer_loop_assign ;;
-    *) echo "unknown step $what (tests, step, rl, logits, grpo, gpqa, gpqa_peer, trainer_loop, trainer_loop_trainer, trainer_loop_assign)"; exit 2 ;;
+    # parameters replaced after each step with gradient checkpointing on: both ways a trainer's step may touch the weights
+    trainer_loop_assign_checkpointing) step 480 $PY -m rollout_lab.cli bench trainer-loop $TL ${TL_ARGS:-} --assign \
+               --gradient-checkpointing --out $OUT/trainer_loop_assign_checkpointing ;;
+    trainer_loop_3b) step 420 $PY -m rollout_lab.cli bench trainer-loop $TL3B ${TL_ARGS:-} --out $OUT/trainer_loop_3b ;;
+    *) echo "unknown step $what (tests, step, rl, logits, grpo, gpqa, gpqa_peer, trainer_loop, trainer_loop_trainer, trainer_loop_assign, trainer_loop_assign_checkpointing, trainer_loop_3b)"; exit 2 ;;
   esac
 done
