@@ -8,12 +8,12 @@
     rollout-lab notebooks --only 02                             # -> <out-dir>/figures, data/tables
     rollout-lab reproduce                                       # what `make reproduce` runs
     rollout-lab bench rl --tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48 --out /tmp/rl  # -> /tmp/rl.json, .csv
-    rollout-lab bench {rl,grpo,decode-step,prefill-routes,logits,long-tail,trainer-loop} --help
+    rollout-lab bench {rl,grpo,decode-step,prefill-routes,logits,long-tail,trainer-loop,defaults} --help
 
 Outputs go to the workspace: ``--out-dir``, else ``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out``
 (``rollout_lab.workspace``); a ``bench`` writes its record where ``--out`` says (never over one).
 Each bench is a measure module's run (``measure.rl``, ``grpo``, ``decode_step``, ``prefill_routes``,
-``fidelity``, ``long_tail``, ``trainer_loop``), whose docstring gives its H200 command. ``plan`` needs no torch; the
+``fidelity``, ``long_tail``, ``trainer_loop``, ``defaults``), whose docstring gives its H200 command. ``plan`` needs no torch; the
 commands that run a model import it when they start.
 """
 from __future__ import annotations
@@ -613,6 +613,40 @@ def cmd_bench_trainer_loop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _defaults_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.defaults import DEFAULTS_BENCH_DEFAULTS  # torch: a bench's options, when it parses
+
+    d = DEFAULTS_BENCH_DEFAULTS  # run_defaults's own defaults
+    _add_bench_options(p, preset="qwen2.5-3b")
+    p.add_argument("--workloads", nargs="+", default=list(d["workloads"]), choices=WORKLOADS,
+                   help="workloads, in order (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"],
+                   help="tokens per prompt, EOS ignored (default %(default)s)")
+    p.add_argument("--repetitions", type=positive_int, default=d["repetitions"],
+                   help="timed rounds of both engines after each one's first call (default %(default)s)")
+    p.add_argument("--scale", type=float, default=d["scale"], help="multiply every prompt length (CPU checks)")
+    p.add_argument("--tuned-costs", metavar="PATH", default=d["tuned_costs"],
+                   help="the tuned engine's calibration (`rollout-lab calibrate`; default: reference coefficients)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the workloads' prompts")
+
+
+def cmd_bench_defaults(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.defaults import (DEFAULTS_BENCH_DEFAULTS,  # torch
+                                             check_defaults_settings, defaults_rows, run_defaults)
+
+    settings = {k: getattr(args, k) for k in DEFAULTS_BENCH_DEFAULTS}
+    check_defaults_settings(**settings)  # a missing --tuned-costs file too, before the model loads
+    if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
+        import torch  # torch, as above
+
+        torch.set_num_threads(1)
+    record = _run_bench(args, defaults_rows, lambda model, name, save: run_defaults(
+        model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
+        **settings))
+    print(f"process first call: {record['process_first_call_ms']:.1f} ms (model loaded to the default's first result)")
+    return 0
+
+
 # name: (one-line help, its options, its command)
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "rl": ("RL-regime throughput (nano-vllm's shape, per-request budgets): ours, its ablations, HF generate_batch",
@@ -629,6 +663,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                   _long_tail_options, cmd_bench_long_tail),
     "trainer-loop": ("rollout alternated with a GRPO trainer step on one model: sync cost, recaptures, logprob mismatch",
                      _trainer_loop_options, cmd_bench_trainer_loop),
+    "defaults": ("RolloutConfig() with nothing set against the tuned setting, one Rollout each: ratio and first call",
+                 _defaults_options, cmd_bench_defaults),
 }
 
 

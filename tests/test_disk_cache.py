@@ -103,3 +103,22 @@ def test_compile_cache_is_a_cuda_compile_setting(cache):
     assert not (cache.parent / "compiled").exists()
     with pytest.raises(ValueError, match="compile_cache must be a bool"):
         RolloutConfig(compile_cache="yes")
+
+
+def test_the_captured_decode_prior_runs_short_batches_on_cb_and_learns_from_them(cache):
+    """costs="auto" on CUDA with nothing cached (issue 33): the reference's gap sends 32 short prompts
+    x 16 tokens to nocb (HF's eager loop) and nothing there ever measures CB; the prior for a captured
+    step prices CB below nocb, and the refit keeps the prior's gap until nocb itself is measured."""
+    from rollout_lab.engine.rollout import CAPTURED_DECODE_GAP_MS, captured_decode_prior
+
+    prior = captured_decode_prior()
+    assert prior.nocb_decode_cost_ms - prior.continuous_decode_cost_ms == CAPTURED_DECODE_GAP_MS
+    assert prior.prefill_fixed_cost_ms == CostCoefficients().prefill_fixed_cost_ms  # prefill: the reference's
+    lengths = [n for n in range(20, 12, -1) for _ in range(4)]  # the seed's short_similar
+    model = get_tiny("qwen2")
+    assert Rollout(model, RolloutConfig(costs="reference"))._route(lengths, [16] * 32) == "nocb"
+    assert Rollout(model, RolloutConfig(costs=prior))._route(lengths, [16] * 32) != "nocb"
+    learner = OnlineCalibrator(Rollout(model).geometry, prior, window=16)
+    learner.observations.append({"kind": "decode", "ms": 60.0, "steps": 10, "rows": 32, "width": 40})
+    refit = learner.refit(prior)
+    assert refit.continuous_decode_cost_ms == 6.0 and refit.nocb_decode_cost_ms == 6.0 + CAPTURED_DECODE_GAP_MS

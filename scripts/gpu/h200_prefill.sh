@@ -15,6 +15,10 @@
 # bench (2026-12-04): cold, 400 s were not enough for its first batch; with inductor's cache of that
 # call carried in, prefill (32 and 128 prompts) took ~200 s, its first bucketed call 103 s; prefill512's
 # bucketed warm-up alone took 161 s, so its bimodal batch needs a call of its own (or the cache).
+# Issue 33 (defaults): RolloutConfig() with nothing set against the tuned setting (this calibration,
+# the class ladder, captured prefill) on the seed's five, GSM8K 32 and GPQA-like 32, one Rollout each;
+# defaults_warm runs the same command again in a new process: its first call with the caches warm.
+#   ... bash scripts/gpu/h200_prefill.sh defaults defaults_warm
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 # WORKLOADS=... and SWEEP_LIMIT=<s> fit the sweep to what device time is left (the record keeps the finished ones);
 # PREFILL_LIMIT=<s> does the same for the crossing bench (its record is written after every batch)
@@ -22,10 +26,12 @@ WORKLOADS=${WORKLOADS:-"short_similar long_tail short_tail moderate_tail spread 
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
   PREFILL="--tiny qwen2 --batch-sizes 4 8 --repetitions 1"; PREFILL512="--tiny qwen2 --batch-sizes 16 --repetitions 1 --routes bucketed packed"
+  DEF="--tiny qwen2 --scale 0.1 --max-new-tokens 4 --repetitions 1"
 else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3 --prefill-graphs"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
   PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 --repetitions 2"
   PREFILL512="--preset qwen2.5-3b --prefill-graphs --batch-sizes 512 --repetitions 2 --routes bucketed packed"
+  DEF="--preset qwen2.5-3b --tuned-costs data/calibration/qwen2.5-3b_bfloat16_cuda_prefill-graphs.json --repetitions 3"
 fi
 # RESUME=<dir> holding sweep_ours.json/.csv from an earlier call: the sweep keeps its workloads
 # (rollout-lab sweep --resume) and runs the rest, so a sweep longer than one call spans two.
@@ -43,6 +49,9 @@ for what in "$@"; do
     prefill512) step ${PREFILL_LIMIT:-300} $PY -m rollout_lab.cli bench prefill-routes $PREFILL512 --costs $COSTS --out $OUT/prefill_routes_512 ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
-    *) echo "unknown step $what (tests, calibrate, sweep, prefill, prefill512, peer)"; exit 2 ;;
+    defaults) step ${DEFAULTS_LIMIT:-380} $PY -m rollout_lab.cli bench defaults $DEF --out $OUT/defaults ;;
+    # the same command in a new process: the compiled artifacts and learned costs the first one cached
+    defaults_warm) step 540 $PY -m rollout_lab.cli bench defaults $DEF --out $OUT/defaults_warm ;;
+    *) echo "unknown step $what (tests, calibrate, sweep, prefill, prefill512, peer, defaults, defaults_warm)"; exit 2 ;;
   esac
 done
