@@ -227,7 +227,7 @@ cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="n
 @pytest.mark.parametrize("family", ["qwen2", "opt"])
 def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
     """fp32: class-shape prefill by graph replay gives eager's tokens (and the oracle's), with refill,
-    chunked prompts and per-request budgets; a recapture follows a weight replacement; past the cap
+    chunked prompts and per-request budgets; weights replaced in the same layout are copied in, another layout is recaptured; past the cap
     a class runs eagerly."""
     import torch
     from conftest import get_tiny
@@ -251,7 +251,10 @@ def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
         captures = graphs.num_captures
         assert again.sequences == graph.sequences and graphs.num_captures == captures  # replayed, not recaptured
         head = model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+        assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
+        assert rollout._prefill_graphs is graphs and graphs.num_captures == captures  # copied in, not recaptured
+        head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())  # another layout
         assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
         assert rollout._prefill_graphs is not graphs
     assert graph.profile.prefill_backend == "graph" and graphs.compiled == compile

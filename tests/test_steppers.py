@@ -8,7 +8,7 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.steppers import resolve_decode_mode
+from rollout_lab.engine.steppers import graph_weights, rebind_weights, resolve_decode_mode
 from rollout_lab.measure.models import TINY_VOCAB_SIZE, tiny_model
 from rollout_lab.planner.cost import CostCoefficients
 
@@ -63,8 +63,8 @@ def test_a_prefill_only_call_builds_no_stepper_and_keeps_the_kept_one(mode):
         assert rollout.generate(prompts, max_new_tokens=4).sequences == longer
 
 
-def _cuda_model(family, dtype=torch.float32):
-    return tiny_model(family, seed=0, dtype=dtype).to("cuda")
+def _cuda_model(family, dtype=torch.float32, seed=0):
+    return tiny_model(family, seed=seed, dtype=dtype).to("cuda")
 
 
 @cuda
@@ -102,6 +102,44 @@ def test_graph_with_eos_penalty_and_refill_equals_eager():
     assert any(len(s) < 12 for s in eager.sequences)  # EOS really retired rows early
 
 
+def _assign(model, source):
+    """A trainer's weight sync into new tensors: every parameter and buffer replaced."""
+    model.load_state_dict({k: v.detach().clone() for k, v in source.state_dict().items()}, assign=True)
+
+
+def test_replaced_weights_are_copied_back_into_the_captured_memory():
+    model, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    captured = graph_weights(model)
+    _assign(model, other)
+    replaced = list(model.parameters())
+    assert any(p.data_ptr() != c.data_ptr() for p, c in zip(replaced, captured))
+    assert rebind_weights(model, captured)
+    assert [t.data_ptr() for t in (*model.parameters(), *model.buffers())] == [c.data_ptr() for c in captured]
+    assert all(a is b for a, b in zip(model.parameters(), replaced))  # an optimizer's parameters stay its own
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    assert rebind_weights(model, captured)  # nothing moved: nothing to do
+    head = model.get_output_embeddings()  # the same values in another layout: not rebound, nothing changed
+    head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())
+    before = [p.data_ptr() for p in model.parameters()]
+    assert not rebind_weights(model, captured)
+    assert [p.data_ptr() for p in model.parameters()] == before
+
+
+def test_a_call_after_a_weight_sync_runs_the_new_weights_in_the_kept_memory():
+    """What a CUDA rollout does at the start of a call when its graphs' weights were replaced, run on
+    the CPU by giving the rollout the captured weights that CUDA's first capture would note."""
+    model, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    prompts = prompts_of([6, 6, 2, 11], seed=9)
+    expected = Rollout(other, RolloutConfig(mode="bucketed", costs=SPLIT)).generate(prompts, max_new_tokens=5)
+    rollout = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT))
+    first = rollout.generate(prompts, max_new_tokens=5)
+    rollout._graph_weights = captured = graph_weights(model)
+    _assign(model, other)
+    assert rollout.generate(prompts, max_new_tokens=5).sequences == expected.sequences != first.sequences
+    assert rollout._graph_weights is captured
+    assert [t.data_ptr() for t in (*model.parameters(), *model.buffers())] == [c.data_ptr() for c in captured]
+
+
 @cuda
 def test_one_capture_serves_calls_and_weight_replacement_recaptures():
     model = _cuda_model("llama")
@@ -116,9 +154,14 @@ def test_one_capture_serves_calls_and_weight_replacement_recaptures():
         assert rollout.generate(prompts, max_new_tokens=5).sequences == first
         assert rollout.stepper_info["num_captures"] == 1
         stepper = rollout._stepper
-        head = model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # new storage: recapture
-        assert rollout.generate(prompts, max_new_tokens=5).sequences == first
+        _assign(model, _cuda_model("llama", seed=1))  # new storage, same layout: copied in, not recaptured
+        synced = rollout.generate(prompts, max_new_tokens=5).sequences
+        assert rollout._stepper is stepper and rollout.stepper_info["num_captures"] == 1
+        fresh = Rollout(_cuda_model("llama", seed=1), RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager"))
+        assert synced == fresh.generate(prompts, max_new_tokens=5).sequences != first
+        head = model.get_output_embeddings()  # another layout (strides): recapture
+        head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())
+        assert rollout.generate(prompts, max_new_tokens=5).sequences == synced
         assert rollout._stepper is not stepper
     assert second and rollout._stepper is None
 

@@ -55,6 +55,8 @@ from rollout_lab.engine.steppers import (
     make_stepper,
     resolve_compile,
     resolve_decode_mode,
+    graph_weights,
+    rebind_weights,
     resolve_spans,
     weights_signature,
 )
@@ -166,6 +168,9 @@ class Rollout:
         self.prefill_graphs = resolve_prefill_graphs(self.config, self.device)
         self._prefill_graphs: PrefillGraphs | None = None
         self._prefill_signature: tuple | None = None
+        # the parameters and buffers the kept graphs read (steppers.graph_weights); a call whose
+        # model holds new tensors copies them in (rebind_weights) instead of capturing again
+        self._graph_weights: list[torch.Tensor] | None = None
         # learned across calls; the frozen config is never changed. A cost file is used only once its
         # provenance matches this model, its name included as the CLI checks it (model_name_of: the
         # checkpoint's folder name, else family and size); CostFile.check names every field that differs
@@ -218,6 +223,12 @@ class Rollout:
         if self._prefill_graphs is not None:
             self._prefill_graphs.close()
             self._prefill_graphs = None
+        self._graph_weights = None
+
+    def _keep_graph_weights(self) -> None:
+        """Note the memory the graphs about to be captured read, unless the kept graphs already do."""
+        if self._graph_weights is None:
+            self._graph_weights = graph_weights(self.model)
 
     def _captured_prefill(self) -> PrefillGraphs | None:
         """The kept prefill graphs (``prefill_graphs``), recaptured when the weights' storage changed."""
@@ -228,6 +239,7 @@ class Rollout:
             self._prefill_graphs.close()
             self._prefill_graphs = None
         if self._prefill_graphs is None:
+            self._keep_graph_weights()
             self._prefill_graphs = PrefillGraphs(self.model, cache_kwarg=self.cache_kwarg,
                                                  max_graphs=self.config.max_prefill_graphs, compiled=self.compiled)
             self._prefill_signature = signature
@@ -287,6 +299,8 @@ class Rollout:
                 torch.cuda.synchronize(self.device)
             old.close()
             self._stepper = None
+        if self.decode_mode == "graph":
+            self._keep_graph_weights()
         self._stepper = make_stepper(self.model, key, decode=self.decode_mode)
         return self._stepper
 
@@ -407,6 +421,8 @@ class Rollout:
             num_samples=num_samples, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, sampling=sampling, num_beams=num_beams, num_return_sequences=num_return_sequences,
             stop=stop, stop_token_ids=stop_token_ids)
+        if self._graph_weights is not None and not rebind_weights(self.model, self._graph_weights):
+            self._graph_weights = None  # the model's tensors changed layout: its graphs are captured again
         stats = Profile()
         timer = Timer(stats, self.device, enabled=profiling or self.online is not None)
         if profiling or self.online is not None:
