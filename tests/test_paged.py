@@ -70,6 +70,35 @@ def test_preemption_with_eos_penalty_and_sampling(oracle):
     assert preemptions[0] > 0 and preemptions[1] == 0
 
 
+@pytest.mark.parametrize("interval", [4, 7])
+def test_reading_tokens_every_few_steps_keeps_the_oracles_tokens(interval, oracle):
+    """eos_check_interval: rows ending at EOS inside an interval compute its other steps, which are
+    not theirs; tokens, logprobs and finish reasons are those of a read after every step (paged with
+    preemption and the penalty, bucketed; greedy against the oracle, sampled with logprobs), with
+    fewer reads of the device."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts(LENGTHS, seed=2)
+    free = oracle(model, prompts, max_new_tokens=30, repetition_penalty=1.3)
+    eos = max(range(1, TINY_VOCAB_SIZE), key=lambda t: sum(t in s[:15] for s in free))
+    expected = oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, repetition_penalty=1.3)
+    assert len({len(s) for s in expected}) >= 3
+    sample = dict(do_sample=True, temperature=0.9, top_k=40, seed=7, num_samples=2, return_logprobs=True)
+    for config in (TIGHT | dict(kv_cache_tokens=64), dict(mode="bucketed", continuous_batch_size=3)):
+        common = dict(eos_token_id=eos, repetition_penalty=1.3, **config)
+        every = run(model, prompts, 30, eos_check_interval=1, **common)
+        spaced = run(model, prompts, 30, eos_check_interval=interval, **common)
+        assert spaced.sequences == every.sequences == expected
+        assert spaced.finish_reasons == every.finish_reasons
+        reads = [sum(f["kind"] == "decode" for f in r.profile.forwards) for r in (every, spaced)]
+        assert reads[1] < reads[0], reads
+        drawn = [run(model, prompts, 30, eos_check_interval=i, generate=sample, **common) for i in (1, interval)]
+        assert drawn[0].sequences == drawn[1].sequences and drawn[0].finish_reasons == drawn[1].finish_reasons
+        assert [len(x) for x in drawn[0].logprobs] == [len(x) for x in drawn[1].logprobs]
+        worst = max(abs(a - b) for g, w in zip(drawn[0].logprobs, drawn[1].logprobs) for a, b in zip(g, w))
+        assert worst < 1e-4, worst
+    assert Rollout(model).eos_check_interval == 1  # "auto" off a captured step: a read after every step
+
+
 def test_paged_refills_where_the_aligned_cache_waits(oracle):
     """Rows stop at EOS: the aligned cache reserves every admitted row's whole budget right of the
     shared front, so a long row blocks refill; the paged cache admits as slots free up."""
@@ -141,6 +170,8 @@ def test_admit_places_each_row_at_its_positions():
     (dict(mode="paged", kv_cache_tokens=0), "kv_cache_tokens"),
     (dict(mode="paged", refill_rows=-1), "refill_rows"),
     (dict(mode="paged", cache_capacity=64), "mode='paged' keeps each row"),
+    (dict(eos_check_interval=0), r"eos_check_interval must be 'auto' or an int in 1..64, got 0"),
+    (dict(eos_check_interval="often"), "eos_check_interval must be 'auto' or an int"),
 ])
 def test_bad_settings_fail_in_the_config(config, message):
     with pytest.raises(ValueError, match=message):

@@ -71,6 +71,8 @@ class BatchSettings:
     stop_strings: StopStrings | None = None  # checked on the host after every token (engine.stopping)
     # per row: EOS, stop ids and stop strings cannot end it before it has this many tokens
     min_new_tokens: tuple[int, ...] | None = None
+    # decode steps between reads of the tokens while rows can end at EOS (RolloutConfig.eos_check_interval)
+    eos_check_interval: int = 1
 
     @property
     def holds_stops_back(self) -> bool:
@@ -134,9 +136,13 @@ class ContinuousBatcher:
                 raise RuntimeError("no request is admissible into an empty cache (capacity or pool check missed)")
             # Without EOS ids or stop strings nothing retires before the nearest budget: run those
             # steps without reading tokens back, so the host never waits on the device in between.
+            # With EOS ids, eos_check_interval steps at most: a row that ends inside them computes
+            # the rest (not kept). Stop strings are read after every token.
             burst = 1
-            if not self.settings.eos_token_ids and self.settings.stop_strings is None:
+            if self.settings.stop_strings is None:
                 burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
+                if self.settings.eos_token_ids:
+                    burst = min(burst, self.settings.eos_check_interval)
             burst = self._reserve(burst)
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
@@ -149,15 +155,19 @@ class ContinuousBatcher:
                 tokens = torch.stack(steps, 1).tolist()
                 logprobs = torch.stack(step_logprobs, 1).tolist() if step_logprobs else None
                 self._advance_front(burst)
-            self.profile.num_decode_forwards += burst
-            self.profile.decode_row_steps += num_rows * burst
-            if self.queue:
-                self.profile.queued_decode_steps += burst
-                self.profile.queued_row_steps += num_rows * burst
             self._note_peak()
+            kept = 0  # row-steps that made a row's token (not those after an EOS inside the interval)
             for i, (row, row_tokens) in enumerate(zip(self.rows, tokens)):
                 for k, token in enumerate(row_tokens):
                     self._append(row, token, None if logprobs is None else logprobs[i][k])
+                    kept += 1
+                    if k + 1 < burst and self._is_done(row):
+                        break  # ended inside the interval: the steps after its EOS are not its tokens
+            self.profile.num_decode_forwards += burst
+            self.profile.decode_row_steps += kept
+            if self.queue:
+                self.profile.queued_decode_steps += burst
+                self.profile.queued_row_steps += kept
             self._retire()
         return self.outputs, self.plans
 

@@ -50,7 +50,8 @@ class Profile:
     num_prefill_rows: int = 0
     num_replicated_rows: int = 0
     # occupancy: live rows summed over decode steps, of num_slots per step (decode_row_steps /
-    # (num_decode_forwards * num_slots)); the paged route adds its pool: blocks of kv_block_size
+    # (num_decode_forwards * num_slots)); a row that ended at EOS inside an eos_check_interval is
+    # not live for the interval's later steps (they compute for it, not its tokens); the paged route adds its pool: blocks of kv_block_size
     # tokens, the most in use, the most tokens its live rows held, and the rows it preempted
     num_slots: int = 0
     decode_row_steps: int = 0

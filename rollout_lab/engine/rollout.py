@@ -31,6 +31,7 @@ import torch
 from rollout_lab.engine.batching import BatchSettings, ContinuousBatcher
 from rollout_lab.engine.disk_cache import cached_cost_file, load_compiled, save_compiled, save_costs
 from rollout_lab.engine.config import (
+    EOS_CHECK_INTERVAL,
     RolloutConfig,
     RolloutResult,
     encode_texts,
@@ -161,6 +162,9 @@ class Rollout:
         self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
         self.spans = resolve_spans(self.config.decode_attention, model, self.device)
         self.compiled = resolve_compile(self.config.compile, self.decode_mode)
+        interval = self.config.eos_check_interval  # "auto": a captured step's host read is what is saved
+        self.eos_check_interval = (EOS_CHECK_INTERVAL if self.decode_mode == "graph" else 1) \
+            if interval == "auto" else interval
         self._stepper: EagerStepper | None = None
         if self.config.prefill_graphs is True and self.device.type != "cuda":
             raise ValueError(f"prefill_graphs=True needs a CUDA device, the model is on {self.device}")
@@ -480,6 +484,7 @@ class Rollout:
                     cache_kwarg=self.cache_kwarg, sampling=sampling,
                     prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
                     logprobs_mode=step_logprobs, stop_strings=stop_strings, min_new_tokens=row_minimums,
+                    eos_check_interval=self.eos_check_interval,
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               groups=groups, sample_keys=keys, prefill_graphs=self._captured_prefill())
