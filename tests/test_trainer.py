@@ -7,7 +7,7 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.trainer import (eval_mode, group_advantages, padded_batch, policy_gradient_loss,
+from rollout_lab.engine.trainer import (clipped_policy_loss, eval_mode, group_advantages, padded_batch, policy_gradient_loss,
                                         rollout_logprobs, sequence_logprobs)
 
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
@@ -101,6 +101,31 @@ def test_group_advantages_and_the_loss():
     assert loss.item() == pytest.approx(-(-1.0 - 2.0 + 3.0) / 3)
     with pytest.raises(ValueError, match=r"multiple of num_samples=3 rows, got shape \(4,\)"):
         group_advantages(torch.zeros(4), num_samples=3)
+
+
+def test_the_clipped_loss_starts_as_the_policy_gradient_and_clips_past_the_trust_region():
+    response_mask = torch.tensor([[False, True, True], [False, True, False]])
+    advantages = torch.tensor([1.0, -1.0])
+    start = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]])
+    grads = []
+    for loss_of in (lambda x: policy_gradient_loss(x, advantages, response_mask),
+                    lambda x: clipped_policy_loss(x, start, advantages, response_mask)):
+        x = start.clone().requires_grad_(True)
+        loss_of(x).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])  # ratio exactly 1: the on-policy gradient, bit for bit
+    moved = start + torch.tensor([[0.0, 0.5, 0.01], [0.0, -0.5, 0.0]])  # token 1 of each row past 1 +- 0.2
+    x = moved.clone().requires_grad_(True)
+    loss = clipped_policy_loss(x, start, advantages, response_mask, clip=0.2)
+    loss.backward()
+    assert x.grad[0, 1] == 0 and x.grad[1, 1] == 0  # clipped: the advantage already paid for
+    assert x.grad[0, 2] < 0  # inside the region: pushed up by its positive advantage
+    expected = -(1.2 * 1.0 + torch.exp(torch.tensor(0.01)).item() * 1.0 - 0.8) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match=r"clip must be a number in \(0, 1\), got 1.5"):
+        clipped_policy_loss(x, start, advantages, response_mask, clip=1.5)
+    with pytest.raises(ValueError, match="must have one shape"):
+        clipped_policy_loss(x, start[:, :2], advantages, response_mask)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,9 +1,11 @@
 """The trainer's side of a rollout: the padded batch an RL trainer steps on, its teacher-forced
-log-probabilities, and the GRPO loss over them.
+log-probabilities, and the GRPO losses over them (on-policy, and PPO's clipped surrogate with the
+rollout's logprobs as the old policy's).
 
     t = result.to_tensors(device=device)      # padded_batch's layout, response_mask [rows, R]
     logprobs = sequence_logprobs(model, t["input_ids"], t["attention_mask"], t["response_mask"])  # [rows, R]
     loss = policy_gradient_loss(logprobs, group_advantages(rewards, num_samples=8), t["response_mask"])
+    loss = clipped_policy_loss(logprobs, t["logprobs"], advantages, t["response_mask"], clip=0.2)  # several steps
 
 The layout (``padded_batch``): prompts left-padded to the longest, P, responses right-padded after
 them to the longest, R, so every response starts at column P. ``Rollout.generate(...,
@@ -184,3 +186,24 @@ def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor, respo
     ``advantages`` [rows]."""
     weighted = advantages[:, None].to(logprobs.dtype) * torch.where(response_mask, logprobs, 0.0)  # [rows, width]
     return -weighted.sum() / response_mask.sum().clamp(min=1)
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, *, clip: float = 0.2) -> torch.Tensor:
+    """PPO's clipped surrogate, as GRPO trainers run it over several steps per rollout: the ratio
+    r = exp(logprobs - old_logprobs) of each response token, and minus min(r A, clip(r, 1 - clip,
+    1 + clip) A) averaged over the response tokens. ``old_logprobs`` are the rollout's
+    (``to_tensors()["logprobs"]``): with ``logprobs_mode="trainer"`` they equal the trainer's first
+    forward bit for bit, so the first step's ratio is exactly 1 and its gradient is
+    ``policy_gradient_loss``'s; with the decode step's own logprobs the ratio starts off by their
+    bf16 gap (the importance weight that corrects it). Shapes as ``policy_gradient_loss``."""
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < 1:
+        raise ValueError(f"clip must be a number in (0, 1), got {clip!r}")
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != response_mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+                         f"response_mask {tuple(response_mask.shape)} must have one shape")
+    old = old_logprobs.detach().to(logprobs.dtype)
+    ratio = torch.exp(torch.where(response_mask, logprobs - old, 0.0))  # [rows, width]: 1 off the responses
+    gain = advantages[:, None].to(logprobs.dtype)
+    surrogate = torch.minimum(ratio * gain, ratio.clamp(1 - clip, 1 + clip) * gain)
+    return -torch.where(response_mask, surrogate, 0.0).sum() / response_mask.sum().clamp(min=1)
