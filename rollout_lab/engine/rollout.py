@@ -218,7 +218,8 @@ class Rollout:
         return [] if self.online is None else list(self.online.errors)
 
     def close(self) -> None:
-        """Release the captured graphs and the aligned cache; the rollout stays usable."""
+        """Release the captured graphs, the cache and the weight memory the graphs read (kept for
+        rebind_weights); the rollout stays usable."""
         if self.device.type == "cuda" and (self._stepper is not None or self._prefill_graphs is not None):
             torch.cuda.synchronize(self.device)
         if self._stepper is not None:
