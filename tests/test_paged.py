@@ -46,12 +46,18 @@ def test_preemption_keeps_the_oracles_tokens(family, oracle):
     assert 0 < prof.occupancy <= 1 and prof.num_slots == 3
 
 
+def eos_case(model, prompts, oracle):
+    """(eos, the oracle's tokens): the EOS id most rows meet in their first 15 tokens of 30, with
+    the penalty 1.3, so rows end at many lengths."""
+    free = oracle(model, prompts, max_new_tokens=30, repetition_penalty=1.3)
+    eos = max(range(1, TINY_VOCAB_SIZE), key=lambda t: sum(t in s[:15] for s in free))
+    return eos, oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, repetition_penalty=1.3)
+
+
 def test_preemption_with_eos_penalty_and_sampling(oracle):
     model = get_tiny("qwen2")
     prompts = make_prompts(LENGTHS, seed=2)
-    free = oracle(model, prompts, max_new_tokens=30, repetition_penalty=1.3)
-    eos = max(range(1, TINY_VOCAB_SIZE), key=lambda t: sum(t in s[:15] for s in free))
-    expected = oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, repetition_penalty=1.3)
+    eos, expected = eos_case(model, prompts, oracle)
     assert len({len(s) for s in expected}) >= 2
     tight = run(model, prompts, 30, eos_token_id=eos, repetition_penalty=1.3, **(TIGHT | dict(kv_cache_tokens=64)))
     assert tight.sequences == expected and tight.profile.num_preemptions > 0
@@ -78,9 +84,7 @@ def test_reading_tokens_every_few_steps_keeps_the_oracles_tokens(interval, oracl
     fewer reads of the device."""
     model = get_tiny("qwen2")
     prompts = make_prompts(LENGTHS, seed=2)
-    free = oracle(model, prompts, max_new_tokens=30, repetition_penalty=1.3)
-    eos = max(range(1, TINY_VOCAB_SIZE), key=lambda t: sum(t in s[:15] for s in free))
-    expected = oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, repetition_penalty=1.3)
+    eos, expected = eos_case(model, prompts, oracle)
     assert len({len(s) for s in expected}) >= 3
     sample = dict(do_sample=True, temperature=0.9, top_k=40, seed=7, num_samples=2, return_logprobs=True)
     for config in (TIGHT | dict(kv_cache_tokens=64), dict(mode="bucketed", continuous_batch_size=3)):

@@ -118,11 +118,11 @@ def run_defaults(
                                                              else str(tuned_costs)}
     if tuned_costs is not None:  # the file's provenance against this model, as the tuned Rollout will check it
         load_calibration(tuned_costs, model=model, prefill_graphs=graphs)
-    configs = {"default": RolloutConfig(ignore_eos=True, pad_token_id=pad_id),
-               "tuned": RolloutConfig(ignore_eos=True, pad_token_id=pad_id, **tuned)}
+    same_tokens = {"ignore_eos": True, "pad_token_id": pad_id}  # every call generates max_new_tokens
+    configs = {"default": RolloutConfig(**same_tokens), "tuned": RolloutConfig(**same_tokens, **tuned)}
     engines: dict[str, dict[str, Any]] = {
-        "default": {"settings": {"ignore_eos": True, "pad_token_id": pad_id}},
-        "tuned": {"settings": {"ignore_eos": True, "pad_token_id": pad_id} | {
+        "default": {"settings": dict(same_tokens)},
+        "tuned": {"settings": same_tokens | {
             k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in tuned.items()}}}
     results: dict[str, Any] = {}
     record = {
