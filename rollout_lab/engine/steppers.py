@@ -92,13 +92,17 @@ def resolve_compile(choice: bool | str, decode_mode: str) -> bool | str:
 
 def weights_signature(model: torch.nn.Module) -> tuple:
     """Address, dtype, shape and strides of every parameter and buffer: what a graph bakes in."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device) for t in tensors)
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device) for t in graph_tensors(model))
+
+
+def graph_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a capture reads of the model: every parameter, then every buffer."""
+    return [*model.parameters(), *model.buffers()]
 
 
 def graph_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The memory a capture reads: every parameter and buffer, detached (the same storage)."""
-    return [t.detach() for t in (*model.parameters(), *model.buffers())]
+    return [t.detach() for t in graph_tensors(model)]
 
 
 def rebind_weights(model: torch.nn.Module, captured: Sequence[torch.Tensor]) -> bool:
@@ -111,7 +115,7 @@ def rebind_weights(model: torch.nn.Module, captured: Sequence[torch.Tensor]) -> 
     with nothing changed, when its tensors no longer pair one to one in dtype, shape, strides and
     device (a resized vocabulary, a cast, weights tied or untied): then the graphs must be captured
     again."""
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = graph_tensors(model)
     if len(tensors) != len(captured):
         return False
     moved = [(t, c) for t, c in zip(tensors, captured) if t.data_ptr() != c.data_ptr()]

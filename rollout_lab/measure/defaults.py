@@ -43,7 +43,7 @@ from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.sweep import class_ladder_settings, resolve_workloads
 from rollout_lab.measure.workloads import SEED_FIVE, WORKLOADS, lengths_to_prompts
-from rollout_lab.planner.checks import check_context, is_int
+from rollout_lab.planner.checks import check_context, check_int
 from rollout_lab.planner.cost import CostFile
 
 ENGINES = ("default", "tuned")
@@ -64,11 +64,9 @@ def check_defaults_settings(*, workloads: Sequence[str], max_new_tokens: int, re
     repeated = sorted({w for w in workloads if list(workloads).count(w) > 1})
     if repeated:
         raise ValueError(f"workloads must each be given once, got {repeated} more than once")
-    for name, value in (("max_new_tokens", max_new_tokens), ("repetitions", repetitions)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_int(max_new_tokens, name="max_new_tokens")
+    check_int(repetitions, name="repetitions")
+    check_int(seed, name="seed", minimum=0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
     resolve_workloads(list(workloads), scale=scale)  # unknown names, or none
