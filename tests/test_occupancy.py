@@ -95,3 +95,68 @@ def test_rollout_auto_learns_the_tail_and_goes_paged():
     result = rollout.generate(prompts, max_new_tokens=40)
     assert result.route == "paged"
     assert result.sequences == Rollout(model, RolloutConfig(mode="bucketed")).generate(prompts, max_new_tokens=40).sequences
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pool_replay_equals_the_paged_engine(seed):
+    """With a pool too small for every row, the replay's decode steps and preemptions are the
+    engine's (tiny fp32 model, budgets without EOS, one row admitted at a time allowed)."""
+    rng = random.Random(seed)
+    n, slots = rng.randint(6, 14), rng.randint(3, 6)
+    prompts = [rng.randint(1, 40) for _ in range(n)]
+    budgets = [rng.randint(2, 40) for _ in range(n)]
+    size = 16
+    need = max(-(-(p + b) // size) for p, b in zip(prompts, budgets))
+    pool = need + rng.randint(0, 2)  # tight: the rows together never fit
+    sim = simulate_refill(prompts, budgets, budgets, num_slots=slots, layout="paged", pool_blocks=pool,
+                          block_size=size)
+    model = get_tiny("qwen2")
+    ids = [[rng.randrange(3, 200) for _ in range(p)] for p in prompts]
+    result = Rollout(model, RolloutConfig(
+        mode="paged", kv_block_size=size, continuous_batch_size=slots, kv_cache_tokens=pool * size, refill_rows=1,
+        ignore_eos=True, profile=True)).generate(ids, max_new_tokens=budgets)
+    prof = result.profile
+    assert prof.num_kv_blocks - 1 == pool  # the scratch block is not the rows'
+    assert (prof.num_decode_forwards, prof.num_preemptions) == (sim.steps, sim.preemptions)
+    assert prof.decode_row_steps == sim.row_steps
+    assert len(sim.recompute_widths) == sim.preemptions
+
+
+def test_pool_replay_preempts_and_refuses_a_pool_below_one_row():
+    prompts, budgets = [10] * 8, [60] * 8
+    roomy = simulate_refill(prompts, budgets, budgets, num_slots=8, layout="paged")
+    tight = simulate_refill(prompts, budgets, budgets, num_slots=8, layout="paged", pool_blocks=12, block_size=16)
+    assert roomy.preemptions == 0 and tight.preemptions > 0
+    assert tight.steps > roomy.steps and tight.row_steps == roomy.row_steps  # the same tokens, fewer at once
+    assert all(w >= 10 for w in tight.recompute_widths)  # a prompt and the tokens made before it left
+    with pytest.raises(ValueError, match="cannot hold row 0 alone"):
+        simulate_refill(prompts, budgets, budgets, num_slots=8, layout="paged", pool_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="layout 'aligned' has no pool"):
+        simulate_refill(prompts, budgets, budgets, num_slots=8, layout="aligned", pool_blocks=12)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
+        simulate_refill(prompts, budgets, budgets, num_slots=8, layout="paged", pool_blocks=12, block_size=0)
+
+
+def test_auto_prices_preemption_and_leaves_out_a_pool_below_one_row():
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    common = dict(max_new_tokens=100, geometry=geometry, coeffs=costs, paged_allowed=True, continuous_batch_size=4,
+                  response_lengths={5: 0.9, 100: 0.1}, kv_block_size=16)
+    roomy = choose_route([10] * 40, **common)
+    held = choose_route([10] * 40, paged_pool_blocks=4 * 7, **common)  # four rows at their worst case
+    tight = choose_route([10] * 40, paged_pool_blocks=9, **common)  # one long row, or a few short ones
+    assert roomy.route == held.route == "paged" and held.paged_cost_ms == roomy.paged_cost_ms
+    assert tight.paged_cost_ms > roomy.paged_cost_ms  # fewer rows at once, and their recompute
+    none = choose_route([10] * 40, paged_pool_blocks=6, **common)  # 10 + 100 tokens need 7 blocks
+    assert none.paged_cost_ms is None and none.route != "paged"
+
+
+def test_rollout_auto_leaves_paged_out_when_its_pool_cannot_hold_a_row():
+    model = get_tiny("qwen2")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 300) for _ in range(6)] for _ in range(16)]
+    config = dict(continuous_batch_size=4, prior_ewma=1.0, response_length_prior=(2, 2, 2, 40), kv_block_size=16,
+                  costs=CostCoefficients(prefill_fixed_cost_ms=0.05))
+    small = Rollout(model, RolloutConfig(kv_cache_tokens=32, **config))  # 6 + 40 tokens need 3 blocks
+    assert small.generate(prompts, max_new_tokens=40).route != "paged"
+    assert Rollout(model, RolloutConfig(kv_cache_tokens=4096, **config)).generate(
+        prompts, max_new_tokens=40).route == "paged"

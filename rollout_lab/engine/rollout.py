@@ -599,13 +599,22 @@ class Rollout:
         if cfg.mode != "auto":
             return cfg.mode
         sizes = group_sizes(groups if groups is not None else range(n))
+        paged_allowed, pool = cfg.cache_capacity is None and not cfg.trim_cache, None
+        if paged_allowed and slots is not None and slots < n:  # paged is a candidate: price its pool too
+            rows = range(n)
+            try:
+                pool = self._paged_layout([lengths[r // num_samples] for r in rows],
+                                          [budgets[r // num_samples] for r in rows])[1] - 1  # less the scratch block
+            except ValueError:  # the pool cannot hold the longest row: the paged route would refuse this call
+                paged_allowed = False
         plan = choose_shared_route(
             [lengths[g // num_samples] for g in sizes], list(sizes.values()),
             max_new_tokens=[budgets[g // num_samples] for g in sizes], continuous_batch_size=slots,
             geometry=self.geometry, coeffs=self.costs,
             nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
             response_lengths=self.length_prior.current(), chunk_long_prompts=True,
-            classes=self.prefill_classes(lengths, min(n, slots or n)), paged_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
+            classes=self.prefill_classes(lengths, min(n, slots or n)), paged_allowed=paged_allowed,
+            paged_pool_blocks=pool, kv_block_size=cfg.kv_block_size,
         )
         self._explored = False
         if self.online is not None and cfg.online_recalibration and plan.nocb_cost_ms is not None:

@@ -11,7 +11,12 @@ giving each row its first token, as the engine runs):
   max remaining``. The budget is what the cache must hold, whatever the row's actual length: one
   long row keeps the front far right and blocks refill until it retires.
 - ``"paged"`` (``engine.paged_batching``): each row lives in its own blocks, so a row enters as soon
-  as a slot is free (the pool is assumed to hold the live rows).
+  as a slot is free. Without ``pool_blocks`` the pool is assumed to hold the live rows; with it, the
+  engine's block accounting is replayed too: a row enters only while one free block per live row
+  remains after its prompt's (the watermark), every row grows a block as it crosses one, and when the
+  next step does not fit the most recently admitted row is preempted (back to the head of the queue,
+  its tokens kept) and later recomputed by a prefill of its prompt and tokens. The schedule counts
+  those preemptions and the recomputed widths, which Auto prices as prefill.
 
 Response lengths come from a prior when there is one (``response_quantiles``: its quantiles spread
 over the rows, each clipped at its budget), else they are the budgets. Auto prices the two layouts'
@@ -43,6 +48,8 @@ class RefillSchedule:
     num_slots: int
     queued_steps: int = 0  # the steps taken while rows still waited in the queue
     queued_row_steps: int = 0
+    preemptions: int = 0  # rows that gave their blocks back (paged with ``pool_blocks`` only)
+    recompute_widths: tuple[int, ...] = ()  # the prefill width of each preempted row's return
 
     @property
     def occupancy(self) -> float:
@@ -72,12 +79,17 @@ def response_quantiles(prior: LengthPrior, budgets: Sequence[int]) -> list[int]:
 
 def simulate_refill(
     prompt_lengths: Sequence[int], response_lengths: Sequence[int], budgets: Sequence[int], *,
-    num_slots: int, layout: str, capacity: int | None = None,
+    num_slots: int, layout: str, capacity: int | None = None, pool_blocks: int | None = None, block_size: int = 16,
 ) -> RefillSchedule:
     """Replay one call's admissions (queue order) and decode steps on ``layout`` (``LAYOUTS``).
-    ``capacity``: the aligned cache's columns (default: longest prompt + largest budget, the engine's)."""
+    ``capacity``: the aligned cache's columns (default: longest prompt + largest budget, the engine's).
+    ``pool_blocks``: the paged pool's usable blocks of ``block_size`` tokens (None: it holds every
+    live row); a pool smaller than one row's prompt and response is a ValueError."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if pool_blocks is not None:
+        if layout != "paged":
+            raise ValueError(f"pool_blocks is the paged pool's size; layout {layout!r} has no pool")
     n = len(prompt_lengths)
     if not (len(response_lengths) == len(budgets) == n):
         raise ValueError(f"one response length and budget per prompt: {n} prompts, "
@@ -88,6 +100,8 @@ def simulate_refill(
         raise ValueError("every response length must be in [1, its budget]")
     if n == 0:
         return RefillSchedule(0, 0, num_slots)
+    if pool_blocks is not None:
+        return _simulate_pool(prompt_lengths, response_lengths, num_slots, pool_blocks, block_size)
     if capacity is None:
         capacity = max(prompt_lengths) + max(budgets)
     # a row that enters before step t's token has made 1 token (its prefill's) and makes one per step:
@@ -123,3 +137,74 @@ def simulate_refill(
             del live[heapq.heappop(ends)[1]]
             span_key = None
     return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps)
+
+
+def pool_misfit(prompts: Sequence[int], lengths: Sequence[int], *, pool_blocks: int, block_size: int) -> int | None:
+    """The first row whose prompt and response alone need more than ``pool_blocks`` blocks of
+    ``block_size`` tokens, else None (the pool can run every row)."""
+    for name, value in (("pool_blocks", pool_blocks), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return next((r for r, (p, n) in enumerate(zip(prompts, lengths)) if -(-(p + n) // block_size) > pool_blocks),
+                None)
+
+
+def _simulate_pool(
+    prompts: Sequence[int], lengths: Sequence[int], num_slots: int, pool: int, size: int,
+) -> RefillSchedule:
+    """The paged layout with its pool replayed block by block, as ``engine.paged_batching`` runs it
+    (admission watermark, growth one step ahead, preemption of the newest row, recompute)."""
+    def blocks(tokens: int) -> int:
+        return -(-tokens // size)
+
+    worst = pool_misfit(prompts, lengths, pool_blocks=pool, block_size=size)
+    if worst is not None:
+        raise ValueError(f"a pool of {pool} blocks of {size} tokens cannot hold row {worst} alone "
+                         f"({prompts[worst]} prompt + {lengths[worst]} tokens)")
+    fresh = 0  # the next row never admitted
+    waiting: list[int] = []  # preempted rows, the next to return first
+    made = [0] * len(prompts)  # tokens each row has made
+    held: dict[int, int] = {}  # live row -> its blocks, in admission order (dicts keep it)
+    free = pool
+    step = row_steps = queued_steps = queued_row_steps = 0
+    recompute: list[int] = []
+    while fresh < len(prompts) or waiting or held:
+        while (fresh < len(prompts) or waiting) and len(held) < num_slots:  # admission: the queue's head
+            row = waiting[-1] if waiting else fresh
+            need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
+            if need > free - (len(held) + 1) and not (not held and need <= free):
+                break  # the watermark: one free block per live row stays (never blocking an empty pool)
+            if waiting:
+                waiting.pop()
+                recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
+            else:
+                fresh += 1
+                made[row] = 1  # the prefill's token
+                if lengths[row] == 1:
+                    continue  # done at its prefill: never takes a step (nor keeps its blocks)
+            held[row] = need
+            free -= need
+        if not held:
+            continue
+        while True:  # growth: the blocks of every live row's next token, else preempt the newest
+            needs = {row: blocks(prompts[row] + made[row]) - b for row, b in held.items()}
+            if sum(needs.values()) <= free:
+                break
+            newest = next(reversed(held))
+            free += held.pop(newest)
+            waiting.append(newest)
+        for row, need in needs.items():
+            held[row] += need
+            free -= need
+        step += 1
+        row_steps += len(held)
+        if fresh < len(prompts) or waiting:
+            queued_steps += 1
+            queued_row_steps += len(held)
+        for row in list(held):
+            made[row] += 1
+            if made[row] == lengths[row]:
+                free += held.pop(row)
+    # every preempted row came back, once per preemption
+    return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps,
+                          preemptions=len(recompute), recompute_widths=tuple(recompute))

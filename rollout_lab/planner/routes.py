@@ -42,7 +42,7 @@ from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.chunks import plan_chunked
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
 from rollout_lab.planner.decode_steps import LengthPrior, budget_decode_steps, expected_decode_steps
-from rollout_lab.planner.occupancy import response_quantiles, simulate_refill
+from rollout_lab.planner.occupancy import pool_misfit, response_quantiles, simulate_refill
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
@@ -101,6 +101,8 @@ def choose_route(
     chunk_long_prompts: bool = False,
     classes: ShapeClasses | None = None,
     paged_allowed: bool = False,
+    paged_pool_blocks: int | None = None,
+    kv_block_size: int = 16,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
     nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
@@ -109,6 +111,9 @@ def choose_route(
     prefill is the bucketed plan's, and both caches' decode steps come from a replay of their
     admission rules (``planner.occupancy.simulate_refill``, on the prior's response lengths, else
     the budgets), priced at ``continuous_decode_cost_ms`` a step; it wins only when strictly cheaper.
+    ``paged_pool_blocks`` (usable blocks of ``kv_block_size`` tokens; None: the pool holds every
+    live row) replays the pool too: each preemption's recompute is priced as a one-row prefill of its
+    prompt and tokens, and a pool that cannot hold one row leaves paged out.
 
     nocb is eligible when ``nocb_allowed`` (no explicit capacity or trimming), every request
     fits the slots at once and the padded batch fits ``prefill_max_tokens``.
@@ -153,9 +158,13 @@ def choose_route(
     if paged_allowed and continuous_batch_size is not None and continuous_batch_size < n:
         # refill: both caches' decode steps from a replay of their admission rules (planner.occupancy)
         responses = budgets if response_lengths is None else response_quantiles(response_lengths, budgets)
-        steps, paged_steps = (simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size,
-                                              layout=layout).steps for layout in ("aligned", "paged"))
-        paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_steps)
+        steps = simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size, layout="aligned").steps
+        if paged_pool_blocks is None or pool_misfit(lengths, budgets, pool_blocks=paged_pool_blocks,
+                                                     block_size=kv_block_size) is None:  # else the engine refuses it
+            paged_run = simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size, layout="paged",
+                                        pool_blocks=paged_pool_blocks, block_size=kv_block_size)
+            paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_run.steps) + sum(
+                prefill_cost_ms(1, width, geometry, coeffs) for width in paged_run.recompute_widths)
     decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
     nocb = None
     if eligible:
