@@ -12,7 +12,8 @@ random-weight model ends a row with probability ~hazard per step, so response le
 Paths (``LONG_TAIL_PATHS``): the aligned cache (``mode="bucketed"``) and the paged pool
 (``mode="paged"``), each on ``slots`` slots (``*_128``; the names keep 128, the record the slots
 used), the paged pool with as many slots as its memory holds (``paged_memory``) and the aligned cache
-with every row at once (``aligned_all``). Each path: one warm-up call (compile and capture, timed as
+with every row at once (``aligned_all``); ``paged_128_eos_every_step`` is ``paged_128`` reading the
+tokens back after every step (``eos_check_interval=1``) instead of every few. Each path: one warm-up call (compile and capture, timed as
 ``first_call_ms``), ``reps`` timed calls and one profiled call, all with the same seed, so every path
 samples the same tokens in exact arithmetic (bf16 kernels may differ). Output tok/s counts the tokens
 generated; the profile says why: decode steps, live rows per step, occupancy of the slots (over every
@@ -50,10 +51,13 @@ from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
     "aligned_128": dict(mode="bucketed", continuous_batch_size=128),
     "paged_128": dict(mode="paged", continuous_batch_size=128),
+    # the same with the host reading the sampled tokens after every step (eos_check_interval=1): what
+    # the default interval's fewer reads save, side by side
+    "paged_128_eos_every_step": dict(mode="paged", continuous_batch_size=128, eos_check_interval=1),
     "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
     "aligned_all": dict(mode="bucketed"),  # every row at once
 }
-LONG_TAIL_DEFAULT_PATHS = ("paged_128", "aligned_128", "paged_memory", "aligned_all")
+LONG_TAIL_DEFAULT_PATHS = ("paged_128", "paged_128_eos_every_step", "aligned_128", "paged_memory", "aligned_all")
 # run_long_tail's settings and their defaults (its signature's): the shape, one timed call per path
 LONG_TAIL_DEFAULTS: dict[str, Any] = {**EOS_LONG_TAIL, "reps": 1, "paths": LONG_TAIL_DEFAULT_PATHS}
 

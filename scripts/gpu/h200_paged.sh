@@ -19,7 +19,7 @@ else
   LONG="--preset qwen2.5-0.5b --dtype bfloat16"
   NANO="--preset qwen3-0.6b --dtype bfloat16"
 fi
-LONG_TAIL_PATHS=${LONG_TAIL_PATHS:-paged_128 aligned_128 paged_memory aligned_all}
+LONG_TAIL_PATHS=${LONG_TAIL_PATHS:-paged_128 paged_128_eos_every_step aligned_128 paged_memory aligned_all}
 NANO_MODES=${NANO_MODES:-paged bucketed}
 versions
 for what in "$@"; do
