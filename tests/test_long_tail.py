@@ -68,7 +68,7 @@ def test_run_long_tail_fills_the_slots_better_paged_and_every_path_samples_the_s
     record = run_long_tail(get_tiny("qwen2"), model_name="tiny-qwen2", dtype="float32", config={"device": "cpu"},
                            save=lambda r: saved.append(json.loads(json.dumps(r))), script="test", **TINY_SHAPE)
     paths = list(LONG_TAIL_DEFAULTS["paths"])
-    assert [list(r["results"]) for r in saved] == [paths[: i + 1] for i in range(4)]  # saved after every path
+    assert [list(r["results"]) for r in saved] == [paths[: i + 1] for i in range(len(paths))]  # saved after every path
     assert record["kind"] == "eos_long_tail" and record["provenance"]["script"] == "test"
     assert record["provenance"]["git_sha"] and record["provenance"]["dtype"] == "float32"
     assert record["config"]["model"] == "tiny-qwen2" and record["config"]["slots"] == 4
@@ -89,12 +89,16 @@ def test_run_long_tail_fills_the_slots_better_paged_and_every_path_samples_the_s
     # while rows wait, the paged pool refills every freed slot; the aligned cache leaves some empty
     assert paged["queued_occupancy"] > 0.95 and aligned["queued_occupancy"] < 0.9, (paged, aligned)
     assert paged["num_decode_steps"] < aligned["num_decode_steps"]
+    every = results["paged_128_eos_every_step"]  # the same rows, steps and tokens; only the reads differ
+    assert every["settings"] == paged["settings"] | {"eos_check_interval": 1}
+    assert (every["num_decode_steps"], every["occupancy"]) == (paged["num_decode_steps"], paged["occupancy"])
     assert results["paged_memory"]["num_slots"] == results["aligned_all"]["num_slots"] == 16  # the pool holds all
     assert paged["route"] == "paged" and paged["num_preemptions"] == 0 and paged["peak_kv_bytes_over_live"] >= 1
     assert aligned["route"] == "bucketed" and aligned["peak_kv_bytes_over_live"] is None
     rows = long_tail_rows(record)
     assert [(r["path"], r["mode"], r["slots"]) for r in rows] == [
-        ("paged_128", "paged", 4), ("aligned_128", "bucketed", 4), ("paged_memory", "paged", 16),
+        ("paged_128", "paged", 4), ("paged_128_eos_every_step", "paged", 4), ("aligned_128", "bucketed", 4),
+        ("paged_memory", "paged", 16),
         ("aligned_all", "bucketed", 16)]
     assert rows[0]["occupancy"] == paged["occupancy"] and rows[0]["peak_memory_gb"] is None
 
