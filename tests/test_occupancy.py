@@ -10,7 +10,7 @@ from conftest import get_tiny
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.occupancy import response_quantiles, simulate_refill
-from rollout_lab.planner.routes import choose_route
+from rollout_lab.planner.routes import choose_route, choose_shared_route
 
 
 def brute_force(prompts, lengths, budgets, slots, layout, capacity):
@@ -160,3 +160,33 @@ def test_rollout_auto_leaves_paged_out_when_its_pool_cannot_hold_a_row():
     assert small.generate(prompts, max_new_tokens=40).route != "paged"
     assert Rollout(model, RolloutConfig(kv_cache_tokens=4096, **config)).generate(
         prompts, max_new_tokens=40).route == "paged"
+
+
+def test_shared_prompts_refill_counts_rows_not_prompts():
+    """8 prompts x 8 samples on 16 slots refill: the decode is priced over the 64 rows (paged a
+    candidate), as the same rows given one by one, while the prefill plan stays over the 8 prompts."""
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    common = dict(max_new_tokens=100, geometry=geometry, coeffs=costs, paged_allowed=True, continuous_batch_size=16,
+                  response_lengths={5: 0.9, 100: 0.1})
+    shared = choose_shared_route([10] * 8, [8] * 8, **common)
+    rows = choose_route([10] * 64, **common)
+    assert shared.route == rows.route == "paged"
+    # the same decode estimates: the gap between the caches is the rows' whatever the prefill plan
+    assert shared.cb_cost_ms - shared.paged_cost_ms == pytest.approx(rows.cb_cost_ms - rows.paged_cost_ms)
+    assert shared.cb_cost_ms - shared.paged_cost_ms > 0
+    with pytest.raises(ValueError, match=r"one count per prompt \(8\), got 2"):
+        choose_route([10] * 8, rows_per_prompt=[8, 8], **common)
+
+
+def test_rollout_auto_goes_paged_for_samples_that_refill():
+    """4 prompts x 4 samples on 4 slots: the 16 rows refill, so Auto prices them (it once counted
+    the 4 prompts, which fit the slots, and never offered paged); the tokens are the aligned route's."""
+    model = get_tiny("qwen2")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 300) for _ in range(6)] for _ in range(4)]
+    auto = Rollout(model, RolloutConfig(continuous_batch_size=4, prior_ewma=1.0, response_length_prior=(2, 2, 2, 40),
+                                        costs=CostCoefficients(prefill_fixed_cost_ms=0.05)))
+    result = auto.generate(prompts, max_new_tokens=40, num_samples=4)
+    aligned = Rollout(model, RolloutConfig(mode="bucketed", continuous_batch_size=4))
+    assert result.route == "paged"
+    assert result.sequences == aligned.generate(prompts, max_new_tokens=40, num_samples=4).sequences

@@ -103,6 +103,7 @@ def choose_route(
     paged_allowed: bool = False,
     paged_pool_blocks: int | None = None,
     kv_block_size: int = 16,
+    rows_per_prompt: Sequence[int] | None = None,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
     nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
@@ -127,6 +128,9 @@ def choose_route(
     rows' steps shared over the slots), and nocb (HF ``generate`` to the largest budget, each row
     cut at its own) pays the steps to the largest, wasted ones included. With a prior, both take
     its expected steps, the prior clipped at the largest budget.
+
+    ``rows_per_prompt`` (``choose_shared_route``): prompt i fills that many rows of the decode, so
+    the decode steps, refill and the paged replay count rows while the prefill plans count prompts.
     """
     lengths = validate_lengths(lengths, None if chunk_long_prompts else coeffs)
     budgets = budgets_of(max_new_tokens, len(lengths))
@@ -141,6 +145,14 @@ def choose_route(
     n = len(lengths)
     if n == 0:
         return RoutePlan("bucketed", (), None, 0.0)
+    if rows_per_prompt is not None and len(rows_per_prompt) != n:
+        raise ValueError(f"rows_per_prompt must hold one count per prompt ({n}), got {len(rows_per_prompt)}")
+    if rows_per_prompt is None:
+        row_lengths, row_budgets = lengths, budgets
+    else:  # the decode's rows: prompt i's length and budget, rows_per_prompt[i] times
+        row_lengths = [x for x, k in zip(lengths, rows_per_prompt) for _ in range(k)]
+        row_budgets = [b for b, k in zip(budgets, rows_per_prompt) for _ in range(k)]
+    num_rows = len(row_lengths)
     limit = coeffs.prefill_max_tokens
     eligible = (
         nocb_allowed
@@ -150,19 +162,20 @@ def choose_route(
     longest_budget = max(budgets)
     steps = nocb_steps = None
     if response_lengths is not None:
-        steps = expected_decode_steps(response_lengths, n, longest_budget, num_slots=continuous_batch_size)
+        steps = expected_decode_steps(response_lengths, num_rows, longest_budget, num_slots=continuous_batch_size)
         nocb_steps = steps
     else:
-        steps = budget_decode_steps(budgets, num_slots=continuous_batch_size)
+        steps = budget_decode_steps(row_budgets, num_slots=continuous_batch_size)
     paged_decode = None
-    if paged_allowed and continuous_batch_size is not None and continuous_batch_size < n:
+    if paged_allowed and continuous_batch_size is not None and continuous_batch_size < num_rows:
         # refill: both caches' decode steps from a replay of their admission rules (planner.occupancy)
-        responses = budgets if response_lengths is None else response_quantiles(response_lengths, budgets)
-        steps = simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size, layout="aligned").steps
-        if paged_pool_blocks is None or pool_misfit(lengths, budgets, pool_blocks=paged_pool_blocks,
+        responses = row_budgets if response_lengths is None else response_quantiles(response_lengths, row_budgets)
+        steps = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
+                                layout="aligned").steps
+        if paged_pool_blocks is None or pool_misfit(row_lengths, row_budgets, pool_blocks=paged_pool_blocks,
                                                      block_size=kv_block_size) is None:  # else the engine refuses it
-            paged_run = simulate_refill(lengths, responses, budgets, num_slots=continuous_batch_size, layout="paged",
-                                        pool_blocks=paged_pool_blocks, block_size=kv_block_size)
+            paged_run = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
+                                        layout="paged", pool_blocks=paged_pool_blocks, block_size=kv_block_size)
             paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_run.steps) + sum(
                 prefill_cost_ms(1, width, geometry, coeffs) for width in paged_run.recompute_widths)
     decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
@@ -285,7 +298,7 @@ def choose_shared_route(
     nocb = None
     if nocb_allowed:
         nocb = choose_route(rows, max_new_tokens=row_budgets, nocb_allowed=True, **common).nocb_cost_ms
-    shared = choose_route(lengths, max_new_tokens=budgets, nocb_allowed=False, **common)
+    shared = choose_route(lengths, max_new_tokens=budgets, nocb_allowed=False, rows_per_prompt=replicas, **common)
     copies = replication_cost_ms(lengths, replicas, geometry, coeffs)
     cb = shared.cb_cost_ms + copies
     packed = None if shared.packed_cost_ms is None else shared.packed_cost_ms + copies
