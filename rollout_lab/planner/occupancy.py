@@ -87,9 +87,8 @@ def simulate_refill(
     live row); a pool smaller than one row's prompt and response is a ValueError."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
-    if pool_blocks is not None:
-        if layout != "paged":
-            raise ValueError(f"pool_blocks is the paged pool's size; layout {layout!r} has no pool")
+    if pool_blocks is not None and layout != "paged":
+        raise ValueError(f"pool_blocks is the paged pool's size; layout {layout!r} has no pool")
     n = len(prompt_lengths)
     if not (len(response_lengths) == len(budgets) == n):
         raise ValueError(f"one response length and budget per prompt: {n} prompts, "
@@ -172,8 +171,9 @@ def _simulate_pool(
         while (fresh < len(prompts) or waiting) and len(held) < num_slots:  # admission: the queue's head
             row = waiting[-1] if waiting else fresh
             need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
-            if need > free - (len(held) + 1) and not (not held and need <= free):
-                break  # the watermark: one free block per live row stays (never blocking an empty pool)
+            # the watermark: one free block per live row stays after it (never blocking an empty pool)
+            if not (need <= free - (len(held) + 1) or (not held and need <= free)):
+                break
             if waiting:
                 waiting.pop()
                 recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
