@@ -38,7 +38,7 @@ from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import release_memory
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, padding_share, sample_lengths, scale_lengths
-from rollout_lab.planner.checks import is_int
+from rollout_lab.planner.checks import check_int, is_int
 from rollout_lab.planner.cost import CostCoefficients
 
 GRPO_PATHS = ("shared", "unshared", "hf_generate")
@@ -57,8 +57,7 @@ def check_grpo_settings(*, dataset: str, num_prompts: int, num_samples: int, max
         raise ValueError(f"dataset must be one of {list(DATASETS)}, got {dataset!r}")
     for name, value in (("num_prompts", num_prompts), ("num_samples", num_samples),
                         ("max_new_tokens", max_new_tokens), ("reps", reps)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(value, name=name)
     if not is_int(seed):
         raise ValueError(f"seed must be an int, got {seed!r}")
     for name, value in (("scale", scale), ("temperature", temperature)):

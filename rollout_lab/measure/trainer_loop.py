@@ -46,7 +46,7 @@ from rollout_lab.measure.paths import timed_call
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.records import load_record, shape_settings
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, sample_lengths, scale_lengths
-from rollout_lab.planner.checks import is_int
+from rollout_lab.planner.checks import check_int, is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 TRAIN_MODES = ("toggle", "eval", "train")  # the model's mode: train() for the step and eval() for rollouts, or one
@@ -66,8 +66,7 @@ def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: 
         raise ValueError(f"dataset must be one of {list(DATASETS)}, got {dataset!r}")
     for name, value in (("num_prompts", num_prompts), ("num_samples", num_samples),
                         ("max_new_tokens", max_new_tokens), ("iterations", iterations)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(value, name=name)
     if train_rows is not None and (not is_int(train_rows) or train_rows < 1):
         raise ValueError(f"train_rows must be None (every row at once) or an int >= 1, got {train_rows!r}")
     if not is_int(seed) or seed < 0:
