@@ -26,12 +26,15 @@ WORKLOADS=${WORKLOADS:-"short_similar long_tail short_tail moderate_tail spread 
 if [ -n "${TINY:-}" ]; then
   M="--tiny qwen2"; CAL="--grid tiny"; EXTRA="--scale 0.1 --repetitions 1"; GRAPHS="--prefill-classes"
   PREFILL="--tiny qwen2 --batch-sizes 4 8 --repetitions 1"; PREFILL512="--tiny qwen2 --batch-sizes 16 --repetitions 1 --routes bucketed packed"
-  DEF="--tiny qwen2 --scale 0.1 --max-new-tokens 4 --repetitions 1"
+  DEF="--tiny qwen2 --scale 0.1 --max-new-tokens 4 --repetitions 1"; TUNED_COSTS=${TUNED_COSTS-}
 else
   M="--preset qwen2.5-3b --dtype bfloat16"; CAL="--repeats 3 --prefill-graphs"; EXTRA="--repetitions 3"; GRAPHS="--prefill-graphs"
   PREFILL="--preset qwen2.5-3b --prefill-graphs --batch-sizes 32 128 --repetitions 2"
   PREFILL512="--preset qwen2.5-3b --prefill-graphs --batch-sizes 512 --repetitions 2 --routes bucketed packed"
-  DEF="--preset qwen2.5-3b --tuned-costs data/calibration/qwen2.5-3b_bfloat16_cuda_prefill-graphs.json --repetitions 3"
+  DEF="--preset qwen2.5-3b --repetitions 3"
+  # the tuned side's calibration: the H200's; TUNED_COSTS= (empty) on another GPU, where that file is refused,
+  # prices it by the reference's coefficients (its first calls and the default's still measure issue 33's times)
+  TUNED_COSTS=${TUNED_COSTS-data/calibration/qwen2.5-3b_bfloat16_cuda_prefill-graphs.json}
 fi
 # RESUME=<dir> holding sweep_ours.json/.csv from an earlier call: the sweep keeps its workloads
 # (rollout-lab sweep --resume) and runs the rest, so a sweep longer than one call spans two.
@@ -49,9 +52,11 @@ for what in "$@"; do
     prefill512) step ${PREFILL_LIMIT:-300} $PY -m rollout_lab.cli bench prefill-routes $PREFILL512 --costs $COSTS --out $OUT/prefill_routes_512 ;;
     peer)  step 540 $PY -m rollout_lab.cli sweep $M $EXTRA --no-progress --max-new-tokens 16 \
                --workloads $WORKLOADS --paths hf_static --out $OUT/sweep_hf_static ;;
-    defaults) step ${DEFAULTS_LIMIT:-380} $PY -m rollout_lab.cli bench defaults $DEF --out $OUT/defaults ;;
+    defaults) step ${DEFAULTS_LIMIT:-380} $PY -m rollout_lab.cli bench defaults $DEF ${TUNED_COSTS:+--tuned-costs $TUNED_COSTS} \
+                --out $OUT/defaults ;;
     # the same command in a new process: the compiled artifacts and learned costs the first one cached
-    defaults_warm) step 540 $PY -m rollout_lab.cli bench defaults $DEF --out $OUT/defaults_warm ;;
+    defaults_warm) step 540 $PY -m rollout_lab.cli bench defaults $DEF ${TUNED_COSTS:+--tuned-costs $TUNED_COSTS} \
+                --out $OUT/defaults_warm ;;
     *) echo "unknown step $what (tests, calibrate, sweep, prefill, prefill512, peer, defaults, defaults_warm)"; exit 2 ;;
   esac
 done
