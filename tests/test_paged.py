@@ -125,6 +125,27 @@ def test_paged_refills_where_the_aligned_cache_waits(oracle):
     assert paged.profile.queued_occupancy == 1.0  # every slot busy until the queue drained
 
 
+def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
+    """Refill with admit_tokens_per_step=40: every admission prefills at most 40 prompt tokens or one
+    row (the 45-token prompt comes in alone), with the oracle's tokens; unbounded, refill takes more."""
+    model = get_tiny("qwen2")
+    lengths = [30, 25, 7, 12, 45, 9, 18, 22, 5, 33, 14, 8]
+    prompts = make_prompts(lengths, seed=5)
+    budgets = [6, 20, 9, 4, 12, 7, 15, 5, 10, 8, 3, 11]
+    expected = [oracle.one(model, p, b, None, 1.0) for p, b in zip(prompts, budgets)]
+    common = dict(mode="paged", continuous_batch_size=4, kv_block_size=16, refill_rows=4)
+    bounded = run(model, prompts, budgets, admit_tokens_per_step=40, **common)
+    free = run(model, prompts, budgets, **common)
+    assert bounded.sequences == free.sequences == expected
+    turns = [[r for bucket in plan.buckets for r in bucket] for plan in bounded.plans]
+    assert sorted(r for turn in turns for r in turn) == list(range(len(prompts)))
+    assert all(len(turn) == 1 or sum(lengths[r] for r in turn) <= 40 for turn in turns), turns
+    assert [4] in turns  # longer than the bound: alone
+    assert max(sum(lengths[r] for r in plan_rows) for plan_rows in
+               ([r for bucket in plan.buckets for r in bucket] for plan in free.plans)) > 40
+    assert len(bounded.plans) > len(free.plans)
+
+
 def test_default_slots_hold_every_row_on_cpu():
     model = get_tiny("qwen3")
     prompts = make_prompts([5, 9, 3, 30], seed=4)
@@ -173,6 +194,7 @@ def test_admit_places_each_row_at_its_positions():
     (dict(mode="paged", gpu_memory_fraction=0.0), "gpu_memory_fraction"),
     (dict(mode="paged", kv_cache_tokens=0), "kv_cache_tokens"),
     (dict(mode="paged", refill_rows=-1), "refill_rows"),
+    (dict(mode="paged", admit_tokens_per_step=0), r"admit_tokens_per_step must be an int >= 1, or None, got 0"),
     (dict(mode="paged", cache_capacity=64), "mode='paged' keeps each row"),
     (dict(eos_check_interval=0), r"eos_check_interval must be 'auto' or an int in 1..64, got 0"),
     (dict(eos_check_interval="often"), "eos_check_interval must be 'auto' or an int"),

@@ -105,6 +105,10 @@ class RolloutConfig:
     gpu_memory_fraction: float = 0.9
     kv_cache_tokens: int | None = None
     refill_rows: int | None = None
+    # prompt tokens prefilled between two decode steps at most (the paged route; None: no bound): a
+    # turn admits the longest queue prefix within it, so a refill of many long prompts cannot stall
+    # the live rows for more than one such prefill (a prompt longer than the bound comes in alone)
+    admit_tokens_per_step: int | None = None
     # decode steps run between two reads of the tokens when rows can end at EOS or a stop id: the host
     # reads the device once per interval, not after every step, so the GPU never idles while the host
     # appends tokens, retires and admits rows. A row that ends inside an interval computes the rest of
@@ -153,7 +157,7 @@ class RolloutConfig:
                 raise ValueError(f"eos_check_interval must be 'auto' or an int in 1..{MAX_EOS_CHECK_INTERVAL}, "
                                  f"got {interval!r}")
             object.__setattr__(self, "eos_check_interval", number)
-        for name in ("continuous_batch_size", "cache_capacity", "kv_cache_tokens", "refill_rows"):
+        for name in ("continuous_batch_size", "cache_capacity", "kv_cache_tokens", "refill_rows", "admit_tokens_per_step"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, check_int(value, name=name, or_none=True))

@@ -6,6 +6,9 @@ The ``paged`` route (``engine.paged_cache``). Every loop turn, before a decode s
   per live row after their prompts' blocks (a watermark, so the live rows can grow). A turn admits
   only when at least ``refill_rows`` rows can come in (or the queue is that short, or nothing is
   live): one prefill forward then serves several rows, instead of one eager forward per retired row.
+  ``admit_tokens`` bounds the prompt tokens (a resuming row's: its prompt and tokens) one turn
+  prefills, so the live rows never wait for more than that between two steps; a row longer than the
+  bound comes in alone, and a turn the bound cut short admits whatever ``refill_rows`` says.
   The admitted rows are planned and prefilled as on the aligned cache (``ContinuousBatcher``:
   bucketed DP, packed, shared prefill, chunked long prompts), their KV copied into their blocks.
 - **growth**: each live row gets the blocks its next tokens need; a burst of steps without EOS
@@ -33,11 +36,12 @@ from rollout_lab.engine.prefill import prefill_bucket
 class PagedBatcher(ContinuousBatcher):
     """Runs one call's rows through the paged cache; ``run()`` -> (sequences, plans)."""
 
-    def __init__(self, *args, refill_rows: int = 1, **kwargs):
+    def __init__(self, *args, refill_rows: int = 1, admit_tokens: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.cache, PagedKVCache):
             raise ValueError("PagedBatcher needs a stepper over the paged cache (StepperKey.block_size)")
         self.refill_rows = max(1, refill_rows)
+        self.admit_tokens = admit_tokens
         self.admitted_order: dict[int, int] = {}  # request -> admission counter (the newest is preempted first)
         self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
         self._counter = 0
@@ -72,33 +76,38 @@ class PagedBatcher(ContinuousBatcher):
         last) plus the first decode step's."""
         return self.lengths[request] + max(1, len(self.outputs[request]))
 
-    def _admissible_paged(self) -> list[int]:
+    def _admissible_paged(self) -> tuple[list[int], bool]:
         """The longest queue prefix that fits the free slots and the pool, keeping one free block
-        per live row (the watermark)."""
+        per live row (the watermark), and within ``admit_tokens`` (at least one row); whether that
+        token bound cut it short."""
         allocator = self.cache.allocator
         free_slots = self.settings.num_slots - len(self.rows)
         budget = allocator.num_free
         chosen: list[int] = []
+        tokens = 0
         for request in self.queue[:free_slots]:
             need = allocator.blocks_for(self._entry_tokens(request))
             if need > budget - (len(self.rows) + len(chosen) + 1):
                 break
+            tokens += self._entry_tokens(request) - 1  # its prefill: all but the first step's position
+            if self.admit_tokens is not None and chosen and tokens > self.admit_tokens:
+                return chosen, True
             budget -= need
             chosen.append(request)
-        return chosen
+        return chosen, False
 
     def _admit_paged(self) -> bool:
         """Admit the rows ``_admissible_paged`` allows, if at least ``refill_rows`` (or nothing is
         live); whether any came in."""
         if not self.queue or len(self.rows) >= self.settings.num_slots:
             return False
-        chosen = self._admissible_paged()
+        chosen, bounded = self._admissible_paged()
         if not chosen and not self.rows:  # the watermark never blocks an empty cache
             request = self.queue[0]
             if self.cache.allocator.blocks_for(self._entry_tokens(request)) <= self.cache.allocator.num_free:
                 chosen = [request]
         wanted = min(self.refill_rows, len(self.queue), self.settings.num_slots)
-        if not chosen or (self.rows and len(chosen) < wanted):
+        if not chosen or (self.rows and len(chosen) < wanted and not bounded):
             return False
         del self.queue[: len(chosen)]
         resumed = [r for r in chosen if r in self.resuming]

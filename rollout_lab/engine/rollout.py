@@ -491,7 +491,8 @@ class Rollout:
                               groups=groups, sample_keys=keys, prefill_graphs=self._captured_prefill())
                 if route == "paged":
                     refill = cfg.refill_rows or max(1, num_slots // 16)
-                    batcher = PagedBatcher(self.model, row_prompts, settings, refill_rows=refill, **common)
+                    batcher = PagedBatcher(self.model, row_prompts, settings, refill_rows=refill,
+                                           admit_tokens=cfg.admit_tokens_per_step, **common)
                 else:
                     batcher = ContinuousBatcher(self.model, row_prompts, settings, **common)
                 sequences, plans = batcher.run()
