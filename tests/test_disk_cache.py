@@ -122,3 +122,24 @@ def test_the_captured_decode_prior_runs_short_batches_on_cb_and_learns_from_them
     learner.observations.append({"kind": "decode", "ms": 60.0, "steps": 10, "rows": 32, "width": 40})
     refit = learner.refit(prior)
     assert refit.continuous_decode_cost_ms == 6.0 and refit.nocb_decode_cost_ms == 6.0 + CAPTURED_DECODE_GAP_MS
+
+
+def test_a_calibration_without_a_decode_probe_prices_a_captured_decode_by_the_prior():
+    """The H200 calibration of Qwen2.5-3B ran no decode probe (grid decode_batches []) and wrote both
+    decode terms as 0: with a captured step Auto took nocb on 32 x 16 tokens (629 ms against 95 on
+    CB). A captured decode takes the prior's terms instead; an eager one, or a probed file, as written."""
+    from rollout_lab.engine.rollout import captured_decode_prior, with_unmeasured_decode
+
+    file_coeffs = CostCoefficients(prefill_fixed_cost_ms=8.5, continuous_decode_cost_ms=0.0, nocb_decode_cost_ms=0.0)
+    unprobed = {"grid": {"decode_batches": [], "prefill_graphs": True}}
+    coeffs, note = with_unmeasured_decode(file_coeffs, unprobed, "graph")
+    prior = captured_decode_prior()
+    assert (coeffs.continuous_decode_cost_ms, coeffs.nocb_decode_cost_ms) == (
+        prior.continuous_decode_cost_ms, prior.nocb_decode_cost_ms)
+    assert coeffs.prefill_fixed_cost_ms == 8.5 and "measured no decode" in note  # the prefill terms stay the file's
+    for metadata, mode in ((unprobed, "eager"), ({"grid": {"decode_batches": [8, 32]}}, "graph"), ({}, "graph")):
+        assert with_unmeasured_decode(file_coeffs, metadata, mode) == (file_coeffs, "")
+    lengths = [n for n in range(20, 12, -1) for _ in range(4)]  # the seed's short_similar
+    model = get_tiny("qwen2")
+    assert Rollout(model, RolloutConfig(costs=file_coeffs))._route(lengths, [16] * 32) == "nocb"
+    assert Rollout(model, RolloutConfig(costs=coeffs))._route(lengths, [16] * 32) != "nocb"

@@ -138,6 +138,23 @@ def captured_decode_prior() -> CostCoefficients:
                                nocb_decode_cost_ms=CAPTURED_DECODE_GAP_MS)
 
 
+def with_unmeasured_decode(coeffs: CostCoefficients, metadata: Mapping[str, Any],
+                           decode_mode: str) -> tuple[CostCoefficients, str]:
+    """A cost file's coefficients for a Rollout decoding in ``decode_mode``, and what was changed
+    ("" when nothing). A calibration whose grid ran no decode probe (``decode_batches`` empty)
+    wrote both decode terms as 0, as if CB decode cost what nocb's (HF's eager loop) does; with a
+    captured step that sent short batches to nocb at several times the cost (H200, Qwen2.5-3B,
+    32 x 16 tokens: 629 ms against 95 on CB). There the captured prior's decode terms replace them.
+    A file without a grid is taken as it is."""
+    grid = metadata.get("grid")
+    if decode_mode != "graph" or not isinstance(grid, Mapping) or grid.get("decode_batches", None) != []:
+        return coeffs, ""
+    prior = captured_decode_prior()
+    return (dataclasses.replace(coeffs, continuous_decode_cost_ms=prior.continuous_decode_cost_ms,
+                                nocb_decode_cost_ms=prior.nocb_decode_cost_ms),
+            "; its calibration measured no decode: CB decode priced below nocb's (captured step)")
+
+
 class Rollout:
     """Generates responses (greedy, or seeded sampling) for a batch of prompts through the configured
     route; keeps the captured decode graph, the learned costs and the length prior across calls."""
@@ -190,6 +207,8 @@ class Rollout:
             self.costs = costs.check(model_metadata(model, model_name=model_name_of(model),
                                                     prefill_graphs=self.prefill_graphs),
                                      override=self.config.override_costs)
+            self.costs, note = with_unmeasured_decode(self.costs, costs.metadata, self.decode_mode)
+            self.costs_source += note
         else:  # "auto"
             found = cached_cost_file(self._cache_metadata) if self._cache_metadata is not None else None
             self.costs = found.coeffs if found is not None else CostCoefficients()
