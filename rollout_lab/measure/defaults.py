@@ -156,6 +156,8 @@ def run_defaults(
             for which in ENGINES:  # the default's first: on the first workload, the process's first call
                 out[which]["first_call_ms"], result = call(which)
                 out[which]["first_call_route"] = result.route
+                # shown as it ends: a run cut short before the workload's record still tells its first calls
+                progress(f"{name:16s} {which} first call {out[which]['first_call_ms']:9.1f} ms ({result.route})")
             if record["process_first_call_ms"] is None:
                 record["process_first_call_ms"] = engines["default"]["build_ms"] + out["default"]["first_call_ms"]
             for round_ in range(repetitions):
