@@ -8,7 +8,7 @@ The ``paged`` route (``engine.paged_cache``). Every loop turn, before a decode s
   live): one prefill forward then serves several rows, instead of one eager forward per retired row.
   ``admit_tokens`` bounds the prompt tokens (a resuming row's: its prompt and tokens) one turn
   prefills, so the live rows never wait for more than that between two steps; a row longer than the
-  bound comes in alone, and a turn the bound cut short admits whatever ``refill_rows`` says.
+  bound comes in alone, and a turn the bound cut short admits its rows even if fewer than ``refill_rows``.
   The admitted rows are planned and prefilled as on the aligned cache (``ContinuousBatcher``:
   bucketed DP, packed, shared prefill, chunked long prompts), their KV copied into their blocks.
 - **growth**: each live row gets the blocks its next tokens need; a burst of steps without EOS

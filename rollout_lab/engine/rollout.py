@@ -619,7 +619,8 @@ class Rollout:
         if cfg.mode != "auto":
             return cfg.mode
         sizes = group_sizes(groups if groups is not None else range(n))
-        paged_allowed, pool = cfg.cache_capacity is None and not cfg.trim_cache, None
+        free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
+        paged_allowed, pool = free_layout, None
         if paged_allowed and slots is not None and slots < n:  # paged is a candidate: price its pool too
             rows = range(n)
             try:
@@ -631,8 +632,7 @@ class Rollout:
             [lengths[g // num_samples] for g in sizes], list(sizes.values()),
             max_new_tokens=[budgets[g // num_samples] for g in sizes], continuous_batch_size=slots,
             geometry=self.geometry, coeffs=self.costs,
-            nocb_allowed=cfg.cache_capacity is None and not cfg.trim_cache,
-            response_lengths=self.length_prior.current(), chunk_long_prompts=True,
+            nocb_allowed=free_layout, response_lengths=self.length_prior.current(), chunk_long_prompts=True,
             classes=self.prefill_classes(lengths, min(n, slots or n)), paged_allowed=paged_allowed,
             paged_pool_blocks=pool, kv_block_size=cfg.kv_block_size,
         )
