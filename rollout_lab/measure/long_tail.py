@@ -13,8 +13,8 @@ Paths (``LONG_TAIL_PATHS``): the aligned cache (``mode="bucketed"``) and the pag
 (``mode="paged"``), each on ``slots`` slots (``*_128``; the names keep 128, the record the slots
 used), the paged pool with as many slots as its memory holds (``paged_memory``) and the aligned cache
 with every row at once (``aligned_all``); ``paged_128_eos_every_step`` is ``paged_128`` reading the
-tokens back after every step (``eos_check_interval=1``) instead of every few. Each path: one warm-up call (compile and capture, timed as
-``first_call_ms``), ``reps`` timed calls and one profiled call, all with the same seed, so every path
+tokens back after every step (``eos_check_interval=1``) instead of every few. Each path: one warm-up
+call (compile and capture, timed as ``first_call_ms``), ``reps`` timed calls and one profiled call, all with the same seed, so every path
 samples the same tokens in exact arithmetic (bf16 kernels may differ). Output tok/s counts the tokens
 generated; the profile says why: decode steps, live rows per step, occupancy of the slots (over every
 step, and over the steps taken while rows still waited: the route's own effect), preemptions, and the
