@@ -138,13 +138,18 @@ def simulate_refill(
     return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps)
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens that ``tokens`` positions take."""
+    return -(-tokens // block_size)
+
+
 def pool_misfit(prompts: Sequence[int], lengths: Sequence[int], *, pool_blocks: int, block_size: int) -> int | None:
     """The first row whose prompt and response alone need more than ``pool_blocks`` blocks of
     ``block_size`` tokens, else None (the pool can run every row)."""
     for name, value in (("pool_blocks", pool_blocks), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return next((r for r, (p, n) in enumerate(zip(prompts, lengths)) if -(-(p + n) // block_size) > pool_blocks),
+    return next((r for r, (p, n) in enumerate(zip(prompts, lengths)) if blocks_for(p + n, block_size) > pool_blocks),
                 None)
 
 
@@ -154,7 +159,7 @@ def _simulate_pool(
     """The paged layout with its pool replayed block by block, as ``engine.paged_batching`` runs it
     (admission watermark, growth one step ahead, preemption of the newest row, recompute)."""
     def blocks(tokens: int) -> int:
-        return -(-tokens // size)
+        return blocks_for(tokens, size)
 
     worst = pool_misfit(prompts, lengths, pool_blocks=pool, block_size=size)
     if worst is not None:
