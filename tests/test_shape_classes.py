@@ -248,6 +248,9 @@ def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
         again = rollout.generate(prompts, max_new_tokens=budgets)
         graphs = rollout._prefill_graphs
         assert graphs.num_captures >= 2 and graphs.num_replays > graphs.num_captures
+        info = rollout.prefill_graph_info  # each class's capture, its compile included
+        assert len(info["class_capture_ms"]) == info["num_captures"] == graphs.num_captures
+        assert sum(info["class_capture_ms"].values()) == pytest.approx(info["capture_ms"])
         captures = graphs.num_captures
         assert again.sequences == graph.sequences and graphs.num_captures == captures  # replayed, not recaptured
         head = model.get_output_embeddings()

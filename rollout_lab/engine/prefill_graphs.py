@@ -13,7 +13,8 @@ class is captured once, on first use, into a CUDA graph that later buckets of th
   than ``max_tokens`` (rows x width, ``MAX_GRAPH_TOKENS``) is never captured: its forward is long
   enough that launches do not matter, and each graph keeps its KV output alive (at most
   ``max_graphs x max_tokens`` tokens of KV, ``graph_reserve_bytes``); such classes run eagerly;
-  ``capture_ms`` and ``num_captures`` report what capturing cost;
+  ``capture_ms`` and ``num_captures`` report what capturing cost, ``class_capture_ms`` each class's
+  (its compile included: what a new class costs a call);
 - ``compiled=True`` captures ``torch.compile(model, dynamic=True)`` instead of the model
   (``compiled="layers"``: each decoder layer compiled, ``engine.compiling``). A replay
   removes the launches but not the GPU time of ~1,000 small unfused kernels: on the H200 a 1×16
@@ -76,6 +77,7 @@ class PrefillGraphs:
         self.pool = None
         self.num_captures = self.num_replays = self.num_eager = 0
         self.capture_ms = 0.0
+        self.class_capture_ms: dict[str, float] = {}  # "<rows>x<width>" -> its capture's ms
 
     def _fill(self, entry: _Captured, prompts: Sequence[Sequence[int]], pad_token_id: int) -> None:
         rows, width = entry.ids.shape
@@ -105,8 +107,18 @@ class PrefillGraphs:
             entry.logits, entry.layer_kv = self._forward(entry)
         self.pool = entry.graph.pool() if self.pool is None else self.pool
         torch.cuda.synchronize(self.device)
+        ms = (time.perf_counter() - started) * 1e3
         self.num_captures += 1
-        self.capture_ms += (time.perf_counter() - started) * 1e3
+        self.capture_ms += ms
+        rows, width = entry.ids.shape
+        self.class_capture_ms[f"{rows}x{width}"] = ms
+
+    @property
+    def info(self) -> dict:
+        """Captures (count, ms in all and per class), replays, eager runs and what was compiled."""
+        return {"num_captures": self.num_captures, "capture_ms": self.capture_ms,
+                "class_capture_ms": dict(self.class_capture_ms), "num_replays": self.num_replays,
+                "num_eager": self.num_eager, "compiled": self.compiled}
 
     @torch.no_grad()
     def run(self, prompts: Sequence[Sequence[int]], *, rows: int, width: int, pad_token_id: int

@@ -290,6 +290,12 @@ class Rollout:
         """What decodes: kind, captures and replays so far, slots and capacity."""
         return describe(self._stepper)
 
+    @property
+    def prefill_graph_info(self) -> dict:
+        """The kept prefill graphs' captures (each class's ms, its compile included), replays and
+        eager runs; {} when none are kept."""
+        return {} if self._prefill_graphs is None else self._prefill_graphs.info
+
     def _stepper_for(
         self, num_slots: int, capacity: int, explicit_capacity: bool,
         sampling: RowSampling | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,

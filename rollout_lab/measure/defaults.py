@@ -171,6 +171,7 @@ def run_defaults(
             results[name] = out | {"ratio": ratio, "within_1_05": ratio <= WITHIN}
             for which in ENGINES:
                 engines[which]["stepper"] = rollouts[which].stepper_info
+                engines[which]["prefill_graph_info"] = rollouts[which].prefill_graph_info  # a new class's cost
             save(record)
             progress(defaults_line(name, results[name]))
     finally:
