@@ -146,6 +146,25 @@ def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
     assert len(bounded.plans) > len(free.plans)
 
 
+def test_auto_goes_paged_when_every_row_at_once_would_not_fit_the_memory(monkeypatch):
+    """RolloutConfig() runs every row at once; when that cache is over the device's KV budget
+    (``_kv_budget_bytes``, CUDA only: faked here) Auto takes the paged route, whose pool picks the
+    slots, instead of allocating past the memory. The tokens are the aligned route's."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([12, 30, 7, 20, 16, 9], seed=6)
+    rollout = Rollout(model, RolloutConfig(costs=SPLIT_COSTS))
+    assert rollout._kv_budget_bytes(6) is None  # off CUDA: no bound
+    per_token = rollout.geometry.kv_bytes_per_token
+    all_at_once = 6 * (30 + 10) * per_token
+    monkeypatch.setattr(rollout, "_kv_budget_bytes", lambda num_slots: all_at_once - 1.0)
+    tight = rollout.generate(prompts, max_new_tokens=10)
+    monkeypatch.setattr(rollout, "_kv_budget_bytes", lambda num_slots: float(all_at_once))
+    roomy = rollout.generate(prompts, max_new_tokens=10)
+    assert tight.route == "paged" and roomy.route != "paged"
+    aligned = Rollout(model, RolloutConfig(mode="bucketed")).generate(prompts, max_new_tokens=10)
+    assert tight.sequences == roomy.sequences == aligned.sequences
+
+
 def test_default_slots_hold_every_row_on_cpu():
     model = get_tiny("qwen3")
     prompts = make_prompts([5, 9, 3, 30], seed=4)

@@ -626,6 +626,12 @@ class Rollout:
             return cfg.mode
         sizes = group_sizes(groups if groups is not None else range(n))
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
+        # every row at once, unless that cache cannot fit the device: the paged pool then takes as
+        # many rows at once as the memory holds
+        budget = self._kv_budget_bytes(n) if slots is None and free_layout and n else None
+        if budget is not None and n * (max(lengths) + max(budgets)) * self.geometry.kv_bytes_per_token > budget:
+            self._explored = False
+            return "paged"
         paged_allowed, pool = free_layout, None
         if paged_allowed and slots is not None and slots < n:  # paged is a candidate: price its pool too
             rows = range(n)
@@ -661,14 +667,29 @@ class Rollout:
                 save_costs(refit, self._cache_metadata, source="online refit (costs='auto')")
             self.costs = refit
 
+    def _kv_budget_bytes(self, num_slots: int) -> float | None:
+        """The bytes of KV cache a call on ``num_slots`` slots may allocate: on CUDA
+        ``gpu_memory_fraction`` of the device less what is allocated now and a reserve for activations
+        and logits (``PAGED_RESERVE_FRACTION`` of the device, plus 16 bytes x vocab per slot) and,
+        before the prefill graphs exist, for their outputs (``graph_reserve_bytes``); None elsewhere
+        (no bound). The kept stepper's cache counts as free: the call reuses it, or ``_stepper_for``
+        drops it before allocating its replacement."""
+        if self.device.type != "cuda":
+            return None
+        cfg = self.config
+        free, total = torch.cuda.mem_get_info(self.device)
+        if self._stepper is not None:
+            free += self._stepper.cache.num_bytes
+        reserve = PAGED_RESERVE_FRACTION * total + 16 * self.vocab_size * num_slots
+        if self.prefill_graphs and self._prefill_graphs is None:  # the graphs come after the cache
+            reserve += graph_reserve_bytes(cfg.max_prefill_graphs, self.geometry.kv_bytes_per_token)
+        return cfg.gpu_memory_fraction * total - (total - free) - reserve
+
     def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int]) -> tuple[int, int]:
         """(slots, blocks in the pool) of a paged call over rows of ``lengths`` and ``budgets``.
 
         The pool: ``kv_cache_tokens`` when set; else what every row could use at once (its prompt and
-        budget), on CUDA no more than ``gpu_memory_fraction`` of the device leaves after what is
-        allocated now (the kept pool counts as free) and a reserve for activations and logits
-        (``PAGED_RESERVE_FRACTION`` of the device, plus 16 bytes x vocab per slot) and, before the
-        prefill graphs exist, for their outputs (``graph_reserve_bytes``). The slots:
+        budget), on CUDA no more than ``_kv_budget_bytes`` allows. The slots:
         ``continuous_batch_size``, else as many rows as the pool holds at their worst case
         (at most ``MAX_PAGED_SLOTS``). A pool that cannot hold the longest row is a ValueError."""
         cfg = self.config
@@ -676,18 +697,10 @@ class Rollout:
         row_blocks = [-(-(n + b) // size) for n, b in zip(lengths, budgets)]
         wanted = sum(row_blocks) + 1  # + the scratch block
         block_bytes = size * self.geometry.kv_bytes_per_token
+        allowed = self._kv_budget_bytes(min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS))
         if cfg.kv_cache_tokens is not None:
             num_blocks, source = -(-cfg.kv_cache_tokens // size) + 1, f"kv_cache_tokens={cfg.kv_cache_tokens}"
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            old = self._stepper
-            if old is not None and old.key.paged:
-                free += old.cache.num_bytes
-            slots = min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS)
-            reserve = PAGED_RESERVE_FRACTION * total + 16 * self.vocab_size * slots
-            if self.prefill_graphs and self._prefill_graphs is None:  # the graphs come after the pool
-                reserve += graph_reserve_bytes(cfg.max_prefill_graphs, self.geometry.kv_bytes_per_token)
-            allowed = cfg.gpu_memory_fraction * total - (total - free) - reserve
+        elif allowed is not None:
             num_blocks = min(wanted, max(0, int(allowed // block_bytes)))
             source = f"gpu_memory_fraction={cfg.gpu_memory_fraction} ({allowed / 2**30:.1f} GiB for KV)"
         else:
