@@ -204,6 +204,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, prefill_graphs=True)
     if args.no_compile:  # as sweep --no-compile runs: the eager model captured (minutes saved on a large one)
         grid = dataclasses.replace(grid, compile=False)
+    if args.paged_decode:
+        grid = dataclasses.replace(grid, paged_decode=True)
     _, name, max_positions = model_limits(args)
     grid.fitting_shapes(max_positions)  # before the model is built
     out = Path(args.out) if args.out else calibration_path(name, args.dtype, args.device, _workspace(args))
@@ -221,7 +223,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"R^2 {result.r2:.4f}, worst relative error {result.worst_rel_error:.1%}")
     print(f"  fixed {c.prefill_fixed_cost_ms:.4g} ms, token {c.prefill_token_cost_ms:.4g} ms, "
           f"attention {c.prefill_attention_cost_ms:.4g} ms/GFLOP, kv {c.prefill_kv_cost_ms:.4g} ms/MiB, "
-          f"decode per step: CB {c.continuous_decode_cost_ms:.4g} ms, nocb {c.nocb_decode_cost_ms:.4g} ms")
+          f"decode per step: CB {c.continuous_decode_cost_ms:.4g} ms, nocb {c.nocb_decode_cost_ms:.4g} ms"
+          + (f", paged +{c.paged_decode_cost_ms:.4g} ms" if grid.paged_decode else ""))
     print(f"wrote {out}")
     return 0
 
@@ -878,6 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--no-compile", action="store_true",
                      help="the prefill graphs and the decode probe capture the eager model, as sweep --no-compile runs "
                           "them (calibrate what a large model's sweep runs, without minutes of compiles)")
+    cal.add_argument("--paged-decode", action="store_true",
+                     help="the decode probe also times the paged route: what its step adds over the aligned one "
+                          "(paged_decode_cost_ms, which Auto adds to the paged route's steps)")
     cal.add_argument("--max-batch-tokens", type=positive_int, default=None,
                      help="skip shapes with batch*width above this (default: the grid's)")
     cal.add_argument("--out", help="cost file to write (default <out-dir>/data/calibration/<name>_<dtype>_<device>.json)")

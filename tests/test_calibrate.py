@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -10,7 +11,8 @@ from rollout_lab.cli import main as cli_main
 from rollout_lab.measure.calibrate import CalibrationGrid, CalibrationResult, calibrate, load_calibration
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, attention_gflops, kv_mib
-from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
+from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls, paged_decode_cost
+from rollout_lab.planner.routes import choose_route
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,6 +220,41 @@ def test_decode_costs_keep_the_reference_form_or_give_both():
     faster = [{"cb_ms_per_step": 6.0, "nocb_ms_per_step": 30.0}]
     assert decode_costs(faster) == (6.0, 30.0)
     assert decode_costs([]) == (0.0, 0.0)
+
+
+def test_paged_decode_cost_is_the_paged_steps_surplus():
+    records = [{"cb_ms_per_step": 5.0, "paged_ms_per_step": 6.0}, {"cb_ms_per_step": 4.0, "paged_ms_per_step": 5.5}]
+    assert paged_decode_cost(records) == pytest.approx(1.25)
+    assert paged_decode_cost([{"cb_ms_per_step": 5.0, "paged_ms_per_step": 4.0}]) == 0.0  # never below 0
+    assert paged_decode_cost([{"cb_ms_per_step": 5.0}]) == 0.0  # not measured
+
+
+def test_tiny_calibration_with_the_paged_probe(tiny):
+    """paged_decode=True times the paged route in the decode probe: its per-step time is in every
+    record, its surplus over the aligned step is the coefficient, and the cost file keeps it."""
+    grid = dataclasses.replace(CalibrationGrid.tiny(), paged_decode=True, packed=False, repeats=1, decode_repeats=2)
+    result = calibrate(tiny, grid=grid, model_name="tiny-qwen2", progress=False)
+    assert all(r["paged_ms_per_step"] > 0 and "paged_5" in r["samples_ms"] for r in result.decode)
+    assert result.coeffs.paged_decode_cost_ms == paged_decode_cost(result.decode)
+    assert result.metadata["grid"]["paged_decode"] is True
+    plain = calibrate(tiny, grid=dataclasses.replace(grid, paged_decode=False), model_name="tiny-qwen2", progress=False)
+    assert plain.coeffs.paged_decode_cost_ms == 0.0 and all("paged_ms_per_step" not in r for r in plain.decode)
+    with pytest.raises(ValueError, match="CalibrationGrid.paged_decode must be True or False, got 1"):
+        CalibrationGrid(paged_decode=1)
+
+
+def test_auto_adds_the_paged_steps_surplus():
+    """A paged step dearer than the aligned one by more than the saved steps are worth keeps Auto on
+    the aligned cache; the older cost files without the term read as 0."""
+    geometry = ModelGeometry.qwen25_3b()
+    common = dict(max_new_tokens=100, geometry=geometry, continuous_batch_size=4, paged_allowed=True,
+                  response_lengths={5: 0.9, 100: 0.1})
+    free = choose_route([10] * 40, coeffs=CostCoefficients(), **common)
+    dear = choose_route([10] * 40, coeffs=CostCoefficients(paged_decode_cost_ms=50.0), **common)
+    assert free.route == "paged" and dear.route != "paged" and dear.paged_cost_ms > free.paged_cost_ms
+    data = CostCoefficients().to_dict()
+    del data["paged_decode_cost_ms"]
+    assert CostCoefficients.from_dict(data).paged_decode_cost_ms == 0.0
 
 
 @pytest.mark.parametrize("fixed", [0.0, 20.0])

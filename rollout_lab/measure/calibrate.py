@@ -13,7 +13,9 @@ is synchronised around every clock read):
 - ``forward_ms``: one prefill forward of a uniform (batch, width) bucket (``prefill.prefill_bucket``);
 - ``kv_copy_ms``: copying that bucket's KV into the aligned cache (``AlignedKVCache.admit``);
 - CB and nocb decode per step, each from whole ``Rollout.generate`` calls with ``decode_steps + 1``
-  and 1 new tokens; the decode coefficients come from them (``planner.fit.decode_costs``).
+  and 1 new tokens; the decode coefficients come from them (``planner.fit.decode_costs``); with
+  ``CalibrationGrid(paged_decode=True)`` the paged route's too, whose step over the aligned one is
+  ``paged_decode_cost_ms`` (``planner.fit.paged_decode_cost``).
 KV MiB is proportional to B*L, so ``token`` and ``kv`` cannot be told apart from forwards alone:
 fixed/token/attention are fitted (NNLS, relative weights, ``planner.fit.fit_coefficients``) to the
 forwards, and kv (plus the copy's own per-call cost, added to ``fixed``) to the copies. The reported
@@ -59,7 +61,7 @@ from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.threads import MEASUREMENT_THREADS, measurement_threads
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, packed_prefill_cost_ms
-from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls
+from rollout_lab.planner.fit import decode_costs, fit_coefficients, nnls, paged_decode_cost
 from rollout_lab.planner.shape_classes import ShapeClasses
 from rollout_lab.workspace import Workspace, output_lock, run_tag
 
@@ -187,6 +189,8 @@ def calibrate(
         [r["kv_copy_ms"] for r in prefill], geometry,
         continuous_decode_cost_ms=cb_ms, nocb_decode_cost_ms=nocb_ms,
     )
+    if grid.paged_decode:
+        coeffs = replace(coeffs, paged_decode_cost_ms=paged_decode_cost(decode))
     for record, measured in zip(fit, prefill):
         record.update({k: v for k, v in measured.items() if k.endswith(("_samples_ms", "_iqr_ms"))})
     packed_records: tuple[dict[str, Any], ...] = ()
@@ -259,6 +263,7 @@ class CalibrationGrid:
     packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
     prefill_graphs: bool = False  # CUDA: time each shape as a compiled graph's replay (engine.prefill_graphs)
     compile: bool = True  # CUDA: False captures the eager model (prefill graphs and decode step), as sweep --no-compile
+    paged_decode: bool = False  # the decode probe also times the paged route: paged_decode_cost_ms (one more compile on CUDA)
 
     def __post_init__(self) -> None:
         if self.statistic not in STATISTICS:
@@ -274,7 +279,7 @@ class CalibrationGrid:
                 f"CalibrationGrid needs >= 2 batches and >= 2 widths to separate the terms, "
                 f"got batches={self.batches}, widths={self.widths}"
             )
-        for name in ("packed", "prefill_graphs", "compile"):
+        for name in ("packed", "prefill_graphs", "compile", "paged_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CalibrationGrid.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("repeats", "max_batch_tokens", "decode_width", "decode_steps", "decode_repeats"):
@@ -450,12 +455,12 @@ def measure_decode_overhead(
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     pad = config.pad_token_id if config.pad_token_id is not None else 0
-    modes = ("nocb", "bucketed")
+    modes = ("nocb", "bucketed", "paged") if grid.paged_decode else ("nocb", "bucketed")
     budgets = (1, grid.decode_steps + 1)
     engines = {m: Rollout(model, RolloutConfig(mode=m, ignore_eos=True, pad_token_id=pad,
                                                compile="auto" if grid.compile else False)) for m in modes}
     records = []
-    bar = tqdm(total=len(grid.decode_batches) * (grid.decode_repeats + 1) * 4,
+    bar = tqdm(total=len(grid.decode_batches) * (grid.decode_repeats + 1) * 2 * len(modes),
                desc="calibrate decode", disable=not progress)
     with torch.no_grad():
         for batch in grid.decode_batches:
@@ -479,6 +484,7 @@ def measure_decode_overhead(
                 "batch": batch, "width": grid.decode_width, "steps": grid.decode_steps,
                 "nocb_ms_per_step": per_step["nocb"], "cb_ms_per_step": per_step["bucketed"],
                 "overhead_ms_per_step": per_step["bucketed"] - per_step["nocb"],
+                **({"paged_ms_per_step": per_step["paged"]} if "paged" in per_step else {}),
                 # every timed call, per mode and token budget ("nocb_1", "nocb_<steps + 1>", ...)
                 "samples_ms": {f"{'cb' if m == 'bucketed' else m}_{n}": times[(m, n)] for m in modes for n in budgets},
             })

@@ -57,6 +57,9 @@ class CostCoefficients:
     # what a packed forward adds to the fixed cost: the padded forwards' fixed cost may be a graph
     # replay's while the packed forward runs eagerly (on the H200, 3B: ~20 ms over a replay's 6)
     packed_fixed_cost_ms: float = 0.0
+    # what a paged decode step (block-table attention, engine.paged_cache) adds over an aligned one;
+    # 0 = not measured (a calibration with CalibrationGrid(paged_decode=True) measures it)
+    paged_decode_cost_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,7 +88,8 @@ class CostCoefficients:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostCoefficients":
         names = {f.name for f in fields(cls)}
-        optional = {"packed_prompt_cost_ms", "packed_fixed_cost_ms"}  # added later: older files lack them
+        optional = {"packed_prompt_cost_ms", "packed_fixed_cost_ms",  # added later: older files lack them
+                    "paged_decode_cost_ms"}
         unknown = sorted(set(data) - names)
         missing = sorted(names - set(data) - optional)
         if unknown or missing:

@@ -297,3 +297,10 @@ def decode_costs(records: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     cb = max(0.0, statistics.mean(r["cb_ms_per_step"] for r in records))
     nocb = max(0.0, statistics.mean(r["nocb_ms_per_step"] for r in records))
     return (cb - nocb, 0.0) if cb >= nocb else (cb, nocb)
+
+
+def paged_decode_cost(records: Sequence[Mapping[str, Any]]) -> float:
+    """``paged_decode_cost_ms`` from the decode probe's records that timed the paged route: what its
+    step costs over the aligned one, mean over the probe's batches, >= 0 (0 without such records)."""
+    gaps = [r["paged_ms_per_step"] - r["cb_ms_per_step"] for r in records if "paged_ms_per_step" in r]
+    return max(0.0, statistics.mean(gaps)) if gaps else 0.0

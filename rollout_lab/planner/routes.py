@@ -111,7 +111,8 @@ def choose_route(
     Paged is a candidate when ``paged_allowed`` and rows refill (more requests than slots): its
     prefill is the bucketed plan's, and both caches' decode steps come from a replay of their
     admission rules (``planner.occupancy.simulate_refill``, on the prior's response lengths, else
-    the budgets), priced at ``continuous_decode_cost_ms`` a step; it wins only when strictly cheaper.
+    the budgets), priced at ``continuous_decode_cost_ms`` a step (paged's plus its
+    ``paged_decode_cost_ms``); it wins only when strictly cheaper.
     ``paged_pool_blocks`` (usable blocks of ``kv_block_size`` tokens; None: the pool holds every
     live row) replays the pool too: each preemption's recompute is priced as a one-row prefill of its
     prompt and tokens, and a pool that cannot hold one row leaves paged out.
@@ -176,8 +177,9 @@ def choose_route(
                                                      block_size=kv_block_size) is None:  # else the engine refuses it
             paged_run = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
                                         layout="paged", pool_blocks=paged_pool_blocks, block_size=kv_block_size)
-            paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_run.steps) + sum(
-                prefill_cost_ms(1, width, geometry, coeffs) for width in paged_run.recompute_widths)
+            paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_run.steps) \
+                + coeffs.paged_decode_cost_ms * paged_run.steps \
+                + sum(prefill_cost_ms(1, width, geometry, coeffs) for width in paged_run.recompute_widths)
     decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
     nocb = None
     if eligible:
