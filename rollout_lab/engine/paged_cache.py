@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from rollout_lab.planner.cost import ModelGeometry
+from rollout_lab.planner.occupancy import blocks_for
 
 SCRATCH_BLOCK = 0  # dead slots point here; never handed to a row
 
@@ -56,7 +57,7 @@ class BlockAllocator:
         return self.num_blocks - 1 - len(self.free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def missing(self, slot: int, num_tokens: int) -> int:
         """Blocks ``slot`` still needs to hold positions ``[0, num_tokens)``."""

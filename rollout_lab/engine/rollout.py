@@ -68,6 +68,7 @@ from rollout_lab.planner.checks import as_int, budgets_of, check_context, is_int
 from rollout_lab.planner.cost import CHECKED_GRID_FIELDS, CostCoefficients, CostFile, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
+from rollout_lab.planner.occupancy import blocks_for
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
 from rollout_lab.planner.shape_classes import ShapeClasses
 
@@ -694,12 +695,12 @@ class Rollout:
         (at most ``MAX_PAGED_SLOTS``). A pool that cannot hold the longest row is a ValueError."""
         cfg = self.config
         size = cfg.kv_block_size
-        row_blocks = [-(-(n + b) // size) for n, b in zip(lengths, budgets)]
+        row_blocks = [blocks_for(n + b, size) for n, b in zip(lengths, budgets)]
         wanted = sum(row_blocks) + 1  # + the scratch block
         block_bytes = size * self.geometry.kv_bytes_per_token
         allowed = self._kv_budget_bytes(min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS))
         if cfg.kv_cache_tokens is not None:
-            num_blocks, source = -(-cfg.kv_cache_tokens // size) + 1, f"kv_cache_tokens={cfg.kv_cache_tokens}"
+            num_blocks, source = blocks_for(cfg.kv_cache_tokens, size) + 1, f"kv_cache_tokens={cfg.kv_cache_tokens}"
         elif allowed is not None:
             num_blocks = min(wanted, max(0, int(allowed // block_bytes)))
             source = f"gpu_memory_fraction={cfg.gpu_memory_fraction} ({allowed / 2**30:.1f} GiB for KV)"
