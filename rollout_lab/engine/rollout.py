@@ -698,7 +698,8 @@ class Rollout:
         row_blocks = [blocks_for(n + b, size) for n, b in zip(lengths, budgets)]
         wanted = sum(row_blocks) + 1  # + the scratch block
         block_bytes = size * self.geometry.kv_bytes_per_token
-        allowed = self._kv_budget_bytes(min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS))
+        allowed = None if cfg.kv_cache_tokens is not None else \
+            self._kv_budget_bytes(min(len(lengths), cfg.continuous_batch_size or MAX_PAGED_SLOTS))
         if cfg.kv_cache_tokens is not None:
             num_blocks, source = blocks_for(cfg.kv_cache_tokens, size) + 1, f"kv_cache_tokens={cfg.kv_cache_tokens}"
         elif allowed is not None:
