@@ -11,8 +11,8 @@ from conftest import get_tiny
 
 from rollout_lab.cli import main
 from rollout_lab.measure import defaults as defaults_module
-from rollout_lab.measure.defaults import (DEFAULTS_BENCH_DEFAULTS, ENGINES, check_defaults_settings, defaults_rows,
-                                          prompt_seed, run_defaults)
+from rollout_lab.measure.defaults import (DEFAULTS_BENCH_DEFAULTS, ENGINES, check_defaults_settings, compile_seconds,
+                                          compile_text, defaults_rows, prompt_seed, run_defaults)
 from rollout_lab.measure.workloads import WORKLOADS
 from rollout_lab.workspace import check_record_pair
 
@@ -23,6 +23,17 @@ TINY_SHAPE = {"workloads": ["long_tail", "gsm8k_32"], "scale": 0.1, "max_new_tok
 
 def quiet(line: str) -> None:
     pass
+
+
+def test_compile_seconds_are_the_phases_a_compile_between_two_snapshots_spent():
+    import torch
+
+    before = compile_seconds()
+    torch.compile(lambda x: x * 3 - 1, backend="eager")(torch.ones(3))  # dynamo's trace, no inductor
+    spent = compile_seconds(since=before)
+    assert spent and all(v > 0 for v in spent.values()) and "_compile.compile_inner" in spent
+    assert compile_seconds(since=compile_seconds()) == {}  # nothing compiled between
+    assert compile_text({"a": 1.0, "b": 12.34, "c": 0.5}, top=2) == "b 12.3 s, a 1.0 s" and compile_text({}) == "none"
 
 
 def test_the_record_holds_both_engines_per_workload_and_their_ratio():
@@ -45,6 +56,7 @@ def test_the_record_holds_both_engines_per_workload_and_their_ratio():
             e = res[which]
             assert len(e["samples_ms"]) == len(e["routes"]) == 2 and e["first_call_ms"] > 0
             assert e["median_ms"] == sum(e["samples_ms"]) / 2 and e["iqr_ms"] >= 0 and e["first_call_route"]
+            assert e["first_call_compile_s"] == {}  # nothing compiles off CUDA
         assert res["ratio"] == res["default"]["median_ms"] / res["tuned"]["median_ms"]
         assert res["within_1_05"] == (res["ratio"] <= 1.05)
     first = record["results"]["long_tail"]["default"]["first_call_ms"]
@@ -57,6 +69,7 @@ def test_the_record_holds_both_engines_per_workload_and_their_ratio():
     assert [line.split()[0] for line in summaries] == ["long_tail", "gsm8k_32"]
     firsts = [line.split()[:2] for line in lines if "ratio" not in line]  # each first call, as it ends
     assert firsts == [[w, e] for w in ("long_tail", "gsm8k_32") for e in ENGINES]
+    assert all(line.endswith("compile: none") for line in lines if "ratio" not in line)
     rows = defaults_rows(record)
     assert [r["workload"] for r in rows] == ["long_tail", "gsm8k_32"]
     assert rows[1]["ratio"] == record["results"]["gsm8k_32"]["ratio"]

@@ -11,7 +11,7 @@ from conftest import get_tiny
 
 from rollout_lab.cli import main
 from rollout_lab.measure import long_tail as long_tail_module
-from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS, check_long_tail_settings,
+from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS, check_long_tail_settings, decode_by_rows,
                                            long_tail_rows, run_long_tail)
 from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, sample_lengths
 from rollout_lab.workspace import check_record_pair
@@ -62,6 +62,18 @@ def test_eos_long_tail_bad_arguments_name_the_value(bad, message):
         eos_long_tail(args.pop("vocab_size"), **args)
 
 
+def test_decode_by_rows_bins_bursts_by_live_rows_in_powers_of_two():
+    forwards = [{"kind": "decode", "rows": 1, "steps": 4, "ms": 4.0}, {"kind": "prefill", "batch": 3, "width": 9, "ms": 50.0},
+                {"kind": "decode", "rows": 3, "steps": 2, "ms": 3.0}, {"kind": "decode", "rows": 4, "steps": 2, "ms": 5.0},
+                {"kind": "decode", "rows": 5, "steps": 1, "ms": 2.0}, {"kind": "decode", "rows": 2, "steps": 1, "ms": 1.5}]
+    assert decode_by_rows(forwards) == [
+        {"rows_min": 1, "rows_max": 1, "steps": 4, "ms": 4.0, "ms_per_step": 1.0},
+        {"rows_min": 2, "rows_max": 2, "steps": 1, "ms": 1.5, "ms_per_step": 1.5},
+        {"rows_min": 3, "rows_max": 4, "steps": 4, "ms": 8.0, "ms_per_step": 2.0},
+        {"rows_min": 5, "rows_max": 8, "steps": 1, "ms": 2.0, "ms_per_step": 2.0}]
+    assert decode_by_rows([]) == []
+
+
 @pytest.mark.slow
 def test_run_long_tail_fills_the_slots_better_paged_and_every_path_samples_the_same_tokens():
     saved = []
@@ -92,6 +104,9 @@ def test_run_long_tail_fills_the_slots_better_paged_and_every_path_samples_the_s
     every = results["paged_128_eos_every_step"]  # the same rows, steps and tokens; only the reads differ
     assert every["settings"] == paged["settings"] | {"eos_check_interval": 1}
     assert (every["num_decode_steps"], every["occupancy"]) == (paged["num_decode_steps"], paged["occupancy"])
+    by_rows = paged["decode_by_rows"]  # the profiled call's decode steps by live rows, every step counted once
+    assert sum(b["steps"] for b in by_rows) == paged["num_decode_steps"] and by_rows[-1]["rows_max"] == 4
+    assert sum(b["ms"] for b in by_rows) == pytest.approx(paged["decode_ms"], rel=0.05)
     assert results["paged_memory"]["num_slots"] == results["aligned_all"]["num_slots"] == 16  # the pool holds all
     assert paged["route"] == "paged" and paged["num_preemptions"] == 0 and paged["peak_kv_bytes_over_live"] >= 1
     assert aligned["route"] == "bucketed" and aligned["peak_kv_bytes_over_live"] is None

@@ -154,10 +154,14 @@ def run_defaults(
 
             out = {which: {"samples_ms": [], "routes": []} for which in ENGINES}
             for which in ENGINES:  # the default's first: on the first workload, the process's first call
+                before = compile_seconds()
                 out[which]["first_call_ms"], result = call(which)
                 out[which]["first_call_route"] = result.route
+                # where a first call's time went: torch.compile's phases during it (s, summed)
+                out[which]["first_call_compile_s"] = compile_seconds(since=before)
                 # shown as it ends: a run cut short before the workload's record still tells its first calls
-                progress(f"{name:16s} {which} first call {out[which]['first_call_ms']:9.1f} ms ({result.route})")
+                progress(f"{name:16s} {which} first call {out[which]['first_call_ms']:9.1f} ms ({result.route}); "
+                         f"compile: {compile_text(out[which]['first_call_compile_s'])}")
             if record["process_first_call_ms"] is None:
                 record["process_first_call_ms"] = engines["default"]["build_ms"] + out["default"]["first_call_ms"]
             for round_ in range(repetitions):
@@ -178,6 +182,24 @@ def run_defaults(
         for rollout in rollouts.values():
             rollout.close()
     return record
+
+
+def compile_seconds(since: Mapping[str, float] | None = None) -> dict[str, float]:
+    """torch.compile's time so far in this process by phase (dynamo's ``compilation_time_metrics``:
+    its trace, inductor's compile, code generation..., seconds summed over every compile), less
+    ``since`` (an earlier snapshot): the phases a call between the two spent. Phases it did not
+    spend in are left out."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    since = since or {}
+    now = {str(k): float(sum(v)) for k, v in compilation_time_metrics.items()}
+    return {k: round(v - since.get(k, 0.0), 3) for k, v in now.items() if v - since.get(k, 0.0) > 1e-3}
+
+
+def compile_text(seconds: Mapping[str, float], top: int = 4) -> str:
+    """The ``top`` largest phases of ``compile_seconds`` as "name 12.3 s, ..." ("none" without any)."""
+    largest = sorted(seconds.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k} {v:.1f} s" for k, v in largest) or "none"
 
 
 def routes_text(routes: Sequence[str]) -> str:

@@ -164,12 +164,32 @@ def _run_path(model, prompts, config: RolloutConfig, generate: Mapping[str, Any]
         "peak_kv_bytes_over_live": prof.peak_kv_blocks * prof.kv_block_size / prof.peak_live_tokens
         if paged and prof.peak_live_tokens else None,
         "cache_bytes": prof.cache_bytes, "prefill_ms": prof.prefill_ms, "decode_ms": prof.decode_ms,
+        # the profiled call's other phases, and its decode time by live rows: where a step's ms go
+        "cache_ms": prof.cache_ms, "planning_ms": prof.planning_ms, "profiled_total_ms": prof.total_ms,
+        "decode_by_rows": decode_by_rows(prof.forwards or []),
         "peak_memory_bytes": peak,
     }
     print(f"{path:13s} {out['output_tokens_per_s']:10.0f} tok/s  {out['num_slots']} slots at "
           f"{out['occupancy']:.0%}  {out['num_decode_steps']} decode steps  "
           f"{out['num_preemptions']} preemptions", file=sys.stderr)
     return out
+
+
+def decode_by_rows(forwards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A profiled call's decode bursts grouped by live rows in power-of-two bins (1, 2, 3-4, 5-8, ...):
+    each bin's steps, ms and ms per step, so the tail's few-row steps and the full ones are priced
+    apart (``Profile.forwards``' ``decode`` records; the ms include the host's work between steps)."""
+    bins: dict[int, list[float]] = {}
+    for f in forwards:
+        if f["kind"] != "decode":
+            continue
+        top = 1 << max(int(f["rows"]) - 1, 0).bit_length()  # the bin's largest row count
+        steps_ms = bins.setdefault(top, [0, 0.0])
+        steps_ms[0] += int(f["steps"])
+        steps_ms[1] += float(f["ms"])
+    return [{"rows_min": top // 2 + 1 if top > 1 else 1, "rows_max": top, "steps": steps, "ms": ms,
+             "ms_per_step": ms / steps if steps else None}
+            for top, (steps, ms) in sorted(bins.items())]
 
 
 def long_tail_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
