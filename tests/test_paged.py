@@ -126,10 +126,11 @@ def test_paged_refills_where_the_aligned_cache_waits(oracle):
 
 
 def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
-    """Refill with admit_tokens_per_step=40: every admission prefills at most 40 prompt tokens or one
-    row (the 45-token prompt comes in alone), with the oracle's tokens; unbounded, refill takes more."""
+    """Refill with admit_tokens_per_step=40: every admission turn prefills at most 40 prompt tokens
+    (the 45- and 90-token prompts across turns, in chunks between decode steps), with the oracle's
+    tokens; unbounded, refill prefills more in one turn and takes fewer turns."""
     model = get_tiny("qwen2")
-    lengths = [30, 25, 7, 12, 45, 9, 18, 22, 5, 33, 14, 8]
+    lengths = [30, 25, 7, 12, 45, 9, 18, 22, 5, 90, 14, 8]
     prompts = make_prompts(lengths, seed=5)
     budgets = [6, 20, 9, 4, 12, 7, 15, 5, 10, 8, 3, 11]
     expected = [oracle.one(model, p, b, None, 1.0) for p, b in zip(prompts, budgets)]
@@ -137,13 +138,44 @@ def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
     bounded = run(model, prompts, budgets, admit_tokens_per_step=40, **common)
     free = run(model, prompts, budgets, **common)
     assert bounded.sequences == free.sequences == expected
+    assert bounded.profile.max_turn_prefill_tokens <= 40 < free.profile.max_turn_prefill_tokens
     turns = [[r for bucket in plan.buckets for r in bucket] for plan in bounded.plans]
     assert sorted(r for turn in turns for r in turn) == list(range(len(prompts)))
-    assert all(len(turn) == 1 or sum(lengths[r] for r in turn) <= 40 for turn in turns), turns
-    assert [4] in turns  # longer than the bound: alone
-    assert max(sum(lengths[r] for r in plan_rows) for plan_rows in
-               ([r for bucket in plan.buckets for r in bucket] for plan in free.plans)) > 40
+    split = {r: tail for plan in bounded.plans for r, tail in plan.chunks}
+    assert split == {4: (5,), 9: (40, 10)}  # 45 = 40 + 5, 90 = 40 + 40 + 10
+    assert all(sum(lengths[r] for r in turn) <= 40 for turn in turns if not set(turn) & set(split)), turns
+    # each chunk of a long prompt is its own forward, a decode step between two of them
+    kinds = [f["kind"] for f in bounded.profile.forwards]
+    assert kinds.count("chunk") == 3 and all(kinds[i - 1] == "decode" for i, k in enumerate(kinds) if k == "chunk")
     assert len(bounded.plans) > len(free.plans)
+
+
+def test_prefill_across_turns_keeps_tokens_with_samples_penalty_eos_and_logprobs(oracle):
+    """Prompts longer than the bound, each with two samples sharing its KV: the aligned route's
+    tokens and logprobs with the penalty, EOS and seeded sampling, on a pool tight enough to
+    preempt and on a roomy one; nothing live while a long prompt's chunks run at the start."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([33, 6, 70, 12, 41, 3], seed=8)
+    eos, _ = eos_case(model, prompts, oracle)
+    sample = dict(do_sample=True, temperature=0.9, top_k=40, seed=3, num_samples=2, return_logprobs=True)
+    common = dict(repetition_penalty=1.3, eos_token_id=eos)
+    want = run(model, prompts, 30, mode="bucketed", generate=sample, **common)
+    preempted = []
+    for config in (dict(mode="paged", kv_block_size=16, continuous_batch_size=3, kv_cache_tokens=160),
+                   dict(mode="paged", kv_block_size=16, continuous_batch_size=5)):
+        got = run(model, prompts, 30, admit_tokens_per_step=16, generate=sample, **common, **config)
+        assert got.sequences == want.sequences and got.finish_reasons == want.finish_reasons
+        worst = max(abs(a - b) for g, w in zip(got.logprobs, want.logprobs) for a, b in zip(g, w))
+        assert worst < 1e-4, worst
+        assert got.profile.max_turn_prefill_tokens <= 16
+        preempted.append((got.profile.num_preemptions, got.profile.num_replicated_rows))
+    # the tight pool preempts; on the roomy one each split prompt's second sample enters with it
+    # (one prefill, its KV replicated: 3 long prompts)
+    assert preempted[0][0] > 0 and preempted[1] == (0, 3), preempted
+    # greedy against the one-request oracle, the first prompt split
+    greedy = run(model, prompts, 12, mode="paged", kv_block_size=16, continuous_batch_size=2, admit_tokens_per_step=10)
+    assert greedy.sequences == [oracle.one(model, p, 12, None, 1.0) for p in prompts]
+    assert {r for plan in greedy.plans for r, _ in plan.chunks} == {0, 2, 3, 4}
 
 
 def test_auto_goes_paged_when_every_row_at_once_would_not_fit_the_memory(monkeypatch):

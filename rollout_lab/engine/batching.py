@@ -128,10 +128,10 @@ class ContinuousBatcher:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
-        while self.queue or self.rows:
+        while self.queue or self.rows or self._pending():
             self._admit_queued()
             if not self.rows:
-                if not self.queue:
+                if not self.queue and not self._pending():
                     break  # the last admissions all finished on their first token
                 raise RuntimeError("no request is admissible into an empty cache (capacity or pool check missed)")
             # Without EOS ids or stop strings nothing retires before the nearest budget: run those
@@ -165,7 +165,7 @@ class ContinuousBatcher:
                         break  # ended inside the interval: the steps after its EOS are not its tokens
             self.profile.num_decode_forwards += burst
             self.profile.decode_row_steps += kept
-            if self.queue:
+            if self.queue or self._pending():
                 self.profile.queued_decode_steps += burst
                 self.profile.queued_row_steps += kept
             self._retire()
@@ -177,6 +177,10 @@ class ContinuousBatcher:
         """Admit queued rows while slots are free and the cache holds them."""
         while self.queue and len(self.rows) < self.settings.num_slots and self._admit():
             pass
+
+    def _pending(self) -> bool:
+        """Whether a row is on its way in outside the queue (the paged route's prefill across turns)."""
+        return False
 
     def _reserve(self, burst: int) -> int:
         """Make room for ``burst`` more tokens of every live row; the burst that fits (here all of it:

@@ -106,8 +106,8 @@ class RolloutConfig:
     kv_cache_tokens: int | None = None
     refill_rows: int | None = None
     # prompt tokens prefilled between two decode steps at most (the paged route; None: no bound): a
-    # turn admits the longest queue prefix within it, so a refill of many long prompts cannot stall
-    # the live rows for more than one such prefill (a prompt longer than the bound comes in alone)
+    # turn admits the longest queue prefix within it, and a prompt longer than the bound is prefilled
+    # in chunks of it, one a turn, so the live rows never wait for more than one such prefill
     admit_tokens_per_step: int | None = None
     # decode steps run between two reads of the tokens when rows can end at EOS or a stop id: the host
     # reads the device once per interval, not after every step, so the GPU never idles while the host

@@ -7,10 +7,18 @@ The ``paged`` route (``engine.paged_cache``). Every loop turn, before a decode s
   only when at least ``refill_rows`` rows can come in (or the queue is that short, or nothing is
   live): one prefill forward then serves several rows, instead of one eager forward per retired row.
   ``admit_tokens`` bounds the prompt tokens (a resuming row's: its prompt and tokens) one turn
-  prefills, so the live rows never wait for more than that between two steps; a row longer than the
-  bound comes in alone, and a turn the bound cut short admits its rows even if fewer than ``refill_rows``.
-  The admitted rows are planned and prefilled as on the aligned cache (``ContinuousBatcher``:
-  bucketed DP, packed, shared prefill, chunked long prompts), their KV copied into their blocks.
+  prefills, so the live rows never wait for more than that between two steps, and a turn the bound
+  cut short admits its rows even if fewer than ``refill_rows``. The admitted rows are planned and
+  prefilled as on the aligned cache (``ContinuousBatcher``: bucketed DP, packed, shared prefill,
+  chunked long prompts), their KV copied into their blocks.
+- **prefill across turns**: under ``admit_tokens``, a row whose prefill is longer than the bound (a
+  new prompt, or a preempted row's prompt and tokens) reaching the head of the queue is prefilled
+  ``admit_tokens`` tokens a turn, one chunk between two decode steps, each chunk attending to the
+  earlier ones (``batching.extend_prefill``); its KV waits outside the pool until the last chunk,
+  then it takes a slot and its blocks like any admitted row, a new prompt with the samples of it that
+  follow in the queue (they share its KV). The rows behind it wait (input order); a turn's tokens
+  left after a chunk admit them. So no turn prefills more than ``admit_tokens`` tokens
+  (``Profile.max_turn_prefill_tokens``).
 - **growth**: each live row gets the blocks its next tokens need; a burst of steps without EOS
   reserves them all at once.
 - **preemption**: when the pool cannot hold the next step, the most recently admitted row gives its
@@ -24,13 +32,28 @@ live rows of every decode step (occupancy), the preemptions and the peak of bloc
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from rollout_lab.engine.batching import ContinuousBatcher, _Row
+from rollout_lab.engine.batching import ContinuousBatcher, _Row, extend_prefill
+from rollout_lab.engine.decode import select_tokens
 from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.prefill import prefill_bucket
+from rollout_lab.planner.bucket_dp import BucketPlan
+
+
+@dataclass
+class _Prefilling:
+    """A prompt longer than ``admit_tokens`` being prefilled across turns: its first ``done`` tokens'
+    per-layer KV (outside the pool) and the logits after them."""
+
+    request: int
+    done: int
+    chunks: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor  # [1, vocab]
 
 
 class PagedBatcher(ContinuousBatcher):
@@ -44,6 +67,8 @@ class PagedBatcher(ContinuousBatcher):
         self.admit_tokens = admit_tokens
         self.admitted_order: dict[int, int] = {}  # request -> admission counter (the newest is preempted first)
         self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
+        self.prefilling: _Prefilling | None = None  # a long prompt prefilled across turns
+        self._turn_tokens = 0  # prompt tokens this turn prefilled so far
         self._counter = 0
         self.profile.kv_block_size = self.cache.block_size
         self.profile.num_kv_blocks = self.cache.num_blocks
@@ -51,7 +76,11 @@ class PagedBatcher(ContinuousBatcher):
     # -- the loop's hooks (ContinuousBatcher.run) ---------------------------------------------
     def _admit_queued(self) -> None:
         while self._admit_paged() and not self.rows:
-            pass  # every admitted row finished on its first token: admit again
+            pass  # nothing live yet (every admitted row finished on its first token, or a long
+            # prompt's prefill goes on): the next turn comes at once, no step waits for it
+
+    def _pending(self) -> bool:
+        return self.prefilling is not None
 
     def _decode_front(self) -> int:
         return 0  # every row writes at its own position (the stepper's one window holds any)
@@ -76,40 +105,60 @@ class PagedBatcher(ContinuousBatcher):
         last) plus the first decode step's."""
         return self.lengths[request] + max(1, len(self.outputs[request]))
 
-    def _admissible_paged(self) -> tuple[list[int], bool]:
+    def _splits(self, request: int) -> bool:
+        """Whether entering ``request`` is prefilled across turns: more than ``admit_tokens`` tokens."""
+        return self.admit_tokens is not None and self._entry_tokens(request) - 1 > self.admit_tokens
+
+    def _admissible_paged(self, limit: int | None) -> tuple[list[int], bool]:
         """The longest queue prefix that fits the free slots and the pool, keeping one free block
-        per live row (the watermark), and within ``admit_tokens`` (at least one row); whether that
-        token bound cut it short."""
+        per live row (the watermark), and within ``limit`` prompt tokens; whether that token bound
+        cut it short. It stops at a row prefilled across turns (``_splits``)."""
         allocator = self.cache.allocator
         free_slots = self.settings.num_slots - len(self.rows)
         budget = allocator.num_free
         chosen: list[int] = []
         tokens = 0
         for request in self.queue[:free_slots]:
+            if self._splits(request):
+                return chosen, bool(chosen)
             need = allocator.blocks_for(self._entry_tokens(request))
             if need > budget - (len(self.rows) + len(chosen) + 1):
                 break
             tokens += self._entry_tokens(request) - 1  # its prefill: all but the first step's position
-            if self.admit_tokens is not None and chosen and tokens > self.admit_tokens:
+            if limit is not None and tokens > limit:
                 return chosen, True
             budget -= need
             chosen.append(request)
         return chosen, False
 
     def _admit_paged(self) -> bool:
-        """Admit the rows ``_admissible_paged`` allows, if at least ``refill_rows`` (or nothing is
-        live); whether any came in."""
+        """One turn's admission: the next chunk of a prompt prefilled across turns (and its entry
+        once whole), then the rows ``_admissible_paged`` allows within the turn's tokens left, if
+        at least ``refill_rows`` (or nothing is live), else a long prompt's first chunk; whether
+        anything was done."""
+        self._turn_tokens = 0
+        spent, done = 0, False
+        if self.prefilling is not None:
+            spent = self._prefill_chunk()
+            done = spent > 0
+            if self._prefilled():
+                done = self._enter_prefilled() or done
+        limit = None if self.admit_tokens is None else self.admit_tokens - spent
+        if limit is not None and limit <= 0:
+            return done
         if not self.queue or len(self.rows) >= self.settings.num_slots:
-            return False
-        chosen, bounded = self._admissible_paged()
+            return self._start_prefilling(spent) or done
+        chosen, bounded = self._admissible_paged(limit)
         if not chosen and not self.rows:  # the watermark never blocks an empty cache
             request = self.queue[0]
-            if self.cache.allocator.blocks_for(self._entry_tokens(request)) <= self.cache.allocator.num_free:
+            if not self._splits(request) and \
+                    self.cache.allocator.blocks_for(self._entry_tokens(request)) <= self.cache.allocator.num_free:
                 chosen = [request]
         wanted = min(self.refill_rows, len(self.queue), self.settings.num_slots)
         if not chosen or (self.rows and len(chosen) < wanted and not bounded):
-            return False
+            return self._start_prefilling(spent) or done
         del self.queue[: len(chosen)]
+        self._note_turn(sum(self._entry_tokens(r) - 1 for r in chosen))
         resumed = [r for r in chosen if r in self.resuming]
         fresh = [r for r in chosen if r not in self.resuming]
         if resumed:
@@ -124,6 +173,114 @@ class PagedBatcher(ContinuousBatcher):
         self._note_peak()
         return True
 
+    # -- prefill across turns -----------------------------------------------------------------
+    def _prefill_ids(self, request: int) -> list[int]:
+        """What entering ``request`` prefills: its prompt, and a preempted row's tokens but the last."""
+        prompt = list(self.prompts[request])
+        return prompt + self.outputs[request][:-1] if request in self.resuming else prompt
+
+    def _start_prefilling(self, spent: int) -> bool:
+        """With nothing prefilling and the turn's tokens untouched, a long prompt at the head of the
+        queue leaves it and runs its first chunk; whether it did."""
+        if self.prefilling is not None or spent or not self.queue or not self._splits(self.queue[0]):
+            return False
+        request = self.queue.pop(0)
+        head = self._prefill_ids(request)[: self.admit_tokens]
+        with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=1, width=len(head)):
+            logits, layer_kv = prefill_bucket(self.model, [head], pad_token_id=self.settings.pad_token_id,
+                                              cache_kwarg=self.settings.cache_kwarg)
+        self.profile.num_prefill_forwards += 1
+        self.prefilling = _Prefilling(request, len(head), [], list(layer_kv), logits)
+        self._note_turn(len(head))
+        return True
+
+    def _prefill_chunk(self) -> int:
+        """The prefilling prompt's next chunk (at most ``admit_tokens`` tokens); the tokens run."""
+        pending = self.prefilling
+        chunk = self._prefill_ids(pending.request)[pending.done : pending.done + self.admit_tokens]
+        if not chunk:
+            return 0
+        with self.timer.phase("prefill_ms"):
+            logits, pending.kv = extend_prefill(
+                self.model, pending.kv, [chunk], cache_kwarg=self.settings.cache_kwarg,
+                record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o))
+        pending.logits = logits
+        pending.done += len(chunk)
+        pending.chunks.append(len(chunk))
+        self.profile.num_prefill_forwards += 1
+        self._note_turn(len(chunk))
+        return len(chunk)
+
+    def _prefilled(self) -> bool:
+        pending = self.prefilling
+        return pending is not None and pending.done == len(self._prefill_ids(pending.request))
+
+    def _enter_prefilled(self) -> bool:
+        """The fully prefilled row takes a slot and its blocks, a new prompt with the samples of it
+        next in the queue (they share its KV and logits), as many as free slots and blocks allow
+        (the watermark kept unless nothing is live); whether it entered."""
+        pending, allocator = self.prefilling, self.cache.allocator
+        resuming = pending.request in self.resuming
+        group = self.groups[pending.request]
+        members, budget = [], allocator.num_free
+        for request in [pending.request, *self.queue]:
+            if request != pending.request and (resuming or self.groups[request] != group or request in self.resuming):
+                break
+            need = allocator.blocks_for(self._entry_tokens(request))
+            floor = len(self.rows) + len(members) + 1 if self.rows or members else 0
+            if len(self.rows) + len(members) >= self.settings.num_slots or need > budget - floor:
+                break
+            budget -= need
+            members.append(request)
+        if not members:
+            return False
+        self.prefilling = None
+        del self.queue[: len(members) - 1]
+        start = len(self.rows)
+        slots = list(range(start, start + len(members)))
+        with self.timer.phase("cache_ms"):
+            for slot, request in zip(slots, members):
+                self.cache.grow(slot, self._entry_tokens(request))
+        self.plans.append(BucketPlan(buckets=((pending.request,),), widths=(self.admit_tokens,), cost_ms=0.0,
+                                     chunks=((pending.request, tuple(pending.chunks)),)))
+        if resuming:
+            self._place_resumed([pending.request], slots, pending.kv)
+            return True
+        self._mark_admitted(members)
+        self.rows.extend(_Row(r, 0) for r in members)
+        length = self.lengths[pending.request]
+        with self.timer.phase("prefill_ms"):
+            index = torch.tensor(members, dtype=torch.long, device=self.device)
+            logits = pending.logits.index_select(0, torch.zeros(len(members), dtype=torch.long, device=self.device))
+            seen = None
+            if self.state.seen is not None:
+                seen = self._seen_of([self.prompts[pending.request]]).expand(len(members), -1).clone()
+            keys = self.sample_keys[index]
+            sampling = None if self.settings.sampling is None else self.settings.sampling.rows(index)
+            minimum = None if self.min_new_tokens is None else self.min_new_tokens[index]
+            first, first_logprobs = select_tokens(
+                logits, seen, self.settings.repetition_penalty, sampling=sampling, sample_keys=keys,
+                steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
+                min_new_tokens=minimum, stop_mask=self.state.stop_mask)
+            first_logprobs = None if first_logprobs is None else first_logprobs.tolist()
+            if seen is not None:
+                seen.scatter_(1, first[:, None], True)
+        self.profile.num_prefill_rows += 1
+        self.profile.num_replicated_rows += len(members) - 1
+        with self.timer.phase("cache_ms"):
+            self.cache.admit(slots, pending.kv, [length] * len(members), source_rows=[0] * len(members))
+            self.state.admit(slots, first, [length] * len(members), seen, sample_keys=keys, sampling=sampling,
+                             min_new_tokens=minimum)
+        for j, (slot, token) in enumerate(zip(slots, first.tolist())):
+            self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
+        self._note_peak()
+        self._retire()
+        return True
+
+    def _note_turn(self, tokens: int) -> None:
+        self._turn_tokens += tokens
+        self.profile.max_turn_prefill_tokens = max(self.profile.max_turn_prefill_tokens, self._turn_tokens)
+
     def _mark_admitted(self, requests: Sequence[int]) -> None:
         for request in requests:
             self.admitted_order[request] = self._counter
@@ -131,20 +288,27 @@ class PagedBatcher(ContinuousBatcher):
 
     def _resume(self, requests: Sequence[int]) -> None:
         """Preempted rows come back: one padded prefill of each prompt with its tokens but the last,
-        which is the next input; positions, the ids seen, the sampling step and settings continue."""
+        which is the next input (``_place_resumed``)."""
         start = len(self.rows)
         slots = list(range(start, start + len(requests)))
         with self.timer.phase("cache_ms"):
             for slot, request in zip(slots, requests):
                 self.cache.grow(slot, self._entry_tokens(request))
-        ids = [list(self.prompts[r]) + self.outputs[r][:-1] for r in requests]
+        ids = [self._prefill_ids(r) for r in requests]
         with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=len(ids), width=max(map(len, ids))):
             _, layer_kv = prefill_bucket(self.model, ids, pad_token_id=self.settings.pad_token_id,
                                          cache_kwarg=self.settings.cache_kwarg)
-            seen = None
-            if self.state.seen is not None:
-                seen = self._seen_of([list(self.prompts[r]) + self.outputs[r] for r in requests])
         self.profile.num_prefill_forwards += 1
+        self._place_resumed(requests, slots, layer_kv)
+
+    def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv) -> None:
+        """Preempted rows whose prefill ``layer_kv`` (left-padded, one row each) ran enter ``slots``
+        (their blocks grown): positions, the ids seen, the sampling step and settings continue."""
+        ids = [self._prefill_ids(r) for r in requests]
+        seen = None
+        if self.state.seen is not None:
+            with self.timer.phase("prefill_ms"):
+                seen = self._seen_of([list(self.prompts[r]) + self.outputs[r] for r in requests])
         self.profile.num_prefill_rows += len(requests)
         with self.timer.phase("cache_ms"):
             self.cache.admit(slots, layer_kv, [len(i) for i in ids])
