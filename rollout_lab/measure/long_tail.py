@@ -13,7 +13,9 @@ Paths (``LONG_TAIL_PATHS``): the aligned cache (``mode="bucketed"``) and the pag
 (``mode="paged"``), each on ``slots`` slots (``*_128``; the names keep 128, the record the slots
 used), the paged pool with as many slots as its memory holds (``paged_memory``) and the aligned cache
 with every row at once (``aligned_all``); ``paged_128_eos_every_step`` is ``paged_128`` reading the
-tokens back after every step (``eos_check_interval=1``) instead of every few. Each path: one warm-up
+tokens back after every step (``eos_check_interval=1``) instead of every few, and
+``paged_128_admit_256`` with each turn's prefill bounded to 256 tokens (``admit_tokens_per_step``;
+not run by default). Each path: one warm-up
 call (compile and capture, timed as ``first_call_ms``), ``reps`` timed calls and one profiled call, all with the same seed, so every path
 samples the same tokens in exact arithmetic (bf16 kernels may differ). Output tok/s counts the tokens
 generated; the profile says why: decode steps, live rows per step, occupancy of the slots (over every
@@ -54,6 +56,9 @@ LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
     # the same with the host reading the sampled tokens after every step (eos_check_interval=1): what
     # the default interval's fewer reads save, side by side
     "paged_128_eos_every_step": dict(mode="paged", continuous_batch_size=128, eos_check_interval=1),
+    # the same with each turn's prefill bounded (longer prompts in chunks between steps): what the
+    # bounded stall costs in throughput
+    "paged_128_admit_256": dict(mode="paged", continuous_batch_size=128, admit_tokens_per_step=256),
     "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
     "aligned_all": dict(mode="bucketed"),  # every row at once
 }
@@ -157,7 +162,7 @@ def _run_path(model, prompts, config: RolloutConfig, generate: Mapping[str, Any]
         "finish_reasons": dict(Counter(result.finish_reasons)),
         "num_decode_steps": prof.num_decode_forwards, "live_rows_per_step": prof.live_rows_per_step,
         "occupancy": prof.occupancy, "queued_occupancy": prof.queued_occupancy, "num_slots": prof.num_slots,
-        "num_preemptions": prof.num_preemptions,
+        "num_preemptions": prof.num_preemptions, "max_turn_prefill_tokens": prof.max_turn_prefill_tokens,
         "kv_block_size": prof.kv_block_size, "num_kv_blocks": prof.num_kv_blocks,
         "peak_kv_blocks": prof.peak_kv_blocks, "peak_live_tokens": prof.peak_live_tokens,
         # the pool's blocks at their peak over the tokens its live rows held: what paging wastes
