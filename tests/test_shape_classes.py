@@ -201,6 +201,23 @@ def test_auto_prefill_is_classes_and_graphs_on_cuda_only(tmp_path):
     assert Rollout(get_tiny("qwen2"), RolloutConfig(prefill_classes=fixed)).prefill_classes([5], 4) is fixed
     rollout.device = cuda  # what a CUDA rollout would plan at (no GPU needed to ask)
     assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64)
+    # captured and compiled (CUDA's default): no 1-row class, which would compile again
+    rollout.prefill_graphs, rollout.compiled = True, True
+    assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64, smallest_rows=2)
+    rollout.compiled = False
+    assert rollout.prefill_classes([5, 300], 64).rows[0] == 1
+
+
+def test_smallest_rows_two_drops_the_one_row_rung_and_runs_one_prompt_as_two_rows():
+    classes = ShapeClasses.covering(300, 20, smallest_rows=2)
+    assert classes.rows == (2, 4, 8, 16, 24, 32) and classes.widths == ShapeClasses.covering(300, 20).widths
+    assert classes.rows_for(1) == 2 and classes.rows_for(3) == 4
+    assert ShapeClasses.ladder(64, 1, smallest_rows=2).rows == (2,)
+    geometry, coeffs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    plan = plan_buckets_classed([300], geometry, coeffs, classes)  # one prompt, priced and run at 2 rows
+    assert plan.rows == (2,) and plan.widths == (512,)
+    with pytest.raises(ValueError, match="smallest_rows must be 1 or 2, got 0"):
+        ShapeClasses.ladder(64, 8, smallest_rows=0)
 
 
 def test_prefill_graphs_need_classes_and_cuda():

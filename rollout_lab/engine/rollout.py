@@ -272,13 +272,16 @@ class Rollout:
 
     def prefill_classes(self, lengths: Sequence[int], num_slots: int) -> ShapeClasses | None:
         """The shape classes a call over prompts of ``lengths`` on ``num_slots`` slots prefills at:
-        the config's, or for "auto" on CUDA the ladder covering the call (``ShapeClasses.covering``)."""
+        the config's, or for "auto" on CUDA the ladder covering the call (``ShapeClasses.covering``),
+        without its 1-row rung where the prefill graphs are compiled (one compile serves every other
+        class; a 1-row one would compile again)."""
         classes = self.config.prefill_classes
         if isinstance(classes, ShapeClasses) or classes is None:
             return classes
         if self.device.type != "cuda" or not lengths:
             return None
-        return ShapeClasses.covering(max(lengths), max(1, num_slots))
+        return ShapeClasses.covering(max(lengths), max(1, num_slots),
+                                     smallest_rows=2 if self.prefill_graphs and self.compiled else 1)
 
     def __enter__(self) -> "Rollout":
         return self

@@ -47,26 +47,34 @@ class ShapeClasses:
             raise ValueError("ShapeClasses.widths must hold at least one width")
 
     @classmethod
-    def ladder(cls, max_width: int, max_rows: int | None = None) -> "ShapeClasses":
+    def ladder(cls, max_width: int, max_rows: int | None = None, *, smallest_rows: int = 1) -> "ShapeClasses":
         """Widths 16, 32, 64, 128, 256, then every 256 up to ``max_width``; rows 1, 2, 4, 8, then
-        every 8 up to 32 and every 16 after, up to ``max_rows`` (None: rows unclassed)."""
+        every 8 up to 32 and every 16 after, up to ``max_rows`` (None: rows unclassed).
+        ``smallest_rows=2`` leaves out the 1-row rung (one prompt runs as two rows, the second a
+        repeat): a compiled forward specialises a size of 1, so that rung alone would cost a whole
+        compile (69 s for Qwen2.5-3B's prefill on the H200), where every other class shares one."""
         if max_width < 1 or (max_rows is not None and max_rows < 1):
             raise ValueError(f"max_width and max_rows must be >= 1, got {max_width}, {max_rows}")
+        if smallest_rows not in (1, 2):
+            raise ValueError(f"smallest_rows must be 1 or 2, got {smallest_rows!r}")
         widths = [w for w in (16, 32, 64, 128) if w < max_width] + list(range(256, max_width, 256)) + [max_width]
         rows: list[int] = []
         if max_rows is not None:
-            rows = [r for r in (1, 2, 4, 8, 16, 24) if r < max_rows] + list(range(32, max_rows, 16)) + [max_rows]
+            rows = [r for r in (1, 2, 4, 8, 16, 24) if smallest_rows <= r < max_rows] + \
+                list(range(32, max_rows, 16)) + [max(max_rows, smallest_rows)]
         return cls(tuple(sorted(set(widths))), tuple(sorted(set(rows))))
 
     @classmethod
-    def covering(cls, longest: int, max_rows: int) -> "ShapeClasses":
+    def covering(cls, longest: int, max_rows: int, *, smallest_rows: int = 1) -> "ShapeClasses":
         """The ``ladder`` whose top rungs hold a prompt of ``longest`` tokens and ``max_rows`` rows,
         rounded up (widths to a multiple of 256, rows to 32 or a multiple of 16): calls of similar
         shapes get the same ladder, and a larger call only adds rungs on top, so the shapes (and the
-        graphs captured at them) of earlier calls stay in use. ``RolloutConfig(prefill_classes="auto")``."""
+        graphs captured at them) of earlier calls stay in use. ``RolloutConfig(prefill_classes="auto")``
+        (``smallest_rows=2`` where the prefill graphs are compiled)."""
         if longest < 1 or max_rows < 1:
             raise ValueError(f"longest and max_rows must be >= 1, got {longest}, {max_rows}")
-        return cls.ladder(max_width=-(-longest // 256) * 256, max_rows=max(32, -(-max_rows // 16) * 16))
+        return cls.ladder(max_width=-(-longest // 256) * 256, max_rows=max(32, -(-max_rows // 16) * 16),
+                          smallest_rows=smallest_rows)
 
     def width_for(self, length: int) -> int:
         """The smallest class width that holds ``length`` (the length itself above the top)."""
