@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout_lab.cli import positive_int, record_out
-from rollout_lab.engine.compiling import COMPILE_MODES, compile_forward
+from rollout_lab.engine.compiling import COMPILE_MODES, compile_forward, tracing
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.steppers import EagerStepper, StepperKey
 from rollout_lab.measure.models import TINY_FAMILIES, tiny_config
@@ -73,7 +73,7 @@ def run_mode(model: torch.nn.Module, mode: str, args: argparse.Namespace) -> lis
     eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
     compiled.forward = compile_forward(model, mode, backend=args.backend)
     rows_out = []
-    with torch.no_grad():
+    with torch.no_grad(), tracing():  # as the engine's captures trace
         for rows in args.rows:
             eager.reset()
             want = eager.step(rows, 0).clone()

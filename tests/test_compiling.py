@@ -98,6 +98,31 @@ def test_one_compile_serves_every_row_count_past_one(mode):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["model", "layers"])
+def test_the_first_trace_is_not_restarted(mode):
+    """Under ``tracing()`` the compiled step's first call runs AOTAutograd once per graph: no frame
+    restarted after a full trace because a module's float attribute (rope's attention_scaling) was
+    traced as a symbol. The tokens are the eager step's."""
+    from torch._dynamo.utils import counters
+
+    from rollout_lab.engine.compiling import tracing
+    from rollout_lab.engine.steppers import EagerStepper, StepperKey
+
+    torch._dynamo.reset()
+    model = get_tiny("qwen2")
+    key = StepperKey(num_slots=4, capacity=32, repetition_penalty=1.0, track_seen=False,
+                     cache_kwarg=cache_kwarg_name(model), spans=False)
+    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
+    compiled.forward = compile_forward(model, mode, backend="aot_eager")
+    before = dict(counters["aot_autograd"])
+    with torch.no_grad(), tracing():
+        assert torch.equal(compiled.step(4, 0), eager.step(4, 0))
+    assert torch._dynamo.config.specialize_float is False  # scoped: torch's default outside
+    spent = {k: counters["aot_autograd"][k] - before.get(k, 0) for k in ("total", "ok")}
+    assert spent["total"] == spent["ok"] >= 1, spent
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, device", [
     ("aot_eager", "cpu"),
     # inductor's Triton code on the GPU, where the graph-captured step runs it (its CPU C++ code

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.compiling import compile_forward
+from rollout_lab.engine.compiling import compile_forward, tracing
 from rollout_lab.engine.prefill import check_class_shape, class_batch, prefill_bucket
 
 
@@ -98,7 +98,7 @@ class PrefillGraphs:
         started = time.perf_counter()  # with compiled=True the warm-ups compile (or hit the cache)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), tracing():  # a compiled forward traces in its warm-ups
             for _ in range(self.num_warmups):
                 self._forward(entry)
         torch.cuda.current_stream().wait_stream(side)

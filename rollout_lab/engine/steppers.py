@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.compiling import compile_forward, compile_select
+from rollout_lab.engine.compiling import compile_forward, compile_select, tracing
 from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
 from rollout_lab.engine.paged_cache import PagedKVCache
@@ -247,6 +247,10 @@ class GraphStepper(EagerStepper):
         return super().fits(model, key) and weights_signature(model) == self.signature
 
     def _capture(self, num_warmups: int) -> None:
+        with tracing():  # the warm-ups trace the compiled step (engine.compiling)
+            self._capture_ladder(num_warmups)
+
+    def _capture_ladder(self, num_warmups: int) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         shapes = [(rows, width) for rows in self.ladder for width in self.widths]
