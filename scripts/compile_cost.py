@@ -3,6 +3,7 @@
     # the record in data/results: a 36-layer tiny qwen2 (Qwen2.5-3B's depth), inductor, this CPU
     PYTHONPATH=. python3 scripts/compile_cost.py --out data/results/compile_cost_tiny-qwen2-36l_float32_cpu
     PYTHONPATH=. python3 scripts/compile_cost.py --layers 2 --rows 4 1 --out /tmp/cc   # seconds
+    PYTHONPATH=. python3 scripts/compile_cost.py --symbolic-floats --out ...   # torch's default floats (a restart)
 
 For each mode of ``engine.compiling`` (``model``, ``layers``) the decode step of a tiny model deepened
 to ``--layers`` runs once at each row count of ``--rows``, compiled with ``--backend``, in a process
@@ -14,6 +15,7 @@ capture, the step's ms) is ``rollout-lab bench decode-step``'s ``ours_compile_la
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 import json
 import os
 import subprocess
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="row counts stepped in turn, the first one the slot count (default 16 8 4 2 1)")
     p.add_argument("--modes", nargs="+", default=list(COMPILE_MODES), choices=COMPILE_MODES)
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--symbolic-floats", action="store_true",
+                   help="trace outside engine.compiling.tracing(), with torch's default symbolic floats "
+                        "(the frame restarts once): the baseline of the float constants the engine traces with")
     p.add_argument("--child", choices=COMPILE_MODES, help=argparse.SUPPRESS)  # one mode, its rows on stdout
     args = p.parse_args(argv)
     if args.out is None and args.child is None:
@@ -73,7 +78,7 @@ def run_mode(model: torch.nn.Module, mode: str, args: argparse.Namespace) -> lis
     eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
     compiled.forward = compile_forward(model, mode, backend=args.backend)
     rows_out = []
-    with torch.no_grad(), tracing():  # as the engine's captures trace
+    with torch.no_grad(), (nullcontext() if args.symbolic_floats else tracing()):  # as the engine's captures trace
         for rows in args.rows:
             eager.reset()
             want = eager.step(rows, 0).clone()
@@ -92,7 +97,7 @@ def run_mode(model: torch.nn.Module, mode: str, args: argparse.Namespace) -> lis
 def in_own_process(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``run_mode`` in a fresh interpreter with an empty inductor cache; its rows."""
     child = ["--family", args.family, "--layers", str(args.layers), "--rows", *map(str, args.rows),
-             "--backend", args.backend, "--child", mode]
+             "--backend", args.backend, "--child", mode, *(["--symbolic-floats"] if args.symbolic_floats else [])]
     with tempfile.TemporaryDirectory(prefix="compile_cost_") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         done = subprocess.run([sys.executable, __file__, *child], env=env, stdout=subprocess.PIPE, text=True)
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         "provenance": provenance(device=torch.device("cpu"), dtype="float32", script="scripts/compile_cost.py",
                                  argv=argv),
         "config": {"model": f"tiny-{args.family}", "layers": args.layers, "rows": args.rows,
-                   "modes": args.modes, "backend": args.backend},
+                   "modes": args.modes, "backend": args.backend, "symbolic_floats": args.symbolic_floats},
         "rows": [], "total_seconds": {},
     }
     for mode in args.modes:
