@@ -161,3 +161,24 @@ def test_compiled_select_draws_eagers_tokens(backend, device):
                     torch.testing.assert_close(got_lp, want_lp)
     breaks = torch._dynamo.utils.counters["graph_break"]  # token_salts is left out of the trace on purpose
     assert all("token_salts" in reason for reason in breaks), list(breaks)
+
+
+@pytest.mark.slow
+def test_compile_cost_script_records_both_float_settings(tmp_path):
+    """scripts/compile_cost.py: each mode in its own process, tokens equal to eager, with the
+    engine's float constants and with --symbolic-floats (the baseline)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts/compile_cost.py"
+    spec = importlib.util.spec_from_file_location("compile_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for flag, name in (([], "constants"), (["--symbolic-floats"], "symbolic")):
+        script.main(["--layers", "1", "--rows", "4", "--modes", "model", "--backend", "aot_eager",
+                     "--out", str(tmp_path / name), *flag])
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["config"]["symbolic_floats"] is bool(flag)
+        assert [(r["mode"], r["rows"], r["equal_to_eager"]) for r in record["rows"]] == [("model", 4, True)]
+        assert record["total_seconds"]["model"] == record["rows"][0]["seconds"] > 0
