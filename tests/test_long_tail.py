@@ -12,7 +12,7 @@ from conftest import get_tiny
 from rollout_lab.cli import main
 from rollout_lab.measure import long_tail as long_tail_module
 from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS, check_long_tail_settings, decode_by_rows,
-                                           long_tail_rows, run_long_tail)
+                                           long_tail_rows, run_long_tail, step_cost_rows)
 from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, sample_lengths
 from rollout_lab.workspace import check_record_pair
 
@@ -107,6 +107,13 @@ def test_run_long_tail_fills_the_slots_better_paged_and_every_path_samples_the_s
     by_rows = paged["decode_by_rows"]  # the profiled call's decode steps by live rows, every step counted once
     assert sum(b["steps"] for b in by_rows) == paged["num_decode_steps"] and by_rows[-1]["rows_max"] == 4
     assert sum(b["ms"] for b in by_rows) == pytest.approx(paged["decode_ms"], rel=0.05)
+    costs = step_cost_rows(record)  # every path keeps its bins; each path's shares sum to 1
+    assert {r["path"] for r in costs} == set(results)
+    for path in results:
+        mine = [r for r in costs if r["path"] == path]
+        assert sum(r["share_of_steps"] for r in mine) == pytest.approx(1.0)
+        assert sum(r["share_of_decode_ms"] for r in mine) == pytest.approx(1.0)
+    assert step_cost_rows({"results": {"old": {"num_slots": 4}}}) == []  # a record from before the bins
     assert results["paged_memory"]["num_slots"] == results["aligned_all"]["num_slots"] == 16  # the pool holds all
     assert paged["route"] == "paged" and paged["num_preemptions"] == 0 and paged["peak_kv_bytes_over_live"] >= 1
     assert aligned["route"] == "bucketed" and aligned["peak_kv_bytes_over_live"] is None

@@ -279,7 +279,7 @@ def _overlaps(fig):
 def test_the_latency_figures_draw_nothing_over_anything():
     """Five workloads x nine paths of long names (a GPU sweep's table), and the long-tail record: tick
     labels clear of each other, legends clear of every text, each other and the bars."""
-    from rollout_lab.plots.latency import plot_occupancy, plot_trainer_loop
+    from rollout_lab.plots.latency import plot_occupancy, plot_step_cost, plot_trainer_loop
 
     paths = ["nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto", "hf_generate",
              "hf_generate_batch"]
@@ -291,9 +291,12 @@ def test_the_latency_figures_draw_nothing_over_anything():
                 "auto_vs_best_manual_beyond_spread": False}]
     tail = [{"path": p, "slots": 128, "output_tokens_per_s": tps, "occupancy": occ, "queued_occupancy": queued}
             for p, tps, occ, queued in (("paged_128", 12200.0, 0.85, 0.97), ("aligned_128", 7300.0, 0.63, 0.29))]
+    steps = [{"path": p, "slots": slots, "rows_max": top, "ms_per_step": 1.5 + 0.1 * k, "share_of_decode_ms": 0.1}
+             for p, slots in (("paged_128", 128), ("paged_memory", 512)) for k, top in enumerate((1, 2, 4, 8, 128, slots))]
     loop = [{"iteration": i, "first_rollout_ms": 3000.0 + i, "steady_rollout_ms": 2990.0, "train_ms": 900.0,
              "logprob_mean_abs": mean, "logprob_max_abs": top} for i, (mean, top) in enumerate(((0.0, 0.0), (0.009, 0.055)))]
     for fig in (plot_e2e(rows, summary), plot_throughput_memory(rows), plot_breakdown(rows),
                 plot_occupancy(tail, title="EOS long tail"), plot_trainer_loop(loop, title="trainer loop"),
+                plot_step_cost(steps, title="EOS long tail: decode time by live rows"),
                 plot_trainer_loop(loop[:1], title="trainer mode: exact")):
         assert _overlaps(fig) == [], fig.axes[0].get_ylabel()

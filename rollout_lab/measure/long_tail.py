@@ -215,6 +215,21 @@ def long_tail_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def step_cost_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per (path, live-rows bin) of an EOS long-tail record's ``decode_by_rows`` (records
+    made before it was kept have none): the steps, their ms and ms per step, and the bin's share of
+    the path's decode steps and decode ms."""
+    rows = []
+    for path, res in record["results"].items():
+        bins = res.get("decode_by_rows") or []
+        steps, ms = sum(b["steps"] for b in bins), sum(b["ms"] for b in bins)
+        rows += [{"path": path, "slots": res["num_slots"], "rows_min": b["rows_min"], "rows_max": b["rows_max"],
+                  "steps": b["steps"], "ms": b["ms"], "ms_per_step": b["ms_per_step"],
+                  "share_of_steps": b["steps"] / steps, "share_of_decode_ms": b["ms"] / ms}
+                 for b in bins]
+    return rows
+
+
 def long_tail_or_load(
     *, long_tail_shape: Mapping[str, Any] | None, long_tail_results_file: str | None, model: str, dtype: str,
     device: str, output_dir: Any = None,

@@ -204,6 +204,37 @@ def plot_occupancy(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Fig
     return fig
 
 
+def plot_step_cost(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Where an EOS long-tail call's decode time goes (``measure.long_tail.step_cost_rows``): ms per
+    decode step against the live rows it ran (power-of-two bins, drawn at each bin's top), and each
+    bin's share of the path's decode ms. A flat left end is the step's floor at few rows (launches,
+    not bytes); the right panel shows how much of the call the tail's few-row steps take."""
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    tops = sorted({r["rows_max"] for r in rows})
+    width = 0.8 / max(1, len(paths))
+    for k, path in enumerate(paths):
+        mine = [r for r in rows if r["path"] == path]
+        left.plot([r["rows_max"] for r in mine], [r["ms_per_step"] for r in mine], marker="o", color=PALETTE(k),
+                  label=f"{path} ({mine[0]['slots']} slots)")
+        at = {r["rows_max"]: r["share_of_decode_ms"] for r in mine}
+        right.bar(np.arange(len(tops)) + (k - (len(paths) - 1) / 2) * width, [at.get(t, 0.0) for t in tops], width,
+                  color=PALETTE(k))
+    left.set_xscale("log", base=2)
+    left.set_xticks(tops, [str(t) for t in tops])
+    left.set_xlabel("live rows in the step (bin top)")
+    left.set_ylabel("ms per decode step")
+    left.set_ylim(bottom=0)
+    left.legend(loc="upper left", fontsize=8, frameon=False)
+    left.set_ylim(top=left.get_ylim()[1] * 1.35)  # room for the legend above the lines
+    right.set_xticks(np.arange(len(tops)), [str(t) for t in tops])
+    right.set_xlabel("live rows in the step (bin top)")
+    right.set_ylabel("share of the decode ms")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_trainer_loop(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Per iteration of a trainer-loop record (``measure.trainer_loop.trainer_loop_rows``): the first
     rollout after an optimizer step against the same call again (what a weight sync costs) and the
