@@ -150,6 +150,19 @@ def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
     assert len(bounded.plans) > len(free.plans)
 
 
+def test_auto_takes_paged_when_rows_refill_under_an_admission_bound():
+    """Only the paged route bounds an admission's prefill: Auto with the bound set takes it when
+    rows refill, and prices the routes as usual when every row fits at once (nothing is live during
+    the one admission)."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([12, 30, 7, 20, 16, 9], seed=6)
+    bounded = run(model, prompts, 8, costs=SPLIT_COSTS, continuous_batch_size=2, admit_tokens_per_step=16)
+    assert bounded.route == "paged" and bounded.profile.max_turn_prefill_tokens <= 16
+    assert run(model, prompts, 8, costs=SPLIT_COSTS, continuous_batch_size=2).route != "paged"
+    assert run(model, prompts, 8, costs=SPLIT_COSTS, admit_tokens_per_step=16).route != "paged"
+    assert bounded.sequences == run(model, prompts, 8, mode="bucketed").sequences
+
+
 def test_prefill_across_turns_keeps_tokens_with_samples_penalty_eos_and_logprobs(oracle):
     """Prompts longer than the bound, each with two samples sharing its KV: the aligned route's
     tokens and logprobs with the penalty, EOS and seeded sampling, on a pool tight enough to
@@ -246,6 +259,8 @@ def test_admit_places_each_row_at_its_positions():
     (dict(mode="paged", kv_cache_tokens=0), "kv_cache_tokens"),
     (dict(mode="paged", refill_rows=-1), "refill_rows"),
     (dict(mode="paged", admit_tokens_per_step=0), r"admit_tokens_per_step must be an int >= 1, or None, got 0"),
+    (dict(mode="bucketed", admit_tokens_per_step=64),
+     r"admit_tokens_per_step bounds the paged route's admissions; mode='bucketed' would ignore it"),
     (dict(mode="paged", cache_capacity=64), "mode='paged' keeps each row"),
     (dict(eos_check_interval=0), r"eos_check_interval must be 'auto' or an int in 1..64, got 0"),
     (dict(eos_check_interval="often"), "eos_check_interval must be 'auto' or an int"),

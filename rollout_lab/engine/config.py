@@ -107,7 +107,8 @@ class RolloutConfig:
     refill_rows: int | None = None
     # prompt tokens prefilled between two decode steps at most (the paged route; None: no bound): a
     # turn admits the longest queue prefix within it, and a prompt longer than the bound is prefilled
-    # in chunks of it, one a turn, so the live rows never wait for more than one such prefill
+    # in chunks of it, one a turn, so the live rows never wait for more than one such prefill. Auto
+    # takes paged whenever rows refill (more rows than slots) and the bound is set
     admit_tokens_per_step: int | None = None
     # decode steps run between two reads of the tokens when rows can end at EOS or a stop id: the host
     # reads the device once per interval, not after every step, so the GPU never idles while the host
@@ -202,6 +203,10 @@ class RolloutConfig:
                 "mode='nocb' runs HF generate and has no aligned cache: "
                 "cache_capacity and trim_cache need a continuous-batching mode"
             )
+        if self.admit_tokens_per_step is not None and self.mode not in ("paged", "auto"):
+            raise ValueError(
+                f"admit_tokens_per_step bounds the paged route's admissions; mode={self.mode!r} would ignore "
+                f"it: use mode='paged' or 'auto' (which then takes paged whenever rows refill)")
         if self.mode == "paged" and (self.cache_capacity is not None or self.trim_cache):
             raise ValueError(
                 "mode='paged' keeps each row in its own blocks: cache_capacity and trim_cache set the "

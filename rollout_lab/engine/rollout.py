@@ -637,6 +637,9 @@ class Rollout:
             self._explored = False
             return "paged"
         paged_allowed, pool = free_layout, None
+        if cfg.admit_tokens_per_step is not None and free_layout and slots is not None and slots < n:
+            self._explored = False
+            return "paged"  # rows refill and their admissions must stay bounded: only paged bounds them
         if paged_allowed and slots is not None and slots < n:  # paged is a candidate: price its pool too
             rows = range(n)
             try:
