@@ -57,6 +57,9 @@ def test_the_record_holds_both_engines_per_workload_and_their_ratio():
             assert len(e["samples_ms"]) == len(e["routes"]) == 2 and e["first_call_ms"] > 0
             assert e["median_ms"] == sum(e["samples_ms"]) / 2 and e["iqr_ms"] >= 0 and e["first_call_route"]
             assert e["first_call_compile_s"] == {}  # nothing compiles off CUDA
+            # the last call's prefill forwards: every prompt in one, at most 32 rows, at least as wide as the longest
+            assert e["prefill_shapes"] and sum(r for r, _ in e["prefill_shapes"]) >= 32
+            assert max(w for _, w in e["prefill_shapes"]) >= max(record["workloads"][name]["lengths"])
         assert res["ratio"] == res["default"]["median_ms"] / res["tuned"]["median_ms"]
         assert res["within_1_05"] == (res["ratio"] <= 1.05)
     first = record["results"]["long_tail"]["default"]["first_call_ms"]

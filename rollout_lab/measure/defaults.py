@@ -169,6 +169,7 @@ def run_defaults(
                     ms, result = call(which)
                     out[which]["samples_ms"].append(ms)
                     out[which]["routes"].append(result.route)
+                    out[which]["prefill_shapes"] = prefill_shapes(result.plans)  # the last call's
             for which in ENGINES:
                 out[which] |= sample_spread(out[which]["samples_ms"])
             ratio = out["default"]["median_ms"] / out["tuned"]["median_ms"]
@@ -182,6 +183,17 @@ def run_defaults(
         for rollout in rollouts.values():
             rollout.close()
     return record
+
+
+def prefill_shapes(plans: Sequence[Any]) -> list[list[int]]:
+    """The (rows, width) each prefill forward of a call ran at, admission by admission: a bucket's
+    class shape where classes are set, else its prompts and padded width (a packed forward's width
+    is its tokens)."""
+    shapes = []
+    for plan in plans:
+        rows = plan.rows or tuple(len(b) for b in plan.buckets)
+        shapes += [[int(r), int(w)] for r, w in zip(rows, plan.widths)]
+    return shapes
 
 
 def compile_seconds(since: Mapping[str, float] | None = None) -> dict[str, float]:
