@@ -69,6 +69,7 @@ class PagedBatcher(ContinuousBatcher):
         self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
         self.prefilling: _Prefilling | None = None  # a long prompt prefilled across turns
         self._turn_tokens = 0  # prompt tokens this turn prefilled so far
+        self._turn_stalls = False  # whether rows were live when this turn began (they wait for it)
         self._counter = 0
         self.profile.kv_block_size = self.cache.block_size
         self.profile.num_kv_blocks = self.cache.num_blocks
@@ -136,7 +137,7 @@ class PagedBatcher(ContinuousBatcher):
         once whole), then the rows ``_admissible_paged`` allows within the turn's tokens left, if
         at least ``refill_rows`` (or nothing is live), else a long prompt's first chunk; whether
         anything was done."""
-        self._turn_tokens = 0
+        self._turn_tokens, self._turn_stalls = 0, bool(self.rows)
         spent, done = 0, False
         if self.prefilling is not None:
             spent = self._prefill_chunk()
@@ -278,8 +279,10 @@ class PagedBatcher(ContinuousBatcher):
         return True
 
     def _note_turn(self, tokens: int) -> None:
+        """Count a turn's prefill tokens toward the longest stall, if rows were live to wait for it."""
         self._turn_tokens += tokens
-        self.profile.max_turn_prefill_tokens = max(self.profile.max_turn_prefill_tokens, self._turn_tokens)
+        if self._turn_stalls:
+            self.profile.max_turn_prefill_tokens = max(self.profile.max_turn_prefill_tokens, self._turn_tokens)
 
     def _mark_admitted(self, requests: Sequence[int]) -> None:
         for request in requests:

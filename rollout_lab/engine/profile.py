@@ -62,8 +62,8 @@ class Profile:
     peak_kv_blocks: int = 0
     peak_live_tokens: int = 0
     num_preemptions: int = 0
-    # the most prompt tokens one admission turn prefilled (the paged route): the longest stall of the
-    # live rows between two decode steps, in tokens (RolloutConfig.admit_tokens_per_step bounds it)
+    # the most prompt tokens one admission turn prefilled while rows were live (the paged route): the
+    # longest stall of the live rows between two decode steps, in tokens (admit_tokens_per_step bounds it)
     max_turn_prefill_tokens: int = 0
     prefill_backend: str | None = None  # "padded"/"graph" (bucketed), "segments"/"masked" (packed), "hf_padded" (nocb)
     forwards: list[dict[str, Any]] | None = None
