@@ -74,19 +74,26 @@ def test_layerwise_prefill_into_a_dynamic_cache_equals_the_model():
                for g, w in zip(got_cache.layers, want_cache.layers))
 
 
+def stepper_pair(mode: str, *, num_slots: int):
+    """An eager decode stepper of a fresh tiny qwen2 and one whose forward is compiled in ``mode``
+    (aot_eager), over one cache shape; dynamo's caches emptied first."""
+    from rollout_lab.engine.steppers import EagerStepper, StepperKey
+
+    torch._dynamo.reset()
+    model = get_tiny("qwen2")
+    key = StepperKey(num_slots=num_slots, capacity=32, repetition_penalty=1.0, track_seen=False,
+                     cache_kwarg=cache_kwarg_name(model), spans=False)
+    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
+    compiled.forward = compile_forward(model, mode, backend="aot_eager")
+    return eager, compiled
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["model", "layers"])
 def test_one_compile_serves_every_row_count_past_one(mode):
     """The decode step first traced with as many rows as slots must not pin rows == slots: 8, 4 and
     2 rows reuse the 16-row graph (no duck shapes), and tokens equal the eager step's."""
-    from rollout_lab.engine.steppers import EagerStepper, StepperKey
-
-    torch._dynamo.reset()
-    model = get_tiny("qwen2")
-    key = StepperKey(num_slots=16, capacity=32, repetition_penalty=1.0, track_seen=False,
-                     cache_kwarg=cache_kwarg_name(model), spans=False)
-    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
-    compiled.forward = compile_forward(model, mode, backend="aot_eager")
+    eager, compiled = stepper_pair(mode, num_slots=16)
     counts = []
     with torch.no_grad():
         for rows in (16, 8, 4, 2):
@@ -106,14 +113,8 @@ def test_the_first_trace_is_not_restarted(mode):
     from torch._dynamo.utils import counters
 
     from rollout_lab.engine.compiling import tracing
-    from rollout_lab.engine.steppers import EagerStepper, StepperKey
 
-    torch._dynamo.reset()
-    model = get_tiny("qwen2")
-    key = StepperKey(num_slots=4, capacity=32, repetition_penalty=1.0, track_seen=False,
-                     cache_kwarg=cache_kwarg_name(model), spans=False)
-    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
-    compiled.forward = compile_forward(model, mode, backend="aot_eager")
+    eager, compiled = stepper_pair(mode, num_slots=4)
     before = dict(counters["aot_autograd"])
     with torch.no_grad(), tracing():
         assert torch.equal(compiled.step(4, 0), eager.step(4, 0))

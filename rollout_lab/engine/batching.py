@@ -322,18 +322,7 @@ class ContinuousBatcher:
             if self.state.seen is not None:
                 seen = self._seen_of(prompts)
                 seen = seen if index is None else seen.index_select(0, index)
-            row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            keys = self.sample_keys[row_index]
-            sampling = None if self.settings.sampling is None else self.settings.sampling.rows(row_index)
-            minimum = None if self.min_new_tokens is None else self.min_new_tokens[row_index]
-            first, first_logprobs = select_tokens(
-                logits, seen, self.settings.repetition_penalty, sampling=sampling,
-                sample_keys=keys, steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
-                min_new_tokens=minimum, stop_mask=self.state.stop_mask,
-            )  # [rows], the token of step 0
-            first_logprobs = None if first_logprobs is None else first_logprobs.tolist()
-            if seen is not None:
-                seen.scatter_(1, first[:, None], True)
+            first, first_logprobs, settings = self._first_tokens(rows, logits, seen)
         self.profile.num_prefill_forwards += 1
         self.profile.num_prefill_rows += len(requests)
         self.profile.num_replicated_rows += len(rows) - len(requests)
@@ -344,10 +333,28 @@ class ContinuousBatcher:
             else:
                 self.cache.admit(slots, layer_kv, lengths, source_rows=source)
             self._admit_spans(slots, source)
-            self.state.admit(slots, first, lengths, seen, sample_keys=keys, sampling=sampling,
-                             min_new_tokens=minimum)
+            self.state.admit(slots, first, lengths, seen, **settings)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
             self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
+
+    def _first_tokens(self, rows: Sequence[int], logits: torch.Tensor, seen: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, list[float] | None, dict]:
+        """The token of step 0 of each of ``rows`` (call rows) from its prefill's last ``logits``
+        ([rows, vocab]; ``seen``, its prompt's ids, gets the token too): ([rows] ids, their
+        logprobs or None, the rows' ``DecodeState.admit`` settings: keys, sampling, minimums)."""
+        row_index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        keys = self.sample_keys[row_index]
+        sampling = None if self.settings.sampling is None else self.settings.sampling.rows(row_index)
+        minimum = None if self.min_new_tokens is None else self.min_new_tokens[row_index]
+        first, first_logprobs = select_tokens(
+            logits, seen, self.settings.repetition_penalty, sampling=sampling,
+            sample_keys=keys, steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
+            min_new_tokens=minimum, stop_mask=self.state.stop_mask,
+        )
+        if seen is not None:
+            seen.scatter_(1, first[:, None], True)
+        return first, None if first_logprobs is None else first_logprobs.tolist(), \
+            dict(sample_keys=keys, sampling=sampling, min_new_tokens=minimum)
 
     def _seen_of(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         width = max(len(p) for p in prompts)

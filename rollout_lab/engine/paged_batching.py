@@ -38,7 +38,6 @@ from typing import Sequence
 import torch
 
 from rollout_lab.engine.batching import ContinuousBatcher, _Row, extend_prefill
-from rollout_lab.engine.decode import select_tokens
 from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.prefill import prefill_bucket
 from rollout_lab.planner.bucket_dp import BucketPlan
@@ -251,27 +250,16 @@ class PagedBatcher(ContinuousBatcher):
         self.rows.extend(_Row(r, 0) for r in members)
         length = self.lengths[pending.request]
         with self.timer.phase("prefill_ms"):
-            index = torch.tensor(members, dtype=torch.long, device=self.device)
             logits = pending.logits.index_select(0, torch.zeros(len(members), dtype=torch.long, device=self.device))
             seen = None
             if self.state.seen is not None:
                 seen = self._seen_of([self.prompts[pending.request]]).expand(len(members), -1).clone()
-            keys = self.sample_keys[index]
-            sampling = None if self.settings.sampling is None else self.settings.sampling.rows(index)
-            minimum = None if self.min_new_tokens is None else self.min_new_tokens[index]
-            first, first_logprobs = select_tokens(
-                logits, seen, self.settings.repetition_penalty, sampling=sampling, sample_keys=keys,
-                steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
-                min_new_tokens=minimum, stop_mask=self.state.stop_mask)
-            first_logprobs = None if first_logprobs is None else first_logprobs.tolist()
-            if seen is not None:
-                seen.scatter_(1, first[:, None], True)
+            first, first_logprobs, settings = self._first_tokens(members, logits, seen)
         self.profile.num_prefill_rows += 1
         self.profile.num_replicated_rows += len(members) - 1
         with self.timer.phase("cache_ms"):
             self.cache.admit(slots, pending.kv, [length] * len(members), source_rows=[0] * len(members))
-            self.state.admit(slots, first, [length] * len(members), seen, sample_keys=keys, sampling=sampling,
-                             min_new_tokens=minimum)
+            self.state.admit(slots, first, [length] * len(members), seen, **settings)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
             self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
         self._note_peak()
