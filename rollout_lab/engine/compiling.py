@@ -26,7 +26,8 @@ Their first calls trace under ``tracing()``, which makes dynamo treat Python flo
 into tensors: dynamo restarts the whole frame with them specialised, after a full trace and most
 of AOTAutograd. On the H200 that wasted first attempt was 83 s of the 226 s Qwen2.5-3B's two
 compiles took cold, and 79 s of 106 s warm (loaded artifacts do not skip it: the attempt fails
-before its cache entry). On this CPU (a 1-layer tiny qwen2, aot_eager) 3.0 s against 2.0 s. The
+before its cache entry). On this repository's CPU the whole 36-layer tiny qwen2 step's first
+compile took 57 s against 83 s (``scripts/compile_cost.py``, with and without ``--symbolic-floats``). The
 setting is scoped to our traces (the CUDA-graph captures' warm-ups), so a trainer's own compiled
 code in the process keeps torch's default, where a float that changes (a learning rate) does not
 recompile.
