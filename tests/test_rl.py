@@ -99,3 +99,29 @@ def test_rl_defaults_are_run_rls_own():
 
     signature = inspect.signature(run_rl).parameters
     assert {k: signature[k].default for k in RL_DEFAULTS} == RL_DEFAULTS
+
+
+def test_hf_continuous_batching_is_sized_to_the_work_off_cuda(monkeypatch):
+    """Off CUDA, HF sizes its paged cache to host memory (14.7 GB for notebook 03's four tiny RL
+    prompts): both of our ways into it (generate_batch, the per-budget manager) pass a config sized
+    to the prompts and the largest budget."""
+    from rollout_lab.measure.peers import cb_sizing
+    from rollout_lab.measure.rl import hf_generate_batch_budgets
+
+    from conftest import get_tiny
+
+    model = get_tiny("qwen2")
+    prompts = [[5, 6, 7], list(range(3, 70))]
+    config = cb_sizing(model, prompts, 8)["continuous_batching_config"]
+    assert config.num_blocks == 1 + 2 + 4 and config.max_requests_per_batch == 2  # 11 and 75 tokens in pages of 64
+    seen = {}
+    real = model.init_continuous_batching
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(model, "init_continuous_batching", spy)
+    out = hf_generate_batch_budgets(model, prompts, [8, 3], pad_id=0)
+    assert [len(s) for s in out] == [8, 3]
+    assert seen["continuous_batching_config"].num_blocks == config.num_blocks

@@ -60,12 +60,8 @@ def hf_generate_batch(
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
         eos_token_id=None, pad_token_id=pad_token_id,
     )
-    extra = {}
-    if next(model.parameters()).device.type != "cuda":
-        # off CUDA, HF sizes its paged cache to host memory (and gets OOM-killed): size it to the work
-        extra["continuous_batching_config"] = _sized_cb_config(prompts, max_new_tokens)
     results = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
-                                   progress_bar=False, **extra)
+                                   progress_bar=False, **cb_sizing(model, prompts, max_new_tokens))
     outputs = list(results.values())
     if len(outputs) != len(prompts):
         raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests")
@@ -80,6 +76,15 @@ def hf_generate_batch(
             )
         sequences.append(list(out.generated_tokens))
     return sequences
+
+
+def cb_sizing(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
+    """The keyword arguments that size HF continuous batching's paged cache to ``prompts`` and
+    ``max_new_tokens`` off CUDA, where HF sizes it to host memory (14.7 GB for four tiny prompts, or
+    an OOM kill); on CUDA none (HF's own sizing, as its users get it)."""
+    if next(model.parameters()).device.type == "cuda":
+        return {}
+    return {"continuous_batching_config": _sized_cb_config(prompts, max_new_tokens)}
 
 
 def _sized_cb_config(prompts: Sequence[Sequence[int]], max_new_tokens: int):

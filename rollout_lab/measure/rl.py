@@ -32,6 +32,7 @@ from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import DECODE_VARIANTS, release_memory
+from rollout_lab.measure.peers import cb_sizing
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 
@@ -157,7 +158,8 @@ def hf_generate_batch_budgets(model: Any, prompts: Sequence[Sequence[int]], budg
                               pad_id: int) -> list[list[int]]:
     """HF continuous batching with per-request budgets: its manager, one request per prompt."""
     config = GenerationConfig(max_new_tokens=max(budgets), do_sample=False, eos_token_id=None, pad_token_id=pad_id)
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             **cb_sizing(model, prompts, max(budgets)))
     manager.start()
     try:
         for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
