@@ -150,6 +150,11 @@ def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
     # each chunk of a long prompt is its own forward, a decode step between two of them
     kinds = [f["kind"] for f in bounded.profile.forwards]
     assert kinds.count("chunk") == 3 and all(kinds[i - 1] == "decode" for i, k in enumerate(kinds) if k == "chunk")
+    # a turn after every step while a prompt is between chunks or queued rows could fill free
+    # slots; unbounded, the decode runs in bursts to the nearest budget
+    bursts = [f["steps"] for f in bounded.profile.forwards if f["kind"] == "decode"]
+    assert max(bursts[: len(bursts) // 2]) == 1 and max(f["steps"] for f in free.profile.forwards
+                                                          if f["kind"] == "decode") > 1
     assert len(bounded.plans) > len(free.plans)
 
 

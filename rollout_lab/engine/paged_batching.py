@@ -18,7 +18,8 @@ The ``paged`` route (``engine.paged_cache``). Every loop turn, before a decode s
   then it takes a slot and its blocks like any admitted row, a new prompt with the samples of it that
   follow in the queue (they share its KV). The rows behind it wait (input order); a turn's tokens
   left after a chunk admit them. So no turn prefills more than ``admit_tokens`` tokens
-  (``Profile.max_turn_prefill_tokens``).
+  (``Profile.max_turn_prefill_tokens``), and while rows wait for free slots or a prompt is between
+  chunks, a turn comes after every decode step (no burst of steps between two reads).
 - **growth**: each live row gets the blocks its next tokens need; a burst of steps without EOS
   reserves them all at once.
 - **preemption**: when the pool cannot hold the next step, the most recently admitted row gives its
@@ -81,6 +82,16 @@ class PagedBatcher(ContinuousBatcher):
 
     def _pending(self) -> bool:
         return self.prefilling is not None
+
+    def _burst_cap(self) -> int:
+        """Under ``admit_tokens``, one step while a prompt is prefilling across turns or queued rows
+        could fill free slots: each turn admits a bounded share, so turns come after every step, not
+        after a burst (a burst of 8, or to the nearest budget without EOS, would leave the slots the
+        bound kept empty for all of it)."""
+        if self.admit_tokens is not None and (
+                self.prefilling is not None or (self.queue and len(self.rows) < self.settings.num_slots)):
+            return 1
+        return super()._burst_cap()
 
     def _decode_front(self) -> int:
         return 0  # every row writes at its own position (the stepper's one window holds any)
