@@ -143,7 +143,7 @@ class ContinuousBatcher:
                 burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
                 if self.settings.eos_token_ids:
                     burst = min(burst, self.settings.eos_check_interval)
-            burst = self._reserve(min(burst, self._burst_cap()))
+            burst = self._reserve(self._cap_burst(burst))
             num_rows = len(self.rows)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
                 front = self._decode_front()
@@ -182,9 +182,10 @@ class ContinuousBatcher:
         """Whether a row is on its way in outside the queue (the paged route's prefill across turns)."""
         return False
 
-    def _burst_cap(self) -> int:
-        """The most decode steps before the next admission turn must come (here none: the budgets')."""
-        return max(self.settings.budgets)
+    def _cap_burst(self, burst: int) -> int:
+        """The decode steps to run before the next admission turn, of the ``burst`` the reads allow
+        (here all of them)."""
+        return burst
 
     def _reserve(self, burst: int) -> int:
         """Make room for ``burst`` more tokens of every live row; the burst that fits (here all of it:

@@ -50,6 +50,7 @@ class _Prefilling:
     per-layer KV (outside the pool) and the logits after them."""
 
     request: int
+    ids: list[int]  # what it prefills (``PagedBatcher._prefill_ids``, fixed while it waits)
     done: int
     chunks: list[int]
     kv: list[tuple[torch.Tensor, torch.Tensor]]
@@ -83,7 +84,7 @@ class PagedBatcher(ContinuousBatcher):
     def _pending(self) -> bool:
         return self.prefilling is not None
 
-    def _burst_cap(self) -> int:
+    def _cap_burst(self, burst: int) -> int:
         """Under ``admit_tokens``, one step while a prompt is prefilling across turns or queued rows
         could fill free slots: each turn admits a bounded share, so turns come after every step, not
         after a burst (a burst of 8, or to the nearest budget without EOS, would leave the slots the
@@ -91,7 +92,7 @@ class PagedBatcher(ContinuousBatcher):
         if self.admit_tokens is not None and (
                 self.prefilling is not None or (self.queue and len(self.rows) < self.settings.num_slots)):
             return 1
-        return super()._burst_cap()
+        return burst
 
     def _decode_front(self) -> int:
         return 0  # every row writes at its own position (the stepper's one window holds any)
@@ -196,19 +197,20 @@ class PagedBatcher(ContinuousBatcher):
         if self.prefilling is not None or spent or not self.queue or not self._splits(self.queue[0]):
             return False
         request = self.queue.pop(0)
-        head = self._prefill_ids(request)[: self.admit_tokens]
+        ids = self._prefill_ids(request)
+        head = ids[: self.admit_tokens]
         with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=1, width=len(head)):
             logits, layer_kv = prefill_bucket(self.model, [head], pad_token_id=self.settings.pad_token_id,
                                               cache_kwarg=self.settings.cache_kwarg)
         self.profile.num_prefill_forwards += 1
-        self.prefilling = _Prefilling(request, len(head), [], list(layer_kv), logits)
+        self.prefilling = _Prefilling(request, ids, len(head), [], list(layer_kv), logits)
         self._note_turn(len(head))
         return True
 
     def _prefill_chunk(self) -> int:
         """The prefilling prompt's next chunk (at most ``admit_tokens`` tokens); the tokens run."""
         pending = self.prefilling
-        chunk = self._prefill_ids(pending.request)[pending.done : pending.done + self.admit_tokens]
+        chunk = pending.ids[pending.done : pending.done + self.admit_tokens]
         if not chunk:
             return 0
         with self.timer.phase("prefill_ms"):
@@ -224,7 +226,7 @@ class PagedBatcher(ContinuousBatcher):
 
     def _prefilled(self) -> bool:
         pending = self.prefilling
-        return pending is not None and pending.done == len(self._prefill_ids(pending.request))
+        return pending is not None and pending.done == len(pending.ids)
 
     def _enter_prefilled(self) -> bool:
         """The fully prefilled row takes a slot and its blocks, a new prompt with the samples of it
