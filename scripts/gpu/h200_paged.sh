@@ -7,6 +7,7 @@
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/h200_paged.sh logits long_tail nano   # the same steps on a tiny CPU model
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/h200_paged.sh logits long_tail   # one device call
 #   ... bash scripts/gpu/h200_paged.sh nano                                                       # the next
+#   ... bash scripts/gpu/h200_paged.sh kernel   # the kernel's GB/s per (warps, stages): scripts/gpu/paged_kernel.py
 # Every bench writes its record after each path, so a step its limit cuts loses nothing it finished.
 # LONG_TAIL_PATHS / NANO_MODES pick the long-tail paths and the nano-vllm routes.
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
@@ -30,6 +31,9 @@ for what in "$@"; do
     nano) for mode in $NANO_MODES; do
             step 300 $PY -m rollout_lab.cli bench rl $NANO --mode "$mode" --paths ours --out "$OUT"/rl_nano_"$mode"
           done ;;
-    *) echo "unknown step $what (logits, long_tail, nano)"; exit 2 ;;
+    # the decode-attention kernel alone: its bandwidth under each launch setting (a diagnostic, no record)
+    kernel) if [ -n "${TINY:-}" ]; then export TRITON_INTERPRET=1; fi
+            step 180 $PY scripts/gpu/paged_kernel.py ${TINY:+--tiny} --out "$OUT"/paged_kernel.txt ;;
+    *) echo "unknown step $what (logits, long_tail, nano, kernel)"; exit 2 ;;
   esac
 done
