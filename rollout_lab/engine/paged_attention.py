@@ -79,6 +79,7 @@ if triton is not None:
         stride_tb, stride_tn, stride_p, max_blocks, scale,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        NATIVE_QK: tl.constexpr = False, NATIVE_PV: tl.constexpr = False,
     ):
         pid = tl.program_id(0)  # row * KV_HEADS + kv head
         split = tl.program_id(1)
@@ -94,7 +95,9 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         t = tl.arange(0, BLOCK_SIZE)
         q_ptrs = Q + row * stride_qb + (head * GROUP + g)[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptrs, mask=g[:, None] < GROUP, other=0.0).to(tl.float32)  # [GROUP_PAD, HEAD_DIM]
+        q = tl.load(q_ptrs, mask=g[:, None] < GROUP, other=0.0)  # [GROUP_PAD, HEAD_DIM]
+        if not NATIVE_QK:
+            q = q.to(tl.float32)
         m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         s = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -104,14 +107,20 @@ if triton is not None:
         for block in range(lo, hi):
             phys = tl.load(table + block * stride_tn).to(tl.int64)  # int64: a big pool's offsets
             live = block * BLOCK_SIZE + t < end  # only the row's last block is partly live
-            k = tl.load(k_head + phys * stride_kb, mask=live[:, None], other=0.0).to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_SIZE]
+            k = tl.load(k_head + phys * stride_kb, mask=live[:, None], other=0.0)
+            if NATIVE_QK:  # the cache's dtype into the tensor cores, fp32 accumulation
+                qk = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_SIZE]
+            else:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
             qk = tl.where(live[None, :], qk, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_head + phys * stride_vb, mask=live[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            v = tl.load(v_head + phys * stride_vb, mask=live[:, None], other=0.0)
+            if NATIVE_PV:  # the probabilities rounded to the cache's dtype, as flash attention does
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             s = s * alpha + tl.sum(p, 1)
             m = m_new
         out = (pid * SPLITS + split) * GROUP_PAD + g  # [GROUP_PAD] rows of the partial buffers

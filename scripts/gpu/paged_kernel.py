@@ -1,15 +1,18 @@
 """How close the paged decode-attention kernel comes to the GPU's memory bandwidth, and which launch
-settings (warps, pipeline stages) get it there: one layer's attention for a batch of rows whose
-contexts are drawn like nano-vllm's shape (Qwen3-0.6B heads, prompts plus tokens so far up to 2,048).
+settings (warps, pipeline stages) and dot dtypes get it there: one layer's attention for a batch of
+rows whose contexts are drawn like nano-vllm's shape (Qwen3-0.6B heads, prompts plus tokens so far
+up to 2,048).
 
     python scripts/gpu/paged_kernel.py --out $OUT/paged_kernel.txt                 # the H200
     TRITON_INTERPRET=1 python scripts/gpu/paged_kernel.py --tiny --out /tmp/k.txt  # a CPU check
 
 Each case times ``engine.paged_attention``'s partial kernel and merge under every (num_warps,
-num_stages) pair by CUDA events over ``--iters`` launches after a warm-up, and prints the KV bytes
-read per launch over the time (GB/s), with each variant's largest difference from the op's own
-output (the variants change the schedule, not the arithmetic order within a split). A diagnostic:
-the records that show speed are the benchmarks' (``rollout-lab bench``).
+num_stages) pair and three dot modes: as shipped (TF32 products of upcast values, "tf32"), q·k in
+the cache's dtype ("qk"), and p·v too ("qk+pv": p rounded to bf16, as flash attention does). It
+times ``--iters`` launches after a warm-up by CUDA events and prints the KV bytes read per launch
+over the time (GB/s), with each variant's largest difference from the op's own output (warps and
+stages change the schedule, not the arithmetic; "qk+pv" rounds p). A diagnostic: the records that
+show speed are the benchmarks' (``rollout-lab bench``).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def make_case(rows: int, contexts: torch.Tensor, *, heads: int, kv_heads: int, h
     return query, key, value, tables.to(device), positions
 
 
-def launch(query, key, value, tables, positions, scale, *, num_warps: int, num_stages: int):
+def launch(query, key, value, tables, positions, scale, *, num_warps: int, num_stages: int, native: str = ""):
     rows, heads, _, head_dim = query.shape
     block_size, kv_heads = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -59,7 +62,8 @@ def launch(query, key, value, tables, positions, scale, *, num_warps: int, num_s
         value.stride(0), value.stride(1), value.stride(2), tables.stride(0), tables.stride(1),
         positions.stride(0), tables.shape[1], scale,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SPLITS=splits, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        SPLITS=splits, PRECISION=precision, NATIVE_QK="qk" in native, NATIVE_PV="pv" in native,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(m, s, acc, out, kv_heads=kv_heads, group=group, group_pad=group_pad, splits=splits)
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     if args.tiny:
         cases = {"tiny 4 rows": torch.randint(5, 90, (4,), generator=gen)}
-        variants, iters = [(4, 2), (8, 3)], 1
+        variants, iters = [(4, 2, ""), (8, 3, "qk"), (4, 1, "qk+pv")], 1
     else:  # nano's rows mid-rollout: contexts U(100, 1024) prompts + up to 1,024 tokens
         cases = {
             "256 rows, U(100, 2048)": torch.randint(100, 2049, (256,), generator=gen),
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             "128 rows, U(100, 2048)": torch.randint(100, 2049, (128,), generator=gen),
             "16 rows, 2,048 each": torch.full((16,), 2048),
         }
-        variants, iters = list(itertools.product((2, 4, 8), (1, 2, 3, 4))), args.iters
+        variants, iters = list(itertools.product((2, 4, 8), (1, 2, 3), ("", "qk", "qk+pv"))), args.iters
     lines = [f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} {dtype} heads {heads}/{kv_heads} "
              f"head_dim {head_dim}; GB/s = K and V bytes of the live blocks read per launch / time"]
     for block_size in ((64,) if args.tiny else (64, 128)):
@@ -116,17 +120,19 @@ def main(argv: list[str] | None = None) -> int:
             op_ms = timed_ms(lambda: paged_attention(query, key, value, tables, positions, scale), iters, device)
             lines.append(f"\n{name}, block {block_size}: {nbytes / 2**20:.0f} MiB of KV; "
                          f"the op as shipped {op_ms * 1e3:.1f} us = {nbytes / op_ms / 1e6:.0f} GB/s")
-            for warps, stages in variants:
+            for warps, stages, native in variants:
+                label = f"warps {warps} stages {stages} {native or 'tf32':6}"
                 try:
-                    out = launch(query, key, value, tables, positions, scale, num_warps=warps, num_stages=stages)
+                    out = launch(query, key, value, tables, positions, scale, num_warps=warps, num_stages=stages,
+                                 native=native)
                     ms = timed_ms(lambda: launch(query, key, value, tables, positions, scale, num_warps=warps,
-                                                 num_stages=stages), iters, device)
+                                                 num_stages=stages, native=native), iters, device)
                 except Exception as error:  # a variant that does not fit the SM (shared memory, registers)
-                    lines.append(f"  warps {warps} stages {stages}: failed ({type(error).__name__}: "
+                    lines.append(f"  {label}: failed ({type(error).__name__}: "
                                  f"{str(error).splitlines()[0][:80]})")
                     continue
                 diff = float((out.float() - reference.float()).abs().max())
-                lines.append(f"  warps {warps} stages {stages}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:6.0f} GB/s"
+                lines.append(f"  {label}: {ms * 1e3:8.1f} us  {nbytes / ms / 1e6:6.0f} GB/s"
                              f"  max |diff| {diff:.2e}")
     text = "\n".join(lines)
     print(text)
