@@ -33,7 +33,7 @@ for what in "$@"; do
           done ;;
     # the decode-attention kernel alone: its bandwidth under each launch setting (a diagnostic, no record)
     kernel) if [ -n "${TINY:-}" ]; then export TRITON_INTERPRET=1; fi
-            step 180 $PY scripts/gpu/paged_kernel.py ${TINY:+--tiny} --out "$OUT"/paged_kernel.txt ;;
+            step 240 $PY scripts/gpu/paged_kernel.py ${TINY:+--tiny} --out "$OUT"/paged_kernel.txt ;;
     *) echo "unknown step $what (logits, long_tail, nano, kernel)"; exit 2 ;;
   esac
 done
