@@ -8,6 +8,7 @@
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/h200_paged.sh logits long_tail   # one device call
 #   ... bash scripts/gpu/h200_paged.sh nano                                                       # the next
 #   ... bash scripts/gpu/h200_paged.sh kernel   # the kernel's GB/s per (warps, stages): scripts/gpu/paged_kernel.py
+#   ... bash scripts/gpu/h200_paged.sh trace    # kernel-by-kernel profiles of nano's shape and the long tail at 128 slots
 # Every bench writes its record after each path, so a step its limit cuts loses nothing it finished.
 # LONG_TAIL_PATHS / NANO_MODES pick the long-tail paths and the nano-vllm routes.
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
@@ -15,10 +16,14 @@ if [ -n "${TINY:-}" ]; then
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 40 --steps 8"
   LONG="--tiny qwen2 --dataset gsm8k --num-prompts 16 --max-new-tokens 128 --hazard 0.05 --slots 4"
   NANO="--tiny qwen2 --num-seqs 16 --min-len 8 --max-len 48"
+  TRACE_NANO="--tiny qwen3 --num-prompts 16 --max-new-tokens 120"
+  TRACE_LONG="--tiny qwen2 --dataset gsm8k --num-prompts 16 --max-new-tokens 64 --slots 4"
 else
   LOGITS="--preset qwen3-0.6b --dtype bfloat16 --steps 32"
   LONG="--preset qwen2.5-0.5b --dtype bfloat16"
   NANO="--preset qwen3-0.6b --dtype bfloat16"
+  TRACE_NANO="--preset qwen3-0.6b"
+  TRACE_LONG="--preset qwen2.5-0.5b --num-prompts 512 --max-new-tokens 2048"
 fi
 LONG_TAIL_PATHS=${LONG_TAIL_PATHS:-paged_128 paged_128_eos_every_step aligned_128 paged_memory aligned_all}
 NANO_MODES=${NANO_MODES:-paged bucketed}
@@ -34,6 +39,9 @@ for what in "$@"; do
     # the decode-attention kernel alone: its bandwidth under each launch setting (a diagnostic, no record)
     kernel) if [ -n "${TINY:-}" ]; then export TRITON_INTERPRET=1; fi
             step 240 $PY scripts/gpu/paged_kernel.py ${TINY:+--tiny} --out "$OUT"/paged_kernel.txt ;;
-    *) echo "unknown step $what (logits, long_tail, nano, kernel)"; exit 2 ;;
+    # torch.profiler over one warm call (diagnostics, no record): which kernels the step's time goes to
+    trace) step 240 $PY scripts/gpu/trace_step.py $TRACE_NANO --workload nano --out "$OUT"/trace_nano.txt
+           step 300 $PY scripts/gpu/trace_step.py $TRACE_LONG --workload eos_long_tail --out "$OUT"/trace_long_tail.txt ;;
+    *) echo "unknown step $what (logits, long_tail, nano, kernel, trace)"; exit 2 ;;
   esac
 done

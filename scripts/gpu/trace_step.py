@@ -1,7 +1,9 @@
-"""Where a rollout's time goes, kernel by kernel: torch.profiler over one warm ``Rollout.generate`` of
-the EOS long-tail workload (``measure.workloads.eos_long_tail``) on one route.
+"""Where a rollout's time goes, kernel by kernel: torch.profiler over one warm ``Rollout.generate`` on
+one route, of the EOS long-tail workload (``measure.workloads.eos_long_tail``, sampled at T=1) or of
+nano-vllm's shape (``--workload nano``: ``uniform_workload``, greedy, EOS ignored, every slot free).
 
     python scripts/gpu/trace_step.py --preset qwen2.5-0.5b --mode paged --slots 128 --out $OUT/trace_paged.txt
+    python scripts/gpu/trace_step.py --preset qwen3-0.6b --workload nano --out $OUT/trace_nano.txt
     python scripts/gpu/trace_step.py --tiny qwen2 --num-prompts 16 --max-new-tokens 32 --out /tmp/t.txt   # CPU check
 
 Prints (and writes to ``--out``) the wall time, the profile's phases, the device time summed over
@@ -22,7 +24,7 @@ from rollout_lab.engine.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize
 from rollout_lab.engine.rollout import Rollout
 from rollout_lab.measure.models import load_model, special_token_ids
-from rollout_lab.measure.workloads import eos_long_tail, lengths_to_prompts
+from rollout_lab.measure.workloads import eos_long_tail, lengths_to_prompts, uniform_workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--preset")
     which.add_argument("--tiny")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workload", choices=("eos_long_tail", "nano"), default="eos_long_tail")
     parser.add_argument("--mode", default="paged")
-    parser.add_argument("--slots", type=int, default=128)
+    parser.add_argument("--slots", type=int, default=None,
+                        help="continuous_batch_size (default 128 for eos_long_tail, every row for nano)")
     parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="eos_long_tail's budget (default 512); nano's prompts and budgets are U(100, this) "
+                             "(default 1,024)")
     parser.add_argument("--hazard", type=float, default=1 / 295)
     parser.add_argument("--dataset", default="gpqa_diamond")
     parser.add_argument("--top", type=int, default=30)
@@ -47,12 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     special = special_token_ids(cfg)
-    lengths, eos = eos_long_tail(vocab, num_prompts=args.num_prompts, dataset=args.dataset, hazard=args.hazard,
-                                 special_ids=special)
+    if args.workload == "nano":  # as rollout-lab bench rl: U(100, max) prompts and budgets, seed 0
+        high = args.max_new_tokens or 1024
+        lengths, budgets = uniform_workload(args.num_prompts, low=min(100, high), high=high, seed=0)
+        eos, slots, call = None, args.slots, dict(max_new_tokens=budgets)
+    else:
+        lengths, eos = eos_long_tail(vocab, num_prompts=args.num_prompts, dataset=args.dataset,
+                                     hazard=args.hazard, special_ids=special)
+        slots = args.slots or 128
+        call = dict(max_new_tokens=args.max_new_tokens or 512, do_sample=True, temperature=1.0, seed=0)
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=special)
-    rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=args.slots, eos_token_id=eos,
+    rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=slots, eos_token_id=eos,
                                            pad_token_id=cfg.pad_token_id or 0))
-    call = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0, seed=0)
     started = time.perf_counter()
     rollout.generate(prompts, **call)
     synchronize(device)
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     events = trace.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     lines = [
-        f"{name} {dtype} {device} mode={args.mode} slots={args.slots} prompts={args.num_prompts} "
+        f"{name} {dtype} {device} {args.workload} mode={args.mode} slots={slots} prompts={args.num_prompts} "
         f"max_new={args.max_new_tokens}: route {result.route}, {sum(map(len, result.sequences))} tokens",
         f"first call {first_s:.1f} s; traced call {wall_ms:.1f} ms; kernels {device_us / 1e3:.1f} ms summed",
         "profiled call phases (ms): " + ", ".join(
