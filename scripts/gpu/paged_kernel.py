@@ -7,11 +7,12 @@ up to 2,048).
     TRITON_INTERPRET=1 python scripts/gpu/paged_kernel.py --tiny --out /tmp/k.txt  # a CPU check
 
 Each case times ``engine.paged_attention``'s partial kernel and merge under every (num_warps,
-num_stages) pair and three dot modes: as shipped (TF32 products of upcast values, "tf32"), q·k in
-the cache's dtype ("qk"), and p·v too ("qk+pv": p rounded to bf16, as flash attention does). It
+num_stages) pair and three dot modes: TF32 products of upcast values ("tf32", the kernel before
+13cf8de), q·k in the cache's dtype ("qk"), and p·v too ("qk+pv": p rounded to bf16, as flash
+attention does; the op ships this since, with 4 warps and 2 stages). It
 times ``--iters`` launches after a warm-up by CUDA events and prints the KV bytes read per launch
 over the time (GB/s), with each variant's largest difference from the op's own output (warps and
-stages change the schedule, not the arithmetic; "qk+pv" rounds p). A diagnostic: the records that
+stages change the schedule, not the arithmetic; the dot modes round differently). A diagnostic: the records that
 show speed are the benchmarks' (``rollout-lab bench``).
 """
 from __future__ import annotations
