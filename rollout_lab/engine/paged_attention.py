@@ -129,9 +129,10 @@ if triton is not None:
             s = s * alpha + tl.sum(p, 1)
             m = m_new
         out = (pid * SPLITS + split) * GROUP_PAD + g  # [GROUP_PAD] rows of the partial buffers
-        tl.store(M + out, m)
-        tl.store(L + out, s)
-        tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc)
+        real = g < GROUP  # the padded group members' partials are never read: not written either
+        tl.store(M + out, m, mask=real)
+        tl.store(L + out, s, mask=real)
+        tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
 
 
 def _check(

@@ -125,9 +125,10 @@ if triton is not None:
             s = s * alpha + tl.sum(p, 1)
             m = m_new
         out = (pid * SPLITS + split) * GROUP_PAD + g  # [GROUP_PAD] rows of the partial buffers
-        tl.store(M + out, m)
-        tl.store(L + out, s)
-        tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc)
+        real = g < GROUP  # the padded group members' partials are never read: not written either
+        tl.store(M + out, m, mask=real)
+        tl.store(L + out, s, mask=real)
+        tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
 
     @triton.jit
     def _span_merge(
@@ -140,19 +141,21 @@ if triton is not None:
         head = pid % KV_HEADS
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
+        real = g < GROUP  # only the real group members' partials were written (and are read)
         top = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         for split in tl.static_range(SPLITS):
-            top = tl.maximum(top, tl.load(M + (pid * SPLITS + split) * GROUP_PAD + g))
+            top = tl.maximum(top, tl.load(M + (pid * SPLITS + split) * GROUP_PAD + g, mask=real, other=0.0))
         total = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
         for split in tl.static_range(SPLITS):
             part = (pid * SPLITS + split) * GROUP_PAD + g
-            weight = tl.exp(tl.load(M + part) - top)  # an empty split has max -inf: weight 0
-            total += weight * tl.load(L + part)
-            acc += weight[:, None] * tl.load(Acc + part[:, None] * HEAD_DIM + d[None, :])
+            weight = tl.exp(tl.load(M + part, mask=real, other=0.0) - top)  # an empty split has max -inf: weight 0
+            total += weight * tl.load(L + part, mask=real, other=1.0)
+            partial = tl.load(Acc + part[:, None] * HEAD_DIM + d[None, :], mask=real[:, None], other=0.0)
+            acc += weight[:, None] * partial
         out = acc / total[:, None]
         o_ptrs = Out + row * stride_ob + (head * GROUP + g)[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g[:, None] < GROUP)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=real[:, None])
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor) -> None:
@@ -171,7 +174,8 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: 
 
 def split_buffers(query: torch.Tensor, kv_heads: int, splits: int, group_pad: int):
     """The split-K kernels' fp32 partials (max, sum, unnormalised output, one per (row, KV head,
-    split, padded group member)) and the output ``[rows, 1, heads, head_dim]``: (m, s, acc, out)."""
+    split, padded group member); the kernels write and read only the real members', so a group of 2
+    padded to 16 moves 2/16 of the bytes) and the output ``[rows, 1, heads, head_dim]``: (m, s, acc, out)."""
     rows, heads, _, head_dim = query.shape
     parts = rows * kv_heads * splits * group_pad
     m = torch.empty(parts, dtype=torch.float32, device=query.device)
