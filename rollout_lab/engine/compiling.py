@@ -82,10 +82,10 @@ def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 8 * len(layers))
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 16 * len(layers))
-    root = _shallow(model)
+    root = shallow_copy(model)
     parent = root
     for part in path:  # copy the path down to the list's owner; the originals keep their modules
-        child = _shallow(parent._modules[part])
+        child = shallow_copy(parent._modules[part])
         parent._modules[part] = child
         parent = child
     parent._modules[last] = torch.nn.ModuleList(
@@ -113,7 +113,7 @@ def tracing() -> Iterator[None]:
         yield
 
 
-def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+def shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A copy sharing parameters, buffers and hooks, with its own table of submodules."""
     twin = copy.copy(module)
     twin._modules = dict(module._modules)

@@ -78,6 +78,10 @@ class RolloutConfig:
     # torch.compile the graph-captured decode step and prefill graphs: "auto"/True the whole model,
     # "layers" each decoder layer (a shorter first compile, engine.compiling), False to debug
     compile: bool | str = "auto"
+    # the decode step's q/k/v and gate/up projections as one matmul each, over a stacked copy of their
+    # weights refreshed at every call (engine.fusing): "auto" for the graph-captured step when the
+    # copy is at most FUSE_MEMORY_FRACTION of the device, True always (the eager step too), False never
+    fuse_projections: bool | str = "auto"
     # CUDA: load torch.compile's artifacts for this setting from the rollout cache before compiling,
     # and save them after a call that compiled (engine.disk_cache); False leaves the disk alone
     compile_cache: bool = True
@@ -126,6 +130,8 @@ class RolloutConfig:
                 f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {self.decode_attention!r}")
         if not any(self.compile is c for c in (True, False)) and self.compile not in ("auto", "layers"):  # 1 is not True
             raise ValueError(f"compile must be 'auto', 'layers', True or False, got {self.compile!r}")
+        if not any(self.fuse_projections is c for c in (True, False)) and self.fuse_projections != "auto":
+            raise ValueError(f"fuse_projections must be 'auto', True or False, got {self.fuse_projections!r}")
         classes = self.prefill_classes
         if classes is not None and not isinstance(classes, ShapeClasses) and not (
                 isinstance(classes, str) and classes == "auto"):

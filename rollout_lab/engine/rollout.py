@@ -43,6 +43,7 @@ from rollout_lab.engine.config import (
 )
 from rollout_lab.engine.decode import LOGPROB_MODES, STEP_LOGPROB_MODES, holds_stops_back
 from rollout_lab.engine.nocb import run_nocb
+from rollout_lab.engine.fusing import fused_nbytes
 from rollout_lab.engine.paged_batching import PagedBatcher
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.profile import Profile, Timer
@@ -55,6 +56,7 @@ from rollout_lab.engine.steppers import (
     graph_capacity,
     make_stepper,
     resolve_compile,
+    resolve_fuse,
     resolve_decode_mode,
     graph_weights,
     rebind_weights,
@@ -180,6 +182,7 @@ class Rollout:
         self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
         self.spans = resolve_spans(self.config.decode_attention, model, self.device)
         self.compiled = resolve_compile(self.config.compile, self.decode_mode)
+        self.fused = resolve_fuse(self.config.fuse_projections, self.decode_mode, model)
         interval = self.config.eos_check_interval  # "auto": a captured step's host read is what is saved
         self.eos_check_interval = (EOS_CHECK_INTERVAL if self.decode_mode == "graph" else 1) \
             if interval == "auto" else interval
@@ -325,8 +328,10 @@ class Rollout:
                          top_p_filter=sampling is not None and sampling.top_p_filter, min_new_tokens=min_new_tokens,
                          max_graphs=self.config.max_decode_graphs if self.decode_mode == "graph" else 1,
                          num_widths=self.config.decode_widths, spans=self.spans, compiled=self.compiled,
+                         fused=self.fused,
                          logprobs_mode=logprobs_mode, block_size=block_size, num_blocks=num_blocks or 0)
         if old is not None and old.fits(self.model, key):
+            old.sync_weights()  # its fused projections' copy of the weights, as the model holds them now
             return old
         if old is not None:  # drop the old cache and graphs before allocating their replacement
             if self.device.type == "cuda":
@@ -690,6 +695,8 @@ class Rollout:
         reserve = PAGED_RESERVE_FRACTION * total + 16 * self.vocab_size * num_slots
         if self.prefill_graphs and self._prefill_graphs is None:  # the graphs come after the cache
             reserve += graph_reserve_bytes(cfg.max_prefill_graphs, self.geometry.kv_bytes_per_token)
+        if self.fused and (self._stepper is None or self._stepper.fusion is None):  # so does the fused copy
+            reserve += fused_nbytes(self.model)
         return cfg.gpu_memory_fraction * total - (total - free) - reserve
 
     def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int]) -> tuple[int, int]:

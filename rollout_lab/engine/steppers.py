@@ -23,7 +23,9 @@ With ``key.compiled`` the graph stepper runs the compiled model (``engine.compil
 ``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms,
 rotary and activations, and symbolic sizes (a symbol per size, no 1-row rung) let one compile serve
 every rung. Every shape runs once before any capture, so compiling never happens while a graph
-records; ``build_ms`` is that first-call cost, paid once per stepper.
+records; ``build_ms`` is that first-call cost, paid once per stepper. With ``key.fused`` the step
+runs ``engine.fusing``'s copy of the model, whose q/k/v and gate/up projections are one matmul each
+(compiled or not); ``sync_weights()`` refreshes its stacked weights from the model.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
     tokens = stepper.step(num_rows, front)                    # [num_rows] ids, device tensor
@@ -44,6 +46,7 @@ from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.compiling import compile_forward, compile_select, tracing
 from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.decode import DecodeState, decode_step
+from rollout_lab.engine.fusing import FUSE_MEMORY_FRACTION, FusedProjections, fused_nbytes
 from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.sampling import RowSampling
 from rollout_lab.engine.span_attention import kernel_available
@@ -88,6 +91,21 @@ def resolve_compile(choice: bool | str, decode_mode: str) -> bool | str:
     if decode_mode != "graph" or choice is False:
         return False
     return "layers" if choice == "layers" else True
+
+
+def resolve_fuse(choice: bool | str, decode_mode: str, model: torch.nn.Module) -> bool:
+    """Whether the decode step runs fused projections (``engine.fusing``): "auto" for the
+    graph-captured step when the model has groups to fuse and their stacked copy is at most
+    ``FUSE_MEMORY_FRACTION`` of the device's memory; True wherever the model has groups to fuse."""
+    nbytes = fused_nbytes(model)
+    if choice is False or nbytes == 0:
+        return False
+    if choice is True:
+        return True
+    if decode_mode != "graph":
+        return False
+    device = next(model.parameters()).device
+    return nbytes <= FUSE_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
 def weights_signature(model: torch.nn.Module) -> tuple:
@@ -149,6 +167,7 @@ class StepperKey:
     num_widths: int = 1  # masked attention: windows over the capacity
     spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
     compiled: bool | str = False  # compile the forward inside the captured step: True, "layers" (graph decode only)
+    fused: bool = False  # q/k/v and gate/up as one matmul each (engine.fusing)
     keep_logits: bool = False  # the step leaves its logits in state.logits (teacher-forced checks)
     logprobs_mode: str | None = None  # the step leaves each token's log-probability in state.logprobs
     # the paged cache (engine.paged_cache): blocks of block_size tokens, num_blocks in the pool (block 0
@@ -184,7 +203,9 @@ class EagerStepper:
                                  sampling=sampling, min_new_tokens=key.min_new_tokens)
         # attention windows, ascending; span and paged attention read live tokens whatever the window
         self.widths = (key.capacity,) if key.spans or key.paged else width_ladder(key.capacity, key.num_widths)
-        self.forward = None  # the model, unless compiled
+        # the fused projections' copy of the model (engine.fusing), which the step then runs
+        self.fusion = FusedProjections(model) if key.fused else None
+        self.forward = None if self.fusion is None else self.fusion.model  # None: the model itself
         self.select = None  # decode.select_tokens, unless compiled
         self.num_captures = 0
         self.num_replays = 0
@@ -196,6 +217,12 @@ class EagerStepper:
     def reset(self) -> None:
         self.cache.reset()
         self.state.reset()
+
+    def sync_weights(self) -> None:
+        """Bring what the step reads besides the model up to its weights: the fused projections'
+        stacked copy (a call that reuses the step runs this first)."""
+        if self.fusion is not None:
+            self.fusion.refresh()
 
     def width_for(self, front: int) -> int:
         """The smallest window that holds the column ``front`` this step writes and attends to."""
@@ -219,7 +246,7 @@ class EagerStepper:
         """Slots past ``num_live`` are dead; nothing to do when they are not computed."""
 
     def close(self) -> None:
-        self.cache = self.state = None  # type: ignore[assignment]
+        self.cache = self.state = self.fusion = None  # type: ignore[assignment]
 
 
 class GraphStepper(EagerStepper):
@@ -232,7 +259,7 @@ class GraphStepper(EagerStepper):
         super().__init__(model, key)
         started = time.perf_counter()
         if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder (it has no 1-row rung)
-            self.forward = compile_forward(model, key.compiled)
+            self.forward = compile_forward(model if self.forward is None else self.forward, key.compiled)
             self.select = compile_select()
         self.signature = weights_signature(model)
         self.ladder = graph_ladder(key.num_slots, key.max_graphs, smallest=2 if key.compiled else 1)
@@ -335,7 +362,7 @@ def describe(stepper: Any) -> dict[str, Any]:
             "num_replays": stepper.num_replays, "num_slots": stepper.key.num_slots,
             "num_graphs": len(getattr(stepper, "graphs", ())),
             "widths": list(stepper.widths), "spans": stepper.key.spans,
-            "compiled": stepper.key.compiled, "build_ms": stepper.build_ms,
+            "compiled": stepper.key.compiled, "fused": stepper.key.fused, "build_ms": stepper.build_ms,
             "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity, "block_size": stepper.key.block_size,

@@ -82,7 +82,7 @@ def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     key = StepperKey(rows, capacity, 1.0, False, rollout.cache_kwarg,
                      max_graphs=config.max_decode_graphs if rollout.decode_mode == "graph" else 1,
                      num_widths=config.decode_widths, spans=rollout.spans, compiled=rollout.compiled,
-                     keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks)
+                     fused=rollout.fused, keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks)
     stepper = make_stepper(model, key, decode=rollout.decode_mode)
     try:
         stepper.reset()
