@@ -148,3 +148,23 @@ def test_fuse_projections_is_checked_and_resolved():
     assert resolve_fuse("auto", "eager", model) is False  # "auto" fuses the graph-captured step only
     assert resolve_fuse(False, "graph", model) is False
     assert resolve_fuse(True, "eager", torch.nn.Sequential(torch.nn.Linear(2, 2))) is False  # nothing to fuse
+
+
+@pytest.mark.slow
+def test_the_fused_copy_compiles_layer_by_layer_too():
+    """compile="layers" over the fused copy: its own layer list, compiled one layer at a time."""
+    from rollout_lab.engine.compiling import compile_forward, decoder_layers
+
+    torch._dynamo.reset()
+    model = get_tiny("qwen2")
+    fused = FusedProjections(model)
+    forward = compile_forward(fused.model, "layers", backend="aot_eager")
+    x = ids(seed=7)
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+        got = forward(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    name = decoder_layers(model)
+    compiled = forward.get_submodule(name)
+    assert all(c._orig_mod is f for c, f in zip(compiled, fused.model.get_submodule(name)))
+    assert all(type(layer.self_attn.q_proj) is torch.nn.Linear for layer in model.get_submodule(name))
