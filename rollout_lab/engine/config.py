@@ -80,8 +80,9 @@ class RolloutConfig:
     compile: bool | str = "auto"
     # the decode step's q/k/v and gate/up projections as one matmul each, over a stacked copy of their
     # weights refreshed at every call (engine.fusing): "auto" for the graph-captured step when the
-    # copy is at most FUSE_MEMORY_FRACTION of the device, True always (the eager step too), False never
-    fuse_projections: bool | str = "auto"
+    # copy is at most FUSE_MEMORY_FRACTION of the device, True always (the eager step too), False
+    # never. Off by default until a GPU has timed it (paged_128_fused, ours_fused)
+    fuse_projections: bool | str = False
     # CUDA: load torch.compile's artifacts for this setting from the rollout cache before compiling,
     # and save them after a call that compiled (engine.disk_cache); False leaves the disk alone
     compile_cache: bool = True
