@@ -13,31 +13,43 @@ from rollout_lab.planner.occupancy import response_quantiles, simulate_refill
 from rollout_lab.planner.routes import choose_route, choose_shared_route
 
 
-def brute_force(prompts, lengths, budgets, slots, layout, capacity):
-    """One step at a time, every row's state spelled out (the engine's loop, without tensors)."""
+def brute_force(prompts, lengths, budgets, slots, layout, capacity, refill_rows=1, read_interval=1):
+    """One step at a time, every row's state spelled out (the engine's loop, without tensors): a turn
+    admits, then runs a burst of at most ``read_interval`` steps and never past a live budget."""
     queue, live, steps, row_steps = list(range(len(prompts))), [], 0, 0  # live: [row, tokens made]
     while queue or live:
-        while queue and len(live) < slots:
-            r = queue[0]
-            if layout == "aligned":
+        if layout == "paged":  # one admission a turn (again while nothing is live), of refill_rows at least
+            while queue:
+                take = min(slots - len(live), len(queue))
+                if take == 0 or (live and take < min(refill_rows, len(queue), slots)):
+                    break
+                live += [[r, 1] for r in queue[:take] if lengths[r] > 1]
+                del queue[:take]
+                if live:
+                    break
+        else:
+            while queue and len(live) < slots:
+                r = queue[0]
                 span = max([prompts[x] + made - 1 for x, made in live] + [prompts[r]])
                 remaining = max([budgets[x] - made for x, made in live] + [budgets[r] - 1])
                 if span + remaining > capacity:
                     break
-            queue.pop(0)
-            if lengths[r] > 1:
-                live.append([r, 1])
+                queue.pop(0)
+                if lengths[r] > 1:
+                    live.append([r, 1])
         if not live:
             continue
-        steps += 1
-        row_steps += len(live)
-        for row in live:
-            row[1] += 1
+        for _ in range(min(min(budgets[x] - made for x, made in live), read_interval)):
+            steps += 1
+            for row in live:
+                if row[1] < lengths[row[0]]:  # a row that ended keeps its slot to the burst's end
+                    row[1] += 1
+                    row_steps += 1
         live = [row for row in live if row[1] < lengths[row[0]]]
     return steps, row_steps
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_simulation_equals_a_step_by_step_replay(seed):
     rng = random.Random(seed)
     n = rng.randint(1, 40)
@@ -45,10 +57,11 @@ def test_simulation_equals_a_step_by_step_replay(seed):
     budgets = [rng.randint(1, 50) for _ in range(n)]
     lengths = [rng.randint(1, b) for b in budgets]
     slots = rng.randint(1, 8)
+    rules = dict(refill_rows=rng.randint(1, 4), read_interval=rng.randint(1, 5)) if seed % 2 else {}
     for layout in ("aligned", "paged"):
         capacity = max(prompts) + max(budgets) + rng.randint(0, 20)
-        got = simulate_refill(prompts, lengths, budgets, num_slots=slots, layout=layout, capacity=capacity)
-        assert (got.steps, got.row_steps) == brute_force(prompts, lengths, budgets, slots, layout, capacity)
+        got = simulate_refill(prompts, lengths, budgets, num_slots=slots, layout=layout, capacity=capacity, **rules)
+        assert (got.steps, got.row_steps) == brute_force(prompts, lengths, budgets, slots, layout, capacity, **rules)
 
 
 def test_a_long_row_blocks_the_aligned_cache_only():
@@ -190,3 +203,25 @@ def test_rollout_auto_goes_paged_for_samples_that_refill():
     aligned = Rollout(model, RolloutConfig(mode="bucketed", continuous_batch_size=4))
     assert result.route == "paged"
     assert result.sequences == aligned.generate(prompts, max_new_tokens=40, num_samples=4).sequences
+
+
+@pytest.mark.parametrize("mode, layout", [("paged", "paged"), ("bucketed", "aligned")])
+@pytest.mark.parametrize("interval, refill", [(1, 1), (4, 3)])
+def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, interval, refill):
+    """The engine's own decode steps and live row-steps (fp32, CPU, rows ending at EOS, sampled),
+    replayed by ``simulate_refill`` from the prompts, the response lengths it made and the budget."""
+    from rollout_lab.measure.workloads import eos_long_tail
+
+    model = get_tiny("qwen2")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    _, eos = eos_long_tail(vocab, num_prompts=1, dataset="gsm8k", hazard=0.08, special_ids=[0])
+    rng = random.Random(interval)
+    prompts = [[rng.randint(3, vocab - 1) for _ in range(rng.randint(2, 12))] for _ in range(14)]
+    config = RolloutConfig(mode=mode, continuous_batch_size=4, eos_token_id=eos, pad_token_id=0,
+                           eos_check_interval=interval, refill_rows=refill, profile=True)
+    result = Rollout(model, config).generate(prompts, max_new_tokens=24, do_sample=True, temperature=1.0, seed=5)
+    lengths = [len(s) for s in result.sequences]
+    assert min(lengths) < 24 < max(lengths) + 1 and len(set(lengths)) > 3  # rows end at different times
+    got = simulate_refill([len(p) for p in prompts], lengths, [24] * len(prompts), num_slots=4, layout=layout,
+                          refill_rows=refill if layout == "paged" else 1, read_interval=interval)
+    assert (got.steps, got.row_steps) == (result.profile.num_decode_forwards, result.profile.decode_row_steps)

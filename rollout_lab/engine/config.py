@@ -123,6 +123,11 @@ class RolloutConfig:
     # Stop strings are always checked after every token.
     eos_check_interval: int | str = "auto"
 
+    def refill_rows_for(self, num_slots: int) -> int:
+        """Rows a paged admission takes at least on ``num_slots`` slots: ``refill_rows``, else
+        ``num_slots // 16`` (at least 1)."""
+        return self.refill_rows or max(1, num_slots // 16)
+
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {list(DECODE_MODES)}, got {self.decode!r}")

@@ -480,7 +480,11 @@ class Rollout:
                     for r, p in enumerate(params) for s in range(num_samples)]
             sampling = RowSampling.of([p for p in params for _ in range(num_samples)], self.device)
         with timer.phase("planning_ms"):
-            route = self._route(lengths, budgets, num_samples=num_samples, groups=groups)
+            # steps between two reads of the tokens: a burst ends at a budget, or sooner when rows can
+            # end at EOS or a stop id (eos_check_interval), after every token with stop strings
+            read_interval = 1 if stop_strings is not None else self.eos_check_interval if stop_ids \
+                else max(budgets, default=1)
+            route = self._route(lengths, budgets, num_samples=num_samples, groups=groups, read_interval=read_interval)
         if not prompts:
             return RolloutResult([], route, (), stats if profiling else None, num_samples, seed,
                                  logprobs=[] if logprobs_mode else None, pad_token_id=pad_id)
@@ -524,7 +528,7 @@ class Rollout:
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               groups=groups, sample_keys=keys, prefill_graphs=self._captured_prefill())
                 if route == "paged":
-                    refill = cfg.refill_rows or max(1, num_slots // 16)
+                    refill = cfg.refill_rows_for(num_slots)
                     batcher = PagedBatcher(self.model, row_prompts, settings, refill_rows=refill,
                                            admit_tokens=cfg.admit_tokens_per_step, **common)
                 else:
@@ -617,7 +621,7 @@ class Rollout:
 
     def _route(
         self, lengths: list[int], budgets: list[int], *, num_samples: int = 1,
-        groups: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None, read_interval: int = 1,
     ) -> str:
         cfg = self.config
         n, slots = len(lengths) * num_samples, cfg.continuous_batch_size
@@ -659,6 +663,7 @@ class Rollout:
             nocb_allowed=free_layout, response_lengths=self.length_prior.current(), chunk_long_prompts=True,
             classes=self.prefill_classes(lengths, min(n, slots or n)), paged_allowed=paged_allowed,
             paged_pool_blocks=pool, kv_block_size=cfg.kv_block_size,
+            refill_rows=cfg.refill_rows_for(min(slots or n, n)), read_interval=read_interval,
         )
         self._explored = False
         if self.online is not None and cfg.online_recalibration and plan.nocb_cost_ms is not None:

@@ -80,11 +80,20 @@ def response_quantiles(prior: LengthPrior, budgets: Sequence[int]) -> list[int]:
 def simulate_refill(
     prompt_lengths: Sequence[int], response_lengths: Sequence[int], budgets: Sequence[int], *,
     num_slots: int, layout: str, capacity: int | None = None, pool_blocks: int | None = None, block_size: int = 16,
+    refill_rows: int = 1, read_interval: int = 1,
 ) -> RefillSchedule:
     """Replay one call's admissions (queue order) and decode steps on ``layout`` (``LAYOUTS``).
     ``capacity``: the aligned cache's columns (default: longest prompt + largest budget, the engine's).
     ``pool_blocks``: the paged pool's usable blocks of ``block_size`` tokens (None: it holds every
-    live row); a pool smaller than one row's prompt and response is a ValueError."""
+    live row); a pool smaller than one row's prompt and response is a ValueError.
+
+    Without a pool the engine's loop is replayed turn by turn: an admission, then a burst of steps
+    with no read between them, at most ``read_interval`` (``RolloutConfig.eos_check_interval`` when
+    rows can end at EOS) and never past a live row's budget; a row that ends inside a burst keeps
+    its slot to the burst's end. On ``"paged"`` a turn admits only when at least ``refill_rows`` rows
+    can come in (or the queue is that short, or nothing is live), and a row done at its prefill frees
+    its slot for the next turn. With a pool, every step is read (``read_interval`` and
+    ``refill_rows`` are not replayed there)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if pool_blocks is not None and layout != "paged":
@@ -93,8 +102,9 @@ def simulate_refill(
     if not (len(response_lengths) == len(budgets) == n):
         raise ValueError(f"one response length and budget per prompt: {n} prompts, "
                          f"{len(response_lengths)} lengths, {len(budgets)} budgets")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    for name, value in (("num_slots", num_slots), ("refill_rows", refill_rows), ("read_interval", read_interval)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if any(not 1 <= r <= b for r, b in zip(response_lengths, budgets)):
         raise ValueError("every response length must be in [1, its budget]")
     if n == 0:
@@ -104,15 +114,34 @@ def simulate_refill(
     if capacity is None:
         capacity = max(prompt_lengths) + max(budgets)
     # a row that enters before step t's token has made 1 token (its prefill's) and makes one per step:
-    # it leaves after step t + length - 1. The aligned check only needs two maxima over the live rows:
-    # span = L + steps since entry = (L - t) + step, remaining budget = (B - 1 + t) - step.
+    # it makes its last token at step t + length - 1 and reaches its budget at t + budget - 1. The
+    # aligned check only needs two maxima over the live rows: span = L + steps since entry =
+    # (L - t) + step, remaining budget = (B - 1 + t) - step.
     live: dict[int, int] = {}  # row -> the step count when it entered
     ends: list[tuple[int, int]] = []  # heap of (last step, row)
+    budget_ends: list[tuple[int, int]] = []  # heap of (the step its budget runs out, row); stale rows skipped
     queue = step = row_steps = queued_steps = queued_row_steps = 0
     span_key = remaining_key = None  # max over live rows of L - t and B - 1 + t (None: recompute)
+
+    def enter(row: int) -> None:
+        if response_lengths[row] > 1:  # a row done at its prefill never takes a step
+            live[row] = step
+            heapq.heappush(ends, (step + response_lengths[row] - 1, row))
+            heapq.heappush(budget_ends, (step + budgets[row] - 1, row))
+
     while queue < n or live:
-        while queue < n and len(live) < num_slots:
-            if layout == "aligned":
+        if layout == "paged":  # one admission a turn, the next turn at once while nothing is live
+            while queue < n:
+                take = min(num_slots - len(live), n - queue)
+                if take == 0 or (live and take < min(refill_rows, n - queue, num_slots)):
+                    break
+                for row in range(queue, queue + take):
+                    enter(row)
+                queue += take
+                if live:
+                    break
+        else:
+            while queue < n and len(live) < num_slots:
                 if span_key is None:
                     span_key = max((prompt_lengths[r] - t for r, t in live.items()), default=None)
                     remaining_key = max((budgets[r] - 1 + t for r, t in live.items()), default=None)
@@ -120,21 +149,25 @@ def simulate_refill(
                 remaining = max(budgets[queue] - 1, remaining_key - step if live else 0)
                 if span > capacity - remaining:
                     break
-            if response_lengths[queue] > 1:  # a row done at its prefill never takes a step
-                live[queue] = step
-                heapq.heappush(ends, (step + response_lengths[queue] - 1, queue))
+                enter(queue)
                 span_key = None
-            queue += 1
+                queue += 1
         if not live:
             continue
-        step += 1  # one decode step: every live row makes one token
-        row_steps += len(live)
-        if queue < n:
-            queued_steps += 1
-            queued_row_steps += len(live)
+        while budget_ends[0][1] not in live:
+            heapq.heappop(budget_ends)  # a row that retired
+        burst = min(budget_ends[0][0] - step, read_interval)  # a burst: every live row makes a token a step
+        step += burst
+        kept = burst * len(live)  # row-steps that made a row's token (not those after its end)
         while ends and ends[0][0] <= step:
-            del live[heapq.heappop(ends)[1]]
+            last, row = heapq.heappop(ends)
+            kept -= step - last
+            del live[row]
             span_key = None
+        row_steps += kept
+        if queue < n:
+            queued_steps += burst
+            queued_row_steps += kept
     return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps)
 
 

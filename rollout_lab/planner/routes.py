@@ -104,6 +104,8 @@ def choose_route(
     paged_pool_blocks: int | None = None,
     kv_block_size: int = 16,
     rows_per_prompt: Sequence[int] | None = None,
+    refill_rows: int = 1,
+    read_interval: int = 1,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
     nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
@@ -115,7 +117,9 @@ def choose_route(
     ``paged_decode_cost_ms``); it wins only when strictly cheaper.
     ``paged_pool_blocks`` (usable blocks of ``kv_block_size`` tokens; None: the pool holds every
     live row) replays the pool too: each preemption's recompute is priced as a one-row prefill of its
-    prompt and tokens, and a pool that cannot hold one row leaves paged out.
+    prompt and tokens, and a pool that cannot hold one row leaves paged out. ``refill_rows`` (the
+    fewest rows a paged admission takes) and ``read_interval`` (the most steps between two reads of
+    the tokens) replay the engine's turns (``simulate_refill``).
 
     nocb is eligible when ``nocb_allowed`` (no explicit capacity or trimming), every request
     fits the slots at once and the padded batch fits ``prefill_max_tokens``.
@@ -172,11 +176,12 @@ def choose_route(
         # refill: both caches' decode steps from a replay of their admission rules (planner.occupancy)
         responses = row_budgets if response_lengths is None else response_quantiles(response_lengths, row_budgets)
         steps = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
-                                layout="aligned").steps
+                                layout="aligned", read_interval=read_interval).steps
         if paged_pool_blocks is None or pool_misfit(row_lengths, row_budgets, pool_blocks=paged_pool_blocks,
                                                      block_size=kv_block_size) is None:  # else the engine refuses it
             paged_run = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
-                                        layout="paged", pool_blocks=paged_pool_blocks, block_size=kv_block_size)
+                                        layout="paged", pool_blocks=paged_pool_blocks, block_size=kv_block_size,
+                                        refill_rows=refill_rows, read_interval=read_interval)
             paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_run.steps) \
                 + coeffs.paged_decode_cost_ms * paged_run.steps \
                 + sum(prefill_cost_ms(1, width, geometry, coeffs) for width in paged_run.recompute_widths)
