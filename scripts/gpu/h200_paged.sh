@@ -10,7 +10,9 @@
 #   ... bash scripts/gpu/h200_paged.sh kernel   # the kernel's GB/s per (warps, stages): scripts/gpu/paged_kernel.py
 #   ... bash scripts/gpu/h200_paged.sh trace    # kernel-by-kernel profiles of nano's shape and the long tail at 128 slots
 # Every bench writes its record after each path, so a step its limit cuts loses nothing it finished.
-# LONG_TAIL_PATHS / NANO_MODES pick the long-tail paths and the nano-vllm routes.
+# LONG_TAIL_PATHS / NANO_MODES / NANO_PATHS pick the long-tail paths, the nano-vllm routes and their
+# variants: LONG_TAIL_PATHS="paged_128 paged_128_fused" NANO_PATHS="ours ours_fused" time the fused
+# projections (engine.fusing) side by side; TRACE_ARGS adds options to trace_step.py (--fuse-projections).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 40 --steps 8"
@@ -34,14 +36,15 @@ for what in "$@"; do
                 --out "$OUT"/fidelity_paged ;;
     long_tail) step 540 $PY -m rollout_lab.cli bench long-tail $LONG --paths $LONG_TAIL_PATHS --out "$OUT"/long_tail ;;
     nano) for mode in $NANO_MODES; do
-            step 300 $PY -m rollout_lab.cli bench rl $NANO --mode "$mode" --paths ours --out "$OUT"/rl_nano_"$mode"
+            step 300 $PY -m rollout_lab.cli bench rl $NANO --mode "$mode" --paths ${NANO_PATHS:-ours} --out "$OUT"/rl_nano_"$mode"
           done ;;
     # the decode-attention kernel alone: its bandwidth under each launch setting (a diagnostic, no record)
     kernel) if [ -n "${TINY:-}" ]; then export TRITON_INTERPRET=1; fi
             step 240 $PY scripts/gpu/paged_kernel.py ${TINY:+--tiny} --out "$OUT"/paged_kernel.txt ;;
     # torch.profiler over one warm call (diagnostics, no record): which kernels the step's time goes to
-    trace) step 240 $PY scripts/gpu/trace_step.py $TRACE_NANO --workload nano --out "$OUT"/trace_nano.txt
-           step 300 $PY scripts/gpu/trace_step.py $TRACE_LONG --workload eos_long_tail --out "$OUT"/trace_long_tail.txt ;;
+    trace) step 240 $PY scripts/gpu/trace_step.py $TRACE_NANO ${TRACE_ARGS:-} --workload nano --out "$OUT"/trace_nano.txt
+           step 300 $PY scripts/gpu/trace_step.py $TRACE_LONG ${TRACE_ARGS:-} --workload eos_long_tail \
+                --out "$OUT"/trace_long_tail.txt ;;
     *) echo "unknown step $what (logits, long_tail, nano, kernel, trace)"; exit 2 ;;
   esac
 done

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 1,024)")
     parser.add_argument("--hazard", type=float, default=1 / 295)
     parser.add_argument("--dataset", default="gpqa_diamond")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="run the decode step with fused projections (RolloutConfig(fuse_projections='auto'))")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         call = dict(max_new_tokens=args.max_new_tokens or 512, do_sample=True, temperature=1.0, seed=0)
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=special)
     rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=slots, eos_token_id=eos,
-                                           pad_token_id=cfg.pad_token_id or 0))
+                                           pad_token_id=cfg.pad_token_id or 0,
+                                           fuse_projections="auto" if args.fuse_projections else False))
     started = time.perf_counter()
     rollout.generate(prompts, **call)
     synchronize(device)
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     lines = [
         f"{name} {dtype} {device} {args.workload} mode={args.mode} slots={slots} prompts={args.num_prompts} "
-        f"max_new={args.max_new_tokens}: route {result.route}, {sum(map(len, result.sequences))} tokens",
+        f"max_new={args.max_new_tokens} fused={rollout.fused}: route {result.route}, "
+        f"{sum(map(len, result.sequences))} tokens",
         f"first call {first_s:.1f} s; traced call {wall_ms:.1f} ms; kernels {device_us / 1e3:.1f} ms summed",
         "profiled call phases (ms): " + ", ".join(
             f"{k} {getattr(prof_result, k):.1f}" for k in ("total_ms", "prefill_ms", "decode_ms", "cache_ms",
