@@ -18,9 +18,10 @@ graph, no break: ``tests/test_fusing.py``).
 
 The stacked weights are a copy: ``refresh()`` copies the model's current weights into them, in
 place, so a captured graph that reads them sees a trainer's update without a recapture (the rollout
-calls it at the start of every call that reuses its decode step: ~0.2 ms for Qwen2.5-0.5B's 0.47 GB
-on the H200, ~2 ms for Qwen2.5-3B's 3.6 GB). ``nbytes`` is that copy's memory;
-``RolloutConfig(fuse_projections="auto")`` fuses the graph-captured step when it is at most
+calls it at the start of every call that reuses its decode step). ``fused_nbytes(model)`` is the
+copy's memory: 0.47 GB for Qwen2.5-0.5B, 3.6 GB for Qwen2.5-3B, so a refresh reads and writes ~1
+and ~7 GB (about 0.2 and 1.5 ms at the H200's bandwidth; not timed).
+``RolloutConfig(fuse_projections="auto")`` fuses the graph-captured step when the copy is at most
 ``FUSE_MEMORY_FRACTION`` of the device's memory.
 
     fused = FusedProjections(model)             # fused.groups: [] when the model has none to fuse
@@ -107,7 +108,6 @@ class FusedProjections:
     """A shallow copy of ``model`` whose grouped projections run as one matmul (module docstring)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.source = model
         self.groups = fusable(model)
         self._members: list[tuple[list[torch.nn.Linear], torch.Tensor, torch.Tensor | None]] = []
         self.model = shallow_copy(model)
@@ -123,10 +123,6 @@ class FusedProjections:
                 twin._modules[n] = _Part(weight, bias, product, start, start + lin.out_features)
                 start += lin.out_features
             self._members.append((linears, weight, bias))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes + (0 if b is None else b.nbytes) for _, w, b in self._members)
 
     def refresh(self) -> None:
         """Copy the model's current weights into the stacked ones (in place: captured graphs keep
