@@ -121,8 +121,9 @@ def test_pool_replay_equals_the_paged_engine(seed):
     size = 16
     need = max(-(-(p + b) // size) for p, b in zip(prompts, budgets))
     pool = need + rng.randint(0, 2)  # tight: the rows together never fit
+    # without EOS the engine reads the tokens at the nearest budget: bursts up to the longest budget
     sim = simulate_refill(prompts, budgets, budgets, num_slots=slots, layout="paged", pool_blocks=pool,
-                          block_size=size)
+                          block_size=size, read_interval=max(budgets))
     model = get_tiny("qwen2")
     ids = [[rng.randrange(3, 200) for _ in range(p)] for p in prompts]
     result = Rollout(model, RolloutConfig(
@@ -205,11 +206,13 @@ def test_rollout_auto_goes_paged_for_samples_that_refill():
     assert result.sequences == aligned.generate(prompts, max_new_tokens=40, num_samples=4).sequences
 
 
-@pytest.mark.parametrize("mode, layout", [("paged", "paged"), ("bucketed", "aligned")])
+@pytest.mark.parametrize("mode, layout, pool", [("paged", "paged", None), ("paged", "paged", 4),
+                                                ("bucketed", "aligned", None)])
 @pytest.mark.parametrize("interval, refill", [(1, 1), (4, 3)])
-def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, interval, refill):
-    """The engine's own decode steps and live row-steps (fp32, CPU, rows ending at EOS, sampled),
-    replayed by ``simulate_refill`` from the prompts, the response lengths it made and the budget."""
+def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, pool, interval, refill):
+    """The engine's own decode steps, live row-steps and preemptions (fp32, CPU, rows ending at EOS,
+    sampled), replayed by ``simulate_refill`` from the prompts, the response lengths it made and the
+    budget; ``pool``: a paged pool of that many 16-token blocks, too small for the rows at once."""
     from rollout_lab.measure.workloads import eos_long_tail
 
     model = get_tiny("qwen2")
@@ -217,11 +220,18 @@ def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, interva
     _, eos = eos_long_tail(vocab, num_prompts=1, dataset="gsm8k", hazard=0.08, special_ids=[0])
     rng = random.Random(interval)
     prompts = [[rng.randint(3, vocab - 1) for _ in range(rng.randint(2, 12))] for _ in range(14)]
+    sized = {} if pool is None else dict(kv_cache_tokens=pool * 16, kv_block_size=16)
     config = RolloutConfig(mode=mode, continuous_batch_size=4, eos_token_id=eos, pad_token_id=0,
-                           eos_check_interval=interval, refill_rows=refill, profile=True)
-    result = Rollout(model, config).generate(prompts, max_new_tokens=24, do_sample=True, temperature=1.0, seed=5)
+                           eos_check_interval=interval, refill_rows=refill, profile=True, **sized)
+    budget = 24
+    result = Rollout(model, config).generate(prompts, max_new_tokens=budget, do_sample=True, temperature=1.0, seed=5)
     lengths = [len(s) for s in result.sequences]
-    assert min(lengths) < 24 < max(lengths) + 1 and len(set(lengths)) > 3  # rows end at different times
-    got = simulate_refill([len(p) for p in prompts], lengths, [24] * len(prompts), num_slots=4, layout=layout,
-                          refill_rows=refill if layout == "paged" else 1, read_interval=interval)
-    assert (got.steps, got.row_steps) == (result.profile.num_decode_forwards, result.profile.decode_row_steps)
+    assert min(lengths) < budget < max(lengths) + 1 and len(set(lengths)) > 3  # rows end at different times
+    got = simulate_refill([len(p) for p in prompts], lengths, [budget] * len(prompts), num_slots=4, layout=layout,
+                          refill_rows=refill if layout == "paged" else 1, read_interval=interval,
+                          **({} if pool is None else dict(pool_blocks=pool, block_size=16)))
+    prof = result.profile
+    assert (got.steps, got.row_steps) == (prof.num_decode_forwards, prof.decode_row_steps)
+    assert got.preemptions == prof.num_preemptions
+    if pool is not None:  # the watermark held rows back: fewer live than the slots at times
+        assert prof.num_kv_blocks - 1 == pool and prof.peak_kv_blocks <= pool

@@ -480,10 +480,10 @@ class Rollout:
                     for r, p in enumerate(params) for s in range(num_samples)]
             sampling = RowSampling.of([p for p in params for _ in range(num_samples)], self.device)
         with timer.phase("planning_ms"):
-            # steps between two reads of the tokens: a burst ends at a budget, or sooner when rows can
-            # end at EOS or a stop id (eos_check_interval), after every token with stop strings
-            read_interval = 1 if stop_strings is not None else self.eos_check_interval if stop_ids \
-                else max(budgets, default=1)
+            # steps between two reads of the tokens where rows can end early: eos_check_interval with
+            # EOS or stop ids, 1 with stop strings (and without either, where rows run to their
+            # budgets, the replay's reads change nothing)
+            read_interval = self.eos_check_interval if stop_ids and stop_strings is None else 1
             route = self._route(lengths, budgets, num_samples=num_samples, groups=groups, read_interval=read_interval)
         if not prompts:
             return RolloutResult([], route, (), stats if profiling else None, num_samples, seed,

@@ -87,13 +87,12 @@ def simulate_refill(
     ``pool_blocks``: the paged pool's usable blocks of ``block_size`` tokens (None: it holds every
     live row); a pool smaller than one row's prompt and response is a ValueError.
 
-    Without a pool the engine's loop is replayed turn by turn: an admission, then a burst of steps
+    The engine's loop is replayed turn by turn: an admission, then a burst of steps
     with no read between them, at most ``read_interval`` (``RolloutConfig.eos_check_interval`` when
     rows can end at EOS) and never past a live row's budget; a row that ends inside a burst keeps
     its slot to the burst's end. On ``"paged"`` a turn admits only when at least ``refill_rows`` rows
     can come in (or the queue is that short, or nothing is live), and a row done at its prefill frees
-    its slot for the next turn. With a pool, every step is read (``read_interval`` and
-    ``refill_rows`` are not replayed there)."""
+    its slot for the next turn. With a pool the same turns, its blocks replayed too (``_simulate_pool``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if pool_blocks is not None and layout != "paged":
@@ -110,7 +109,8 @@ def simulate_refill(
     if n == 0:
         return RefillSchedule(0, 0, num_slots)
     if pool_blocks is not None:
-        return _simulate_pool(prompt_lengths, response_lengths, num_slots, pool_blocks, block_size)
+        return _simulate_pool(prompt_lengths, response_lengths, budgets, num_slots, pool_blocks, block_size,
+                              refill_rows, read_interval)
     if capacity is None:
         capacity = max(prompt_lengths) + max(budgets)
     # a row that enters before step t's token has made 1 token (its prefill's) and makes one per step:
@@ -187,10 +187,14 @@ def pool_misfit(prompts: Sequence[int], lengths: Sequence[int], *, pool_blocks: 
 
 
 def _simulate_pool(
-    prompts: Sequence[int], lengths: Sequence[int], num_slots: int, pool: int, size: int,
+    prompts: Sequence[int], lengths: Sequence[int], budgets: Sequence[int], num_slots: int, pool: int, size: int,
+    refill_rows: int, read_interval: int,
 ) -> RefillSchedule:
-    """The paged layout with its pool replayed block by block, as ``engine.paged_batching`` runs it
-    (admission watermark, growth one step ahead, preemption of the newest row, recompute)."""
+    """The paged layout with its pool replayed block by block, as ``engine.paged_batching`` runs it,
+    turn by turn: one admission (the queue's longest head that fits the free slots and the
+    watermark, if at least ``refill_rows`` rows), then a burst of at most ``read_interval`` steps
+    and never past a live budget, for which every live row's blocks are reserved at once (one step
+    if the burst does not fit; preempting the newest row while one does not), then retirement."""
     def blocks(tokens: int) -> int:
         return blocks_for(tokens, size)
 
@@ -198,49 +202,78 @@ def _simulate_pool(
     if worst is not None:
         raise ValueError(f"a pool of {pool} blocks of {size} tokens cannot hold row {worst} alone "
                          f"({prompts[worst]} prompt + {lengths[worst]} tokens)")
+    n = len(prompts)
     fresh = 0  # the next row never admitted
     waiting: list[int] = []  # preempted rows, the next to return first
-    made = [0] * len(prompts)  # tokens each row has made
+    made = [0] * n  # tokens each row has made
     held: dict[int, int] = {}  # live row -> its blocks, in admission order (dicts keep it)
     free = pool
     step = row_steps = queued_steps = queued_row_steps = 0
     recompute: list[int] = []
-    while fresh < len(prompts) or waiting or held:
-        while (fresh < len(prompts) or waiting) and len(held) < num_slots:  # admission: the queue's head
-            row = waiting[-1] if waiting else fresh
-            need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
-            # the watermark: one free block per live row stays after it (never blocking an empty pool)
-            if not (need <= free - (len(held) + 1) or (not held and need <= free)):
+
+    def queue_head(count: int) -> list[int]:
+        """The first ``count`` rows of the queue: the preempted ones (the newest first), then the fresh."""
+        head = waiting[::-1][:count]
+        return head + list(range(fresh, min(n, fresh + count - len(head))))
+
+    while fresh < n or waiting or held:
+        while fresh < n or waiting:  # one admission a turn, the next turn at once while nothing is live
+            queued = n - fresh + len(waiting)
+            chosen, budget = [], free
+            for row in queue_head(num_slots - len(held)):
+                need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
+                # the watermark: one free block per live row stays after it (never blocking an empty pool)
+                if need > budget - (len(held) + len(chosen) + 1):
+                    break
+                budget -= need
+                chosen.append(row)
+            if not chosen and not held:
+                row = queue_head(1)[0]
+                if blocks(prompts[row] + max(1, made[row])) <= free:
+                    chosen = [row]
+            if not chosen or (held and len(chosen) < min(refill_rows, queued, num_slots)):
                 break
-            if waiting:
-                waiting.pop()
-                recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
-            else:
-                fresh += 1
-                made[row] = 1  # the prefill's token
-                if lengths[row] == 1:
-                    continue  # done at its prefill: never takes a step (nor keeps its blocks)
-            held[row] = need
-            free -= need
+            for row in chosen:
+                need = blocks(prompts[row] + max(1, made[row]))
+                if waiting and row == waiting[-1]:
+                    waiting.pop()
+                    recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
+                else:
+                    fresh += 1
+                    made[row] = 1  # the prefill's token
+                    if lengths[row] == 1:
+                        continue  # done at its prefill: never takes a step (nor keeps its blocks)
+                held[row] = need
+                free -= need
+            if held:
+                break
         if not held:
             continue
-        while True:  # growth: the blocks of every live row's next token, else preempt the newest
-            needs = {row: blocks(prompts[row] + made[row]) - b for row, b in held.items()}
+        burst = min(min(budgets[row] - made[row] for row in held), read_interval)
+        while True:  # growth: every live row's blocks for the burst, else one step, else preempt the newest
+            needs = {row: blocks(prompts[row] + made[row] - 1 + burst) - b for row, b in held.items()}
             if sum(needs.values()) <= free:
                 break
+            if burst > 1:
+                burst = 1
+                continue
             newest = next(reversed(held))
             free += held.pop(newest)
             waiting.append(newest)
         for row, need in needs.items():
             held[row] += need
             free -= need
-        step += 1
-        row_steps += len(held)
-        if fresh < len(prompts) or waiting:
-            queued_steps += 1
-            queued_row_steps += len(held)
+        step += burst
+        kept = 0
         for row in list(held):
-            made[row] += 1
+            run = min(burst, lengths[row] - made[row])  # a row that ends inside the burst keeps its slot to its end
+            made[row] += run
+            kept += run
+        row_steps += kept
+        if fresh < n or waiting:
+            queued_steps += burst
+            queued_row_steps += kept
+        for row in list(held):
             if made[row] == lengths[row]:
                 free += held.pop(row)
     # every preempted row came back, once per preemption
