@@ -2,8 +2,9 @@
 
 With fewer slots than rows, rows come and go: the decode steps a call pays, and how full each step
 is, depend on when a queued row can enter. ``simulate_refill`` replays the two admission rules on
-the rows' prompt lengths, response lengths and budgets (one decode step per loop turn, the prefill
-giving each row its first token, as the engine runs):
+the rows' prompt lengths, response lengths and budgets, turn by turn as the engine runs: an
+admission (the prefill giving each row its first token), then a burst of decode steps with no read
+of the tokens between them (``read_interval``), after which rows that ended retire:
 
 - ``"aligned"`` (``engine.batching``): every live row's next token goes to one shared front column,
   so a row enters only when the widest live span (and its own prompt) fits left of some front and
@@ -11,10 +12,11 @@ giving each row its first token, as the engine runs):
   max remaining``. The budget is what the cache must hold, whatever the row's actual length: one
   long row keeps the front far right and blocks refill until it retires.
 - ``"paged"`` (``engine.paged_batching``): each row lives in its own blocks, so a row enters as soon
-  as a slot is free. Without ``pool_blocks`` the pool is assumed to hold the live rows; with it, the
-  engine's block accounting is replayed too: a row enters only while one free block per live row
-  remains after its prompt's (the watermark), every row grows a block as it crosses one, and when the
-  next step does not fit the most recently admitted row is preempted (back to the head of the queue,
+  as a slot is free (in admissions of ``refill_rows`` at least). Without ``pool_blocks`` the pool
+  is assumed to hold the live rows; with it, the engine's block accounting is replayed too: a row
+  enters only while one free block per live row remains after its prompt's (the watermark), every
+  row's blocks for the next burst are reserved before it (one step when they do not fit), and when
+  one step does not fit the most recently admitted row is preempted (back to the head of the queue,
   its tokens kept) and later recomputed by a prefill of its prompt and tokens. The schedule counts
   those preemptions and the recomputed widths, which Auto prices as prefill.
 
