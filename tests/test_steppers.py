@@ -277,3 +277,31 @@ def test_width_ladder_and_windows_change_no_token(monkeypatch):
         prompts, max_new_tokens=budgets).sequences
     assert windowed == whole
     assert seen == sorted(seen) and seen[0] < seen[-1] == 44 and len(set(seen)) == 3, seen
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["bucketed", "paged"])
+def test_the_fused_graph_step_draws_eagers_tokens_and_follows_weight_updates(mode):
+    """fuse_projections on the captured, compiled step (fp32): eager's tokens, greedy and sampled;
+    after an in-place update and parameters replaced by new tensors, the kept step (no recapture)
+    still draws what an eager rollout of the updated model draws."""
+    model = _cuda_model("qwen2", seed=2)
+    prompts = prompts_of([5, 12, 3, 8, 20, 2, 7], seed=6)
+    gen = dict(max_new_tokens=9, do_sample=True, temperature=0.9, top_k=40, seed=3)
+    kwargs = dict(mode=mode, costs=SPLIT, continuous_batch_size=4)
+    with Rollout(model, RolloutConfig(decode="graph", fuse_projections="auto", **kwargs)) as rollout:
+        assert rollout.fused
+        stepper = None
+        for update in range(3):
+            if update == 1:
+                with torch.no_grad():
+                    model.model.layers[0].mlp.up_proj.weight.mul_(1.1)  # an optimizer's in-place step
+            if update == 2:
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                state["model.layers.1.self_attn.v_proj.bias"] += 0.1
+                model.load_state_dict(state, assign=True)  # a weight sync into new tensors
+            eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, **gen)
+            graph = rollout.generate(prompts, **gen)
+            stepper = stepper or rollout._stepper
+            assert rollout._stepper is stepper and rollout.stepper_info["fused"]  # refreshed, not recaptured
+            assert graph.sequences == eager.sequences, update
