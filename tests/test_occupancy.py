@@ -229,9 +229,11 @@ def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, pool, i
     assert min(lengths) < budget < max(lengths) + 1 and len(set(lengths)) > 3  # rows end at different times
     got = simulate_refill([len(p) for p in prompts], lengths, [budget] * len(prompts), num_slots=4, layout=layout,
                           refill_rows=refill if layout == "paged" else 1, read_interval=interval,
-                          **({} if pool is None else dict(pool_blocks=pool, block_size=16)))
+                          block_size=config.kv_block_size, **({} if pool is None else dict(pool_blocks=pool)))
     prof = result.profile
     assert (got.steps, got.row_steps) == (prof.num_decode_forwards, prof.decode_row_steps)
     assert got.preemptions == prof.num_preemptions
+    if layout == "paged":
+        assert got.peak_blocks == prof.peak_kv_blocks  # blocks of 64 (16 with the pool) held at once
     if pool is not None:  # the watermark held rows back: fewer live than the slots at times
         assert prof.num_kv_blocks - 1 == pool and prof.peak_kv_blocks <= pool

@@ -227,6 +227,31 @@ def test_default_slots_hold_every_row_on_cpu():
     assert result.profile.num_kv_blocks == 1 + 1 + 1 + 1 + 3
 
 
+def test_the_pool_follows_the_rows_live_at_once_not_every_rows_budget():
+    """Every row at once, no EOS, budgets that end at different steps: the pool is the replay's peak
+    of blocks held at once (``simulate_refill``, bursts to the nearest budget as the engine runs them)
+    plus one block per slot, well under every row's prompt and budget; the engine then peaks at
+    exactly the replay's blocks and never preempts, and its tokens are the oracle's."""
+    from rollout_lab.planner.occupancy import blocks_for, simulate_refill
+
+    model = get_tiny("qwen2")
+    rng = random.Random(3)
+    lengths = [rng.randint(20, 60) for _ in range(12)]
+    budgets = [rng.randint(4, 70) for _ in range(12)]
+    prompts = make_prompts(lengths, seed=9)
+    result = Rollout(model, RolloutConfig(mode="paged", kv_block_size=16, ignore_eos=True, profile=True)) \
+        .generate(prompts, max_new_tokens=budgets)
+    prof = result.profile
+    replay = simulate_refill(lengths, budgets, budgets, num_slots=12, layout="paged", block_size=16,
+                             read_interval=max(budgets))
+    every = sum(blocks_for(n + b, 16) for n, b in zip(lengths, budgets))
+    assert prof.num_slots == 12 and prof.num_preemptions == 0
+    assert prof.num_kv_blocks - 1 == replay.peak_blocks + 12 < every
+    assert prof.peak_kv_blocks == replay.peak_blocks
+    assert result.sequences == [s[:b] for s, b in zip(run(model, prompts, max(budgets), mode="bucketed").sequences,
+                                                        budgets)]
+
+
 def test_block_allocator_bookkeeping():
     alloc = BlockAllocator(num_blocks=10, num_slots=3, block_size=4, max_blocks_per_row=4)
     assert alloc.num_free == 9 and alloc.missing(0, 5) == 2

@@ -70,7 +70,7 @@ from rollout_lab.planner.checks import as_int, budgets_of, check_context, is_int
 from rollout_lab.planner.cost import CHECKED_GRID_FIELDS, CostCoefficients, CostFile, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import OnlineCalibrator
-from rollout_lab.planner.occupancy import blocks_for
+from rollout_lab.planner.occupancy import blocks_for, simulate_refill
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
 from rollout_lab.planner.shape_classes import ShapeClasses
 
@@ -484,7 +484,10 @@ class Rollout:
             # EOS or stop ids, 1 with stop strings (and without either, where rows run to their
             # budgets, the replay's reads change nothing)
             read_interval = self.eos_check_interval if stop_ids and stop_strings is None else 1
-            route = self._route(lengths, budgets, num_samples=num_samples, groups=groups, read_interval=read_interval)
+            # ... and as the engine runs them: without EOS a burst goes to the nearest budget
+            bursts = 1 if stop_strings is not None else self.eos_check_interval if stop_ids else max(budgets, default=1)
+            route = self._route(lengths, budgets, num_samples=num_samples, groups=groups, read_interval=read_interval,
+                                bursts=bursts)
         if not prompts:
             return RolloutResult([], route, (), stats if profiling else None, num_samples, seed,
                                  logprobs=[] if logprobs_mode else None, pad_token_id=pad_id)
@@ -495,7 +498,7 @@ class Rollout:
         # the "trainer" modes take no logprobs in the step: one teacher-forced forward after it
         step_logprobs = logprobs_mode if logprobs_mode in STEP_LOGPROB_MODES else None
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
-            num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets)
+            num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets, bursts)
             with timer.phase("stepper_build_ms"):
                 stepper = self._stepper_for(num_slots, capacity, False, sampling, step_logprobs, num_blocks,
                                             holds_back)
@@ -621,7 +624,7 @@ class Rollout:
 
     def _route(
         self, lengths: list[int], budgets: list[int], *, num_samples: int = 1,
-        groups: Sequence[int] | None = None, read_interval: int = 1,
+        groups: Sequence[int] | None = None, read_interval: int = 1, bursts: int = 1,
     ) -> str:
         cfg = self.config
         n, slots = len(lengths) * num_samples, cfg.continuous_batch_size
@@ -653,7 +656,7 @@ class Rollout:
             rows = range(n)
             try:
                 pool = self._paged_layout([lengths[r // num_samples] for r in rows],
-                                          [budgets[r // num_samples] for r in rows])[1] - 1  # less the scratch block
+                                          [budgets[r // num_samples] for r in rows], bursts)[1] - 1  # less the scratch block
             except ValueError:  # the pool cannot hold the longest row: the paged route would refuse this call
                 paged_allowed = False
         plan = choose_shared_route(
@@ -704,13 +707,20 @@ class Rollout:
             reserve += fused_nbytes(self.model)
         return cfg.gpu_memory_fraction * total - (total - free) - reserve
 
-    def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int]) -> tuple[int, int]:
+    def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1) -> tuple[int, int]:
         """(slots, blocks in the pool) of a paged call over rows of ``lengths`` and ``budgets``.
 
         The pool: ``kv_cache_tokens`` when set; else what every row could use at once (its prompt and
         budget), on CUDA no more than ``_kv_budget_bytes`` allows. The slots:
         ``continuous_batch_size``, else as many rows as the pool holds at their worst case
-        (at most ``MAX_PAGED_SLOTS``). A pool that cannot hold the longest row is a ValueError."""
+        (at most ``MAX_PAGED_SLOTS``). A pool that cannot hold the longest row is a ValueError.
+
+        Without ``kv_cache_tokens`` the pool is then cut to what the call's rows can hold at once on
+        those slots: the peak of blocks in ``simulate_refill``'s replay with every row running to its
+        budget (bursts of at most ``bursts`` steps, as the engine reserves them), plus one block per
+        slot (the admission watermark). Rows rarely run to their budgets all at once, so the pool
+        follows the live tokens rather than every row's prompt and budget; a call whose rows end
+        early stays within it, and where refill lets a longer prompt in sooner, preemption covers it."""
         cfg = self.config
         size = cfg.kv_block_size
         row_blocks = [blocks_for(n + b, size) for n, b in zip(lengths, budgets)]
@@ -733,7 +743,12 @@ class Rollout:
                              f"{size}): raise kv_cache_tokens or gpu_memory_fraction")
         slots = cfg.continuous_batch_size or max(1, min(MAX_PAGED_SLOTS, (num_blocks - 1) * len(row_blocks)
                                                         // sum(row_blocks)))
-        return min(slots, len(lengths)), num_blocks
+        slots = min(slots, len(lengths))
+        if cfg.kv_cache_tokens is None:
+            worst = simulate_refill(lengths, budgets, budgets, num_slots=slots, layout="paged", block_size=size,
+                                    refill_rows=cfg.refill_rows_for(slots), read_interval=max(1, bursts))
+            num_blocks = min(num_blocks, max(worst.peak_blocks + slots, longest) + 1)  # + the scratch block
+        return slots, num_blocks
 
     def _capacity(self, lengths: list[int], budgets: list[int], route: str) -> int:
         capacity = self.config.cache_capacity

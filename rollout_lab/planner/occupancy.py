@@ -51,6 +51,7 @@ class RefillSchedule:
     queued_steps: int = 0  # the steps taken while rows still waited in the queue
     queued_row_steps: int = 0
     preemptions: int = 0  # rows that gave their blocks back (paged with ``pool_blocks`` only)
+    peak_blocks: int = 0  # paged: the most blocks of ``block_size`` tokens the live rows held at once
     recompute_widths: tuple[int, ...] = ()  # the prefill width of each preempted row's return
 
     @property
@@ -122,7 +123,7 @@ def simulate_refill(
     live: dict[int, int] = {}  # row -> the step count when it entered
     ends: list[tuple[int, int]] = []  # heap of (last step, row)
     budget_ends: list[tuple[int, int]] = []  # heap of (the step its budget runs out, row); stale rows skipped
-    queue = step = row_steps = queued_steps = queued_row_steps = 0
+    queue = step = row_steps = queued_steps = queued_row_steps = peak = 0
     span_key = remaining_key = None  # max over live rows of L - t and B - 1 + t (None: recompute)
 
     def enter(row: int) -> None:
@@ -159,6 +160,8 @@ def simulate_refill(
         while budget_ends[0][1] not in live:
             heapq.heappop(budget_ends)  # a row that retired
         burst = min(budget_ends[0][0] - step, read_interval)  # a burst: every live row makes a token a step
+        if layout == "paged":  # each live row's blocks for its tokens so far and the burst's, reserved before it
+            peak = max(peak, sum(-(-(prompt_lengths[r] + step - t + burst) // block_size) for r, t in live.items()))
         step += burst
         kept = burst * len(live)  # row-steps that made a row's token (not those after its end)
         while ends and ends[0][0] <= step:
@@ -170,7 +173,7 @@ def simulate_refill(
         if queue < n:
             queued_steps += burst
             queued_row_steps += kept
-    return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps)
+    return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps, peak_blocks=peak)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -210,7 +213,7 @@ def _simulate_pool(
     made = [0] * n  # tokens each row has made
     held: dict[int, int] = {}  # live row -> its blocks, in admission order (dicts keep it)
     free = pool
-    step = row_steps = queued_steps = queued_row_steps = 0
+    step = row_steps = queued_steps = queued_row_steps = peak = 0
     recompute: list[int] = []
 
     def queue_head(count: int) -> list[int]:
@@ -265,6 +268,7 @@ def _simulate_pool(
         for row, need in needs.items():
             held[row] += need
             free -= need
+        peak = max(peak, pool - free)
         step += burst
         kept = 0
         for row in list(held):
@@ -280,4 +284,4 @@ def _simulate_pool(
                 free += held.pop(row)
     # every preempted row came back, once per preemption
     return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps,
-                          preemptions=len(recompute), recompute_widths=tuple(recompute))
+                          preemptions=len(recompute), recompute_widths=tuple(recompute), peak_blocks=peak)
