@@ -480,12 +480,12 @@ class Rollout:
                     for r, p in enumerate(params) for s in range(num_samples)]
             sampling = RowSampling.of([p for p in params for _ in range(num_samples)], self.device)
         with timer.phase("planning_ms"):
-            # steps between two reads of the tokens where rows can end early: eos_check_interval with
-            # EOS or stop ids, 1 with stop strings (and without either, where rows run to their
-            # budgets, the replay's reads change nothing)
-            read_interval = self.eos_check_interval if stop_ids and stop_strings is None else 1
-            # ... and as the engine runs them: without EOS a burst goes to the nearest budget
+            # the most steps between two reads of the tokens, as the engine runs them: 1 with stop
+            # strings, eos_check_interval with EOS or stop ids, else a burst goes to the nearest budget
             bursts = 1 if stop_strings is not None else self.eos_check_interval if stop_ids else max(budgets, default=1)
+            # Auto's replay reads as often where rows can end early; without it rows run to their
+            # budgets and it reads every step (its reads then change nothing)
+            read_interval = bursts if stop_ids or stop_strings is not None else 1
             route = self._route(lengths, budgets, num_samples=num_samples, groups=groups, read_interval=read_interval,
                                 bursts=bursts)
         if not prompts:

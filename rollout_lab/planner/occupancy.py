@@ -161,7 +161,7 @@ def simulate_refill(
             heapq.heappop(budget_ends)  # a row that retired
         burst = min(budget_ends[0][0] - step, read_interval)  # a burst: every live row makes a token a step
         if layout == "paged":  # each live row's blocks for its tokens so far and the burst's, reserved before it
-            peak = max(peak, sum(-(-(prompt_lengths[r] + step - t + burst) // block_size) for r, t in live.items()))
+            peak = max(peak, sum(blocks_for(prompt_lengths[r] + step - t + burst, block_size) for r, t in live.items()))
         step += burst
         kept = burst * len(live)  # row-steps that made a row's token (not those after its end)
         while ends and ends[0][0] <= step:
