@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollout_lab.measure import grpo as grpo_module
-from rollout_lab.measure.grpo import GRPO_DEFAULTS, GRPO_PATHS, check_grpo_settings, grpo_or_load, run_grpo
+from rollout_lab.measure.grpo import GRPO_DEFAULT_PATHS, GRPO_DEFAULTS, check_grpo_settings, grpo_or_load, run_grpo
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.records import grpo_rows, load_grpo_results
 from rollout_lab.workspace import write_record
@@ -23,7 +23,7 @@ def test_run_grpo_samples_every_row_and_shares_each_prompts_prefill():
     record = run_grpo(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", config={"device": "cpu"},
                       progress=lambda line: None, **SHAPE)
     results = record["results"]
-    assert list(results) == list(GRPO_PATHS)
+    assert list(results) == list(GRPO_DEFAULT_PATHS)
     assert record["workload"]["num_rows"] == 6 and record["workload"]["num_generated_tokens"] == 24
     for path, res in results.items():
         assert len(res["ms"]) == 1 and res["tokens_per_s"] == pytest.approx(24 / (res["mean_ms"] / 1e3))

@@ -147,11 +147,11 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
 def test_long_tail_defaults_are_run_long_tails_own():
     signature = inspect.signature(run_long_tail).parameters
     assert {k: signature[k].default for k in LONG_TAIL_DEFAULTS} == LONG_TAIL_DEFAULTS
-    # every path runs by default but the bounded admission's and the fused step's (their costs are
+    # every path runs by default but the bounded admission's and the unfused step's (their costs are
     # questions of their own)
-    assert set(LONG_TAIL_PATHS) - set(LONG_TAIL_DEFAULTS["paths"]) == {"paged_128_admit_256", "paged_128_fused"}
+    assert set(LONG_TAIL_PATHS) - set(LONG_TAIL_DEFAULTS["paths"]) == {"paged_128_admit_256", "paged_128_unfused"}
     assert LONG_TAIL_PATHS["paged_128_admit_256"] == LONG_TAIL_PATHS["paged_128"] | {"admit_tokens_per_step": 256}
-    assert LONG_TAIL_PATHS["paged_128_fused"] == LONG_TAIL_PATHS["paged_128"] | {"fuse_projections": "auto"}
+    assert LONG_TAIL_PATHS["paged_128_unfused"] == LONG_TAIL_PATHS["paged_128"] | {"fuse_projections": False}
 
 
 def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_settings(tmp_path, capsys,

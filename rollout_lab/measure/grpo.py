@@ -12,7 +12,9 @@ Paths (``GRPO_PATHS``), every one sampled with the same seed:
 - ``shared``: ``Rollout.generate(prompts, num_samples=S, do_sample=True, ...)``, each prompt
   prefilled once and its KV replicated into its S slots;
 - ``unshared``: the same with ``share_prefill=False`` (every (prompt, sample) row prefilled);
-- ``hf_generate``: HF ``generate(..., do_sample=True, num_return_sequences=S)`` (dynamic cache).
+- ``hf_generate``: HF ``generate(..., do_sample=True, num_return_sequences=S)`` (dynamic cache);
+- ``shared_unfused``: ``shared`` with the decode step's projections unfused
+  (``fuse_projections=False``, engine.fusing), what the default fusion saves; not run unless asked.
 
 One warm-up round (graph capture included) and ``reps`` interleaved timed rounds, every call timed
 whole with the device synchronised before and after. Then one pass per path alone on the device
@@ -41,12 +43,13 @@ from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, padding_
 from rollout_lab.planner.checks import check_int, is_int
 from rollout_lab.planner.cost import CostCoefficients
 
-GRPO_PATHS = ("shared", "unshared", "hf_generate")
+GRPO_PATHS = ("shared", "unshared", "hf_generate", "shared_unfused")
+GRPO_DEFAULT_PATHS = GRPO_PATHS[:3]
 # run_grpo's settings and their defaults (its signature's), as notebook 03's grpo_shape and
 # rollout-lab bench grpo give them
 GRPO_DEFAULTS: dict[str, Any] = {"dataset": "gsm8k", "num_prompts": 64, "num_samples": 8, "max_new_tokens": 128,
                                  "scale": 1.0, "temperature": 1.0, "top_p": 1.0, "seed": 0, "mode": "bucketed",
-                                 "reps": 2, "paths": GRPO_PATHS}
+                                 "reps": 2, "paths": GRPO_DEFAULT_PATHS}
 
 
 def check_grpo_settings(*, dataset: str, num_prompts: int, num_samples: int, max_new_tokens: int, scale: float,
@@ -83,7 +86,8 @@ class _Paths:
         key = path + ("+profile" if profile else "")
         if key not in self.rollouts:
             config = RolloutConfig(mode=self.s["mode"], ignore_eos=True, pad_token_id=self.pad_id, costs=self.costs,
-                                   share_prefill=path == "shared", profile=profile)
+                                   share_prefill=path != "unshared", profile=profile,
+                                   **({"fuse_projections": False} if path == "shared_unfused" else {}))
             self.rollouts[key] = Rollout(self.model, config)
         return self.rollouts[key]
 
@@ -143,7 +147,7 @@ def _memory_pass(paths: _Paths, path: str, device: torch.device) -> dict[str, An
 def run_grpo(
     model: Any, *, model_name: str, dtype: str, dataset: str = "gsm8k", num_prompts: int = 64, num_samples: int = 8,
     max_new_tokens: int = 128, scale: float = 1.0, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-    mode: str = "bucketed", reps: int = 2, paths: Sequence[str] = GRPO_PATHS, costs: CostCoefficients | None = None,
+    mode: str = "bucketed", reps: int = 2, paths: Sequence[str] = GRPO_DEFAULT_PATHS, costs: CostCoefficients | None = None,
     costs_source: str | None = None, config: Mapping[str, Any] | None = None,
     progress: Callable[[str], Any] = lambda line: print(line, file=sys.stderr), **prov: Any,
 ) -> dict[str, Any]:

@@ -59,8 +59,8 @@ LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
     # the same with each turn's prefill bounded (longer prompts in chunks between steps): what the
     # bounded stall costs in throughput
     "paged_128_admit_256": dict(mode="paged", continuous_batch_size=128, admit_tokens_per_step=256),
-    # the same with the decode step's projections fused (engine.fusing): what the fusion saves
-    "paged_128_fused": dict(mode="paged", continuous_batch_size=128, fuse_projections="auto"),
+    # the same with the decode step's projections unfused (engine.fusing off): what the fusion saves
+    "paged_128_unfused": dict(mode="paged", continuous_batch_size=128, fuse_projections=False),
     "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
     "aligned_all": dict(mode="bucketed"),  # every row at once
 }
