@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 1,024)")
     parser.add_argument("--hazard", type=float, default=1 / 295)
     parser.add_argument("--dataset", default="gpqa_diamond")
-    parser.add_argument("--fuse-projections", action="store_true",
-                        help="run the decode step with fused projections (RolloutConfig(fuse_projections='auto'))")
+    parser.add_argument("--no-fuse-projections", action="store_true",
+                        help="run the decode step unfused (RolloutConfig(fuse_projections=False); default 'auto')")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=0, special_ids=special)
     rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=slots, eos_token_id=eos,
                                            pad_token_id=cfg.pad_token_id or 0,
-                                           fuse_projections="auto" if args.fuse_projections else False))
+                                           **({"fuse_projections": False} if args.no_fuse_projections else {})))
     started = time.perf_counter()
     rollout.generate(prompts, **call)
     synchronize(device)
