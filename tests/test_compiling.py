@@ -38,8 +38,8 @@ def test_layerwise_forward_equals_the_model_and_leaves_it_alone(family):
     name = decoder_layers(model)
     originals, compiled = model.get_submodule(name), forward.get_submodule(name)
     assert all(type(layer) is not torch._dynamo.eval_frame.OptimizedModule for layer in originals)
-    assert all(isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) for layer in compiled)
-    assert all(c._orig_mod is o for c, o in zip(compiled, originals))  # the same layers, not copies
+    assert all(isinstance(layer.compiled, torch._dynamo.eval_frame.OptimizedModule) for layer in compiled)
+    assert all(c.compiled._orig_mod is o for c, o in zip(compiled, originals))  # the same layers, not copies
     assert forward.get_output_embeddings() is model.get_output_embeddings()
     assert torch._dynamo.config.recompile_limit >= 8 * len(originals)
     assert torch._dynamo.config.accumulated_recompile_limit >= 16 * len(originals)
@@ -102,6 +102,51 @@ def test_one_compile_serves_every_row_count_past_one(mode):
             assert torch.equal(compiled.step(rows, 0), eager.step(rows, 0)), rows
             counts.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert counts[1:] == counts[:1] * 3, counts  # no graph after the first row count's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "opt"])
+def test_one_trace_serves_every_layer(family):
+    """Layer by layer, the decode step and a prefill into a DynamicCache trace one graph for all the
+    layers of a 6-layer model (each layer is given its own cache layer, so nothing specialises on
+    its index; before, every layer traced again), and give the eager forward's logits and cache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from rollout_lab.engine.steppers import EagerStepper, StepperKey
+    from rollout_lab.measure.models import tiny_config
+
+    config = tiny_config(family)
+    config.num_hidden_layers = 6
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[0]] * 6
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    kwarg = cache_kwarg_name(model)
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    key = StepperKey(num_slots=4, capacity=32, repetition_penalty=1.0, track_seen=False, cache_kwarg=kwarg,
+                     spans=False)
+    eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
+    compiled.forward = compile_forward(model, "layers", backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for rows in (4, 2):
+            eager.reset()
+            compiled.reset()
+            assert torch.equal(compiled.step(rows, 0), eager.step(rows, 0)), rows
+    assert counters["stats"]["unique_graphs"] - before == 1
+    torch._dynamo.reset()
+    forward = compile_forward(model, "layers", backend="aot_eager")
+    ids = torch.randint(3, 100, (3, 9), generator=torch.Generator().manual_seed(2))
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        want_cache, got_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        want = model(input_ids=ids, use_cache=True, **{kwarg: want_cache}).logits
+        got = forward(input_ids=ids, use_cache=True, **{kwarg: got_cache}).logits
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert torch.equal(got, want)
+    assert all(torch.equal(g.keys, w.keys) and torch.equal(g.values, w.values)
+               for g, w in zip(got_cache.layers, want_cache.layers))
 
 
 @pytest.mark.slow

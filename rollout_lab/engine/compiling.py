@@ -6,12 +6,13 @@ The captured decode step and the prefill graphs replay compiled code (``RolloutC
   layer boundaries, but its first compile grows with the depth: ~245 s for Qwen2.5-3B (36 layers)
   on the H200, paid again on every fresh machine.
 - ``"layers"`` compiles each decoder layer instead and runs the rest (embedding, final norm, head)
-  eagerly inside the same captured graph. The layers share one code object: dynamo traces each
-  (their ``layer_idx`` differs, so each has its own guard), and inductor's graph cache serves the
-  other 35 from the first one's code. On this repository's 2-core CPU the decode step of a 36-layer
-  tiny qwen2 compiled in 142 s against 257 s whole over a ladder of five row counts
-  (``scripts/compile_cost.py``). Fusions stop at layer boundaries (a residual add and the next
-  norm), so the step may cost a little more: measure before choosing it on a GPU.
+  eagerly inside the same captured graph. The layers share one code object, and one trace serves
+  them all: each layer is called with a view of its own cache layer (``_LayerCache``) instead of
+  the model's cache, so the attention's ``cache.update(..., self.layer_idx)`` no longer indexes a
+  list by the layer's index, which made dynamo specialise on it and trace every layer again (36
+  traces for Qwen2.5-3B, inductor's cache serving 35 of the compiles). Fusions stop at layer
+  boundaries (a residual add and the next norm), so the step may cost a little more: measure
+  before choosing it on a GPU.
 
 Both modes trace without duck shapes (``torch.fx.experimental._config.use_duck_shape``): by
 default dynamo gives two sizes that are equal at the first trace one symbol, so a step first traced
@@ -89,8 +90,49 @@ def compile_forward(model: torch.nn.Module, mode: bool | str, *, backend: str = 
         parent._modules[part] = child
         parent = child
     parent._modules[last] = torch.nn.ModuleList(
-        [torch.compile(layer, dynamic=True, backend=backend) for layer in layers])
+        [_LayerCall(torch.compile(layer, dynamic=True, backend=backend), index, layer)
+         for index, layer in enumerate(layers)])
     return root
+
+
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # the cache argument's names across transformers
+
+
+class _LayerCache:
+    """One layer's view of a transformers ``Cache``: ``update`` writes to that layer whatever index
+    it is given; anything else is the whole cache's. What a compiled layer is given instead of the
+    cache, so its trace never depends on the layer's index (module docstring)."""
+
+    def __init__(self, cache: Any, layer: Any):
+        self._cache, self._layer = cache, layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self._layer.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+class _LayerCall(torch.nn.Module):
+    """A compiled decoder layer called with its own cache layer's view (``_LayerCache``). A cache
+    without a layer at this index (one that grows its layers as they are written, or offloads them)
+    is passed whole, as is any cache of a layer whose ``layer_idx`` is not its place in the list."""
+
+    def __init__(self, compiled: Callable[..., Any], index: int, layer: torch.nn.Module):
+        super().__init__()
+        self.compiled, self.index = compiled, index
+        attention_index = next((m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)),
+                               index)
+        self.viewable = attention_index == index
+
+    def forward(self, *args, **kwargs):
+        for name in CACHE_KWARGS:
+            cache = kwargs.get(name)
+            layers = getattr(cache, "layers", None)
+            if self.viewable and layers is not None and self.index < len(layers) \
+                    and not getattr(cache, "offloading", False):
+                kwargs[name] = _LayerCache(cache, layers[self.index])
+        return self.compiled(*args, **kwargs)
 
 
 def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
