@@ -559,11 +559,15 @@ def _long_tail_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_long_tail(args: argparse.Namespace) -> int:
-    from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS,  # torch
+    from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS,  # torch
                                               check_long_tail_settings, long_tail_rows, run_long_tail)
 
     settings = {k: getattr(args, k) for k in LONG_TAIL_DEFAULTS}
     check_long_tail_settings(**settings)
+    compiled = [p for p in args.paths if LONG_TAIL_PATHS[p].get("compile") == "layers"]
+    if compiled and (args.device or ("cpu" if args.tiny else "cuda")) == "cpu":
+        raise ValueError(f"paths {compiled} compile the CUDA-graph decode step; --device is cpu "
+                         "(leave them out, or run on a CUDA device)")
     _run_bench(args, long_tail_rows, lambda model, name, save: run_long_tail(
         model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
         **settings))

@@ -12,7 +12,10 @@
 # Every bench writes its record after each path, so a step its limit cuts loses nothing it finished.
 # LONG_TAIL_PATHS / NANO_MODES / NANO_PATHS pick the long-tail paths, the nano-vllm routes and their
 # variants: LONG_TAIL_PATHS="paged_128 paged_128_unfused" NANO_PATHS="ours ours_unfused" time the fused
-# projections (engine.fusing, on by default) against the unfused step side by side; TRACE_ARGS adds options to trace_step.py (--no-fuse-projections).
+# projections (engine.fusing, on by default) against the unfused step side by side, and
+# LONG_TAIL_PATHS="paged_128 paged_128_layers" NANO_PATHS="ours ours_compile_layers" the layer-wise compile
+# (engine.compiling: one trace for every layer) against the whole model's, first call and step;
+# TRACE_ARGS adds options to trace_step.py (--no-fuse-projections).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 40 --steps 8"
