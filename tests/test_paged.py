@@ -309,3 +309,23 @@ def test_a_pool_too_small_for_one_row_fails_before_work():
     with pytest.raises(ValueError, match=r"row 1 needs \(30 prompt \+ 8 new tokens"):
         rollout.generate(make_prompts([4, 30]), max_new_tokens=8)
     assert rollout.stepper_info["kind"] is None  # nothing was built
+
+
+def test_auto_replays_the_pools_worst_case_once_per_call(monkeypatch):
+    """Auto prices the paged pool and then lays it out: one worst-case replay a call, not two (the
+    layout is kept for the call), and a new one for the next call."""
+    import rollout_lab.engine.rollout as engine_rollout
+    from rollout_lab.planner.cost import CostCoefficients
+
+    calls = []
+    real = engine_rollout.simulate_refill
+    monkeypatch.setattr(engine_rollout, "simulate_refill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = get_tiny("qwen2")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 300) for _ in range(6)] for _ in range(16)]
+    rollout = Rollout(model, RolloutConfig(continuous_batch_size=4, response_length_prior=(2, 2, 2, 40),
+                                           costs=CostCoefficients(prefill_fixed_cost_ms=0.05)))
+    first = rollout.generate(prompts, max_new_tokens=40)
+    assert first.route == "paged" and len(calls) == 1
+    second = rollout.generate(prompts, max_new_tokens=40)
+    assert second.route == "paged" and second.sequences == first.sequences and len(calls) == 2

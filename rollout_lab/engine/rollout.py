@@ -234,6 +234,7 @@ class Rollout:
         self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
             if learn else None
         self._explored = False
+        self._layout_memo: tuple[tuple, tuple[int, int]] | None = None  # _paged_layout's last (args, answer)
 
     @property
     def prediction_errors(self) -> list[dict]:
@@ -448,6 +449,7 @@ class Rollout:
         start = time.perf_counter()
         compiled_before = compiled_graphs() if self._compiled_metadata is not None else None
         cfg = self.config
+        self._layout_memo = None  # _paged_layout's answer holds for this call only (the device's memory moves)
         if (prompts is None) == (input_ids is None):
             raise ValueError("give the prompts either positionally or as input_ids=, not "
                              + ("both" if prompts is not None else "neither"))
@@ -720,7 +722,13 @@ class Rollout:
         budget (bursts of at most ``bursts`` steps, as the engine reserves them), plus one block per
         slot (the admission watermark). Rows rarely run to their budgets all at once, so the pool
         follows the live tokens rather than every row's prompt and budget; a call whose rows end
-        early stays within it, and where refill lets a longer prompt in sooner, preemption covers it."""
+        early stays within it, and where refill lets a longer prompt in sooner, preemption covers it.
+
+        Within one call the route's pricing and the layout ask the same question: the answer is kept
+        for the call (its worst-case replay is tens of ms for hundreds of rows)."""
+        key = (tuple(lengths), tuple(budgets), bursts)
+        if self._layout_memo is not None and self._layout_memo[0] == key:
+            return self._layout_memo[1]
         cfg = self.config
         size = cfg.kv_block_size
         row_blocks = [blocks_for(n + b, size) for n, b in zip(lengths, budgets)]
@@ -748,6 +756,7 @@ class Rollout:
             worst = simulate_refill(lengths, budgets, budgets, num_slots=slots, layout="paged", block_size=size,
                                     refill_rows=cfg.refill_rows_for(slots), read_interval=max(1, bursts))
             num_blocks = min(num_blocks, max(worst.peak_blocks + slots, longest) + 1)  # + the scratch block
+        self._layout_memo = (key, (slots, num_blocks))
         return slots, num_blocks
 
     def _capacity(self, lengths: list[int], budgets: list[int], route: str) -> int:
