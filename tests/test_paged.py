@@ -3,6 +3,7 @@ with refill, EOS, a pool small enough to preempt, the penalty, budgets, samples 
 bookkeeping; occupancy against the aligned cache; errors before any work (tiny fp32 models, CPU)."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -329,3 +330,25 @@ def test_auto_replays_the_pools_worst_case_once_per_call(monkeypatch):
     assert first.route == "paged" and len(calls) == 1
     second = rollout.generate(prompts, max_new_tokens=40)
     assert second.route == "paged" and second.sequences == first.sequences and len(calls) == 2
+
+
+def test_a_kept_pool_too_small_grows_by_a_quarter_within_what_the_call_could_use():
+    """A call whose rows need more blocks than the kept pool replaces it with one PAGED_POOL_GROWTH
+    times larger (so the next calls' wandering peaks rarely rebuild and recapture it), never past the
+    uncut pool (every row's prompt and budget); smaller calls then keep it. Tokens stay the oracle's."""
+    from rollout_lab.engine.rollout import PAGED_POOL_GROWTH
+
+    model = get_tiny("qwen2")
+    rollout = Rollout(model, RolloutConfig(mode="paged", continuous_batch_size=4, kv_block_size=16, ignore_eos=True,
+                                           profile=True))
+    pools, uncut = [], []
+    for length in (20, 30, 36, 20):
+        prompts = make_prompts([length] * 8, seed=length)
+        result = rollout.generate(prompts, max_new_tokens=20)
+        assert result.profile.num_preemptions == 0
+        assert result.sequences == run(model, prompts, 20, mode="bucketed").sequences
+        pools.append(result.profile.num_kv_blocks)
+        uncut.append(rollout._paged_layout([length] * 8, [20] * 8, 20))
+    assert [u[1] for u in uncut] == [17, 21, 21, 17]  # what each call alone would allocate
+    assert pools == [17, math.ceil(17 * PAGED_POOL_GROWTH), 22, 22]  # grown once, then kept
+    assert all(p <= u[2] for p, u in zip(pools, uncut))

@@ -23,6 +23,7 @@ tokens too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Mapping, Sequence
 
@@ -78,6 +79,9 @@ from rollout_lab.planner.shape_classes import ShapeClasses
 MAX_SAMPLES = 2**16  # num_samples at most: rows are request x sample, each with its own slot and state
 MAX_PAGED_SLOTS = 1024  # the paged route's slots when the pool alone would choose more
 PAGED_RESERVE_FRACTION = 0.05  # of the device's memory, kept out of the paged pool for activations
+# a kept paged pool too small for a call is replaced by one at least this much larger (within what
+# the call could use), so calls whose peaks wander upwards rebuild (and recapture) it rarely
+PAGED_POOL_GROWTH = 1.25
 
 
 def model_eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
@@ -234,7 +238,7 @@ class Rollout:
         self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
             if learn else None
         self._explored = False
-        self._layout_memo: tuple[tuple, tuple[int, int]] | None = None  # _paged_layout's last (args, answer)
+        self._layout_memo: tuple[tuple, tuple[int, int, int]] | None = None  # _paged_layout's last (args, answer)
 
     @property
     def prediction_errors(self) -> list[dict]:
@@ -307,10 +311,11 @@ class Rollout:
     def _stepper_for(
         self, num_slots: int, capacity: int, explicit_capacity: bool,
         sampling: RowSampling | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,
-        min_new_tokens: bool = False,
+        min_new_tokens: bool = False, max_blocks: int | None = None,
     ) -> EagerStepper:
         """Reuse the kept stepper when it fits this call, else build (and capture) a new one;
-        ``num_blocks``: a paged pool of that many blocks (``capacity``: the longest row's tokens);
+        ``num_blocks``: a paged pool of that many blocks (``capacity``: the longest row's tokens),
+        grown to ``PAGED_POOL_GROWTH`` times a kept pool that is too small, up to ``max_blocks``;
         ``sampling``: the call's rows (the key takes its filters), ``min_new_tokens``: whether rows
         hold stop ids back."""
         penalty = float(self.config.repetition_penalty)
@@ -324,6 +329,10 @@ class Rollout:
         if num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots \
                 and num_blocks <= old.key.num_blocks <= 2 * num_blocks:
             num_blocks = old.key.num_blocks  # a pool that holds this call's rows: keep it (and its graphs)
+        elif num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots \
+                and old.key.num_blocks < num_blocks:
+            num_blocks = min(max(num_blocks, math.ceil(old.key.num_blocks * PAGED_POOL_GROWTH)),
+                             max(num_blocks, max_blocks or num_blocks))
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
                          do_sample=sampling is not None, max_top_k=sampling.max_top_k if sampling else 0,
                          top_p_filter=sampling is not None and sampling.top_p_filter, min_new_tokens=min_new_tokens,
@@ -500,10 +509,11 @@ class Rollout:
         # the "trainer" modes take no logprobs in the step: one teacher-forced forward after it
         step_logprobs = logprobs_mode if logprobs_mode in STEP_LOGPROB_MODES else None
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
-            num_slots, num_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets, bursts)
+            num_slots, num_blocks, max_blocks = self._paged_layout([len(p) for p in row_prompts], row_budgets,
+                                                                   bursts)
             with timer.phase("stepper_build_ms"):
                 stepper = self._stepper_for(num_slots, capacity, False, sampling, step_logprobs, num_blocks,
-                                            holds_back)
+                                            holds_back, max_blocks)
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
         # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
         # its compile) is neither built nor replaced.
@@ -709,8 +719,9 @@ class Rollout:
             reserve += fused_nbytes(self.model)
         return cfg.gpu_memory_fraction * total - (total - free) - reserve
 
-    def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1) -> tuple[int, int]:
-        """(slots, blocks in the pool) of a paged call over rows of ``lengths`` and ``budgets``.
+    def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1) -> tuple[int, int, int]:
+        """(slots, blocks in the pool, blocks the pool may grow to) of a paged call over rows of
+        ``lengths`` and ``budgets``.
 
         The pool: ``kv_cache_tokens`` when set; else what every row could use at once (its prompt and
         budget), on CUDA no more than ``_kv_budget_bytes`` allows. The slots:
@@ -723,6 +734,8 @@ class Rollout:
         slot (the admission watermark). Rows rarely run to their budgets all at once, so the pool
         follows the live tokens rather than every row's prompt and budget; a call whose rows end
         early stays within it, and where refill lets a longer prompt in sooner, preemption covers it.
+        The pool may grow (``_stepper_for``) up to the uncut size: every row's prompt and budget, or
+        what the memory allows.
 
         Within one call the route's pricing and the layout ask the same question: the answer is kept
         for the call (its worst-case replay is tens of ms for hundreds of rows)."""
@@ -752,12 +765,13 @@ class Rollout:
         slots = cfg.continuous_batch_size or max(1, min(MAX_PAGED_SLOTS, (num_blocks - 1) * len(row_blocks)
                                                         // sum(row_blocks)))
         slots = min(slots, len(lengths))
+        uncut = num_blocks
         if cfg.kv_cache_tokens is None:
             worst = simulate_refill(lengths, budgets, budgets, num_slots=slots, layout="paged", block_size=size,
                                     refill_rows=cfg.refill_rows_for(slots), read_interval=max(1, bursts))
             num_blocks = min(num_blocks, max(worst.peak_blocks + slots, longest) + 1)  # + the scratch block
-        self._layout_memo = (key, (slots, num_blocks))
-        return slots, num_blocks
+        self._layout_memo = (key, (slots, num_blocks, uncut))
+        return slots, num_blocks, uncut
 
     def _capacity(self, lengths: list[int], budgets: list[int], route: str) -> int:
         capacity = self.config.cache_capacity
