@@ -152,7 +152,8 @@ def test_fuse_projections_is_checked_and_resolved():
 
 @pytest.mark.slow
 def test_the_fused_copy_compiles_layer_by_layer_too():
-    """compile="layers" over the fused copy: its own layer list, compiled one layer at a time."""
+    """compile="layers" over the fused copy: its own layer list, compiled one layer at a time, one
+    graph for every layer (nothing in the fused parts specialises on the layer)."""
     from rollout_lab.engine.compiling import compile_forward, decoder_layers
 
     torch._dynamo.reset()
@@ -160,11 +161,13 @@ def test_the_fused_copy_compiles_layer_by_layer_too():
     fused = FusedProjections(model)
     forward = compile_forward(fused.model, "layers", backend="aot_eager")
     x = ids(seed=7)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.no_grad():
         want = model(input_ids=x).logits
         got = forward(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
     name = decoder_layers(model)
     compiled = forward.get_submodule(name)
-    assert all(c._orig_mod is f for c, f in zip(compiled, fused.model.get_submodule(name)))
+    assert all(c.compiled._orig_mod is f for c, f in zip(compiled, fused.model.get_submodule(name)))
     assert all(type(layer.self_attn.q_proj) is torch.nn.Linear for layer in model.get_submodule(name))
