@@ -326,13 +326,12 @@ class Rollout:
                     capacity <= old.key.capacity <= 2 * capacity:
                 capacity = old.key.capacity
         block_size = None if num_blocks is None else self.config.kv_block_size
-        if num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots \
-                and num_blocks <= old.key.num_blocks <= 2 * num_blocks:
-            num_blocks = old.key.num_blocks  # a pool that holds this call's rows: keep it (and its graphs)
-        elif num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots \
-                and old.key.num_blocks < num_blocks:
-            num_blocks = min(max(num_blocks, math.ceil(old.key.num_blocks * PAGED_POOL_GROWTH)),
-                             max(num_blocks, max_blocks or num_blocks))
+        if num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots:
+            if num_blocks <= old.key.num_blocks <= 2 * num_blocks:
+                num_blocks = old.key.num_blocks  # a pool that holds this call's rows: keep it (and its graphs)
+            elif old.key.num_blocks < num_blocks:  # too small: grow it by a quarter at least, within the uncut pool
+                num_blocks = max(num_blocks, min(math.ceil(old.key.num_blocks * PAGED_POOL_GROWTH),
+                                                 max_blocks or num_blocks))
         key = StepperKey(num_slots, capacity, penalty, penalty != 1.0, self.cache_kwarg,
                          do_sample=sampling is not None, max_top_k=sampling.max_top_k if sampling else 0,
                          top_p_filter=sampling is not None and sampling.top_p_filter, min_new_tokens=min_new_tokens,
