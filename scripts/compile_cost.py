@@ -61,12 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def deep_tiny(family: str, layers: int) -> torch.nn.Module:
-    config = tiny_config(family)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[0]] * layers
-    if hasattr(config, "max_window_layers"):
-        config.max_window_layers = layers
+    config = tiny_config(family, num_layers=layers)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 

@@ -115,12 +115,8 @@ def test_one_trace_serves_every_layer(family):
     from rollout_lab.engine.steppers import EagerStepper, StepperKey
     from rollout_lab.measure.models import tiny_config
 
-    config = tiny_config(family)
-    config.num_hidden_layers = 6
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[0]] * 6
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(family, num_layers=6), attn_implementation="sdpa").eval()
     kwarg = cache_kwarg_name(model)
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()

@@ -42,11 +42,12 @@ _PRESET_COMMON = dict(
 _CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
 
 
-def tiny_config(family: str) -> Any:
-    """The config of a 2-layer, hidden-64 model of ``family``."""
+def tiny_config(family: str, num_layers: int = 2) -> Any:
+    """The config of a hidden-64 model of ``family``, ``num_layers`` decoder layers deep (2 unless
+    a check needs a real model's depth, as the layer-wise compile's do)."""
     if family == "opt":
         return OPTConfig(
-            vocab_size=TINY_VOCAB_SIZE, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+            vocab_size=TINY_VOCAB_SIZE, hidden_size=64, ffn_dim=128, num_hidden_layers=num_layers,
             num_attention_heads=4, max_position_embeddings=TINY_MAX_POSITIONS,
             word_embed_proj_dim=64, do_layer_norm_before=True, pad_token_id=0,
             bos_token_id=None, eos_token_id=None, dropout=0.0, tie_word_embeddings=False,
@@ -54,7 +55,7 @@ def tiny_config(family: str) -> Any:
     if family not in _CONFIG_CLASSES:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {list(TINY_FAMILIES)}")
     extra = {"head_dim": 16} if family == "qwen3" else {}
-    return _CONFIG_CLASSES[family](**_TINY_COMMON, **extra)
+    return _CONFIG_CLASSES[family](**(_TINY_COMMON | {"num_hidden_layers": num_layers}), **extra)
 
 
 def tiny_model(
