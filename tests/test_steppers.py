@@ -305,3 +305,29 @@ def test_the_fused_graph_step_draws_eagers_tokens_and_follows_weight_updates(mod
             stepper = stepper or rollout._stepper
             assert rollout._stepper is stepper and rollout.stepper_info["fused"]  # refreshed, not recaptured
             assert graph.sequences == eager.sequences, update
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["bucketed", "paged"])
+def test_the_layer_wise_compiled_graph_step_draws_eagers_tokens_with_one_trace(mode):
+    """compile="layers" on the captured step (fp32, inductor, fused projections by default): eager's
+    tokens, sampled, on the aligned and the paged cache; one dynamo graph for the decode step's
+    eight layers (each layer is given its own cache layer, engine.compiling), not one per layer."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_lab.measure.models import tiny_config
+
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", num_layers=8)).eval().to("cuda")
+    prompts = prompts_of([5, 12, 3, 8, 20, 2, 7], seed=6)
+    gen = dict(max_new_tokens=9, do_sample=True, temperature=0.9, top_k=40, seed=3)
+    kwargs = dict(mode=mode, costs=SPLIT, continuous_batch_size=4)
+    eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, **gen)
+    torch._dynamo.reset()
+    with Rollout(model, RolloutConfig(decode="graph", compile="layers", prefill_graphs=False, **kwargs)) as rollout:
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graph = rollout.generate(prompts, **gen)
+        assert rollout.stepper_info["compiled"] == "layers"
+        # the layers' one graph and the token choice's (a few at most; one per layer was 8 and more)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before <= 3
+    assert graph.sequences == eager.sequences
