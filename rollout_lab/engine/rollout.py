@@ -187,6 +187,7 @@ class Rollout:
         self.spans = resolve_spans(self.config.decode_attention, model, self.device)
         self.compiled = resolve_compile(self.config.compile, self.decode_mode)
         self.fused = resolve_fuse(self.config.fuse_projections, self.decode_mode, model)
+        self._fused_nbytes = fused_nbytes(model) if self.fused else 0  # the fused copy's memory, once
         interval = self.config.eos_check_interval  # "auto": a captured step's host read is what is saved
         self.eos_check_interval = (EOS_CHECK_INTERVAL if self.decode_mode == "graph" else 1) \
             if interval == "auto" else interval
@@ -715,7 +716,7 @@ class Rollout:
         if self.prefill_graphs and self._prefill_graphs is None:  # the graphs come after the cache
             reserve += graph_reserve_bytes(cfg.max_prefill_graphs, self.geometry.kv_bytes_per_token)
         if self.fused and (self._stepper is None or self._stepper.fusion is None):  # so does the fused copy
-            reserve += fused_nbytes(self.model)
+            reserve += self._fused_nbytes
         return cfg.gpu_memory_fraction * total - (total - free) - reserve
 
     def _paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1) -> tuple[int, int, int]:

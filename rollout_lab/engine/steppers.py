@@ -97,8 +97,10 @@ def resolve_fuse(choice: bool | str, decode_mode: str, model: torch.nn.Module) -
     """Whether the decode step runs fused projections (``engine.fusing``): "auto" for the
     graph-captured step when the model has groups to fuse and their stacked copy is at most
     ``FUSE_MEMORY_FRACTION`` of the device's memory; True wherever the model has groups to fuse."""
+    if choice is False:
+        return False
     nbytes = fused_nbytes(model)
-    if choice is False or nbytes == 0:
+    if nbytes == 0:
         return False
     if choice is True:
         return True
