@@ -231,15 +231,15 @@ def _simulate_pool(
                 if need > budget - (len(held) + len(chosen) + 1):
                     break
                 budget -= need
-                chosen.append(row)
+                chosen.append((row, need))
             if not chosen and not held:
                 row = queue_head(1)[0]
-                if blocks(prompts[row] + max(1, made[row])) <= free:
-                    chosen = [row]
+                need = blocks(prompts[row] + max(1, made[row]))
+                if need <= free:
+                    chosen = [(row, need)]
             if not chosen or (held and len(chosen) < min(refill_rows, queued, num_slots)):
                 break
-            for row in chosen:
-                need = blocks(prompts[row] + max(1, made[row]))
+            for row, need in chosen:
                 if waiting and row == waiting[-1]:
                     waiting.pop()
                     recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
