@@ -564,7 +564,7 @@ def cmd_bench_long_tail(args: argparse.Namespace) -> int:
 
     settings = {k: getattr(args, k) for k in LONG_TAIL_DEFAULTS}
     check_long_tail_settings(**settings)
-    compiled = [p for p in args.paths if LONG_TAIL_PATHS[p].get("compile") == "layers"]
+    compiled = [p for p in args.paths if LONG_TAIL_PATHS[p].get("compile") in (True, "layers")]
     if compiled and (args.device or ("cpu" if args.tiny else "cuda")) == "cpu":
         raise ValueError(f"paths {compiled} compile the CUDA-graph decode step; --device is cpu "
                          "(leave them out, or run on a CUDA device)")
@@ -921,10 +921,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CUDA: capture each class's prefill forward (implies --prefill-classes)")
     sweep.add_argument("--no-compile", action="store_true",
                        help="our decode step and prefill graphs capture the eager model (RolloutConfig(compile=False)): "
-                            "no first-call compile, which takes minutes for a large model, for a slower step")
+                            "no first-call compile, for a slower step")
     sweep.add_argument("--compile-layers", action="store_true",
-                       help="compile each decoder layer instead of the whole model (RolloutConfig(compile='layers')): "
-                            "a shorter first compile, fusions stopping at layer boundaries")
+                       help="compile each decoder layer (RolloutConfig(compile='layers')), an error for a model without a "
+                            "decoder-layer list; compile='auto', the default, does this wherever it can")
     sweep.add_argument("--out", help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
     sweep.set_defaults(func=cmd_sweep)
 

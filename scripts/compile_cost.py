@@ -10,7 +10,7 @@ to ``--layers`` runs once at each row count of ``--rows``, compiled with ``--bac
 of its own with an empty inductor cache (so neither mode inherits the other's warm-up or cache);
 each call's seconds (a compile where dynamo specialises a new size, a cache hit
 otherwise) and whether its tokens equal the eager step's are recorded. What a GPU adds (CUDA-graph
-capture, the step's ms) is ``rollout-lab bench decode-step``'s ``ours_compile_layers`` variant.
+capture, the step's ms) is ``rollout-lab bench decode-step``'s ``ours`` (layer by layer) and ``ours_compile_model`` variants.
 """
 from __future__ import annotations
 

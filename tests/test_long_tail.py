@@ -147,13 +147,13 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
 def test_long_tail_defaults_are_run_long_tails_own():
     signature = inspect.signature(run_long_tail).parameters
     assert {k: signature[k].default for k in LONG_TAIL_DEFAULTS} == LONG_TAIL_DEFAULTS
-    # every path runs by default but the bounded admission's, the unfused step's and the layer-wise
+    # every path runs by default but the bounded admission's, the unfused step's and the whole-model
     # compile's (their costs are questions of their own)
     assert set(LONG_TAIL_PATHS) - set(LONG_TAIL_DEFAULTS["paths"]) == {"paged_128_admit_256", "paged_128_unfused",
-                                                                         "paged_128_layers"}
+                                                                         "paged_128_compile_model"}
     assert LONG_TAIL_PATHS["paged_128_admit_256"] == LONG_TAIL_PATHS["paged_128"] | {"admit_tokens_per_step": 256}
     assert LONG_TAIL_PATHS["paged_128_unfused"] == LONG_TAIL_PATHS["paged_128"] | {"fuse_projections": False}
-    assert LONG_TAIL_PATHS["paged_128_layers"] == LONG_TAIL_PATHS["paged_128"] | {"compile": "layers"}
+    assert LONG_TAIL_PATHS["paged_128_compile_model"] == LONG_TAIL_PATHS["paged_128"] | {"compile": True}
 
 
 def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_settings(tmp_path, capsys,
@@ -173,7 +173,7 @@ def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_se
     assert "already exist" in capsys.readouterr().err
     for bad, message in ((["--hazard", "0.9"], "in (0, 0.5], got 0.9"), (["--seed", "-2"], "seed must be an int >= 0"),
                          (["--paths", "vllm"], "invalid choice: 'vllm'"),
-                         (["--paths", "paged_128_layers"], "compile the CUDA-graph decode step; --device is cpu")):
+                         (["--paths", "paged_128_compile_model"], "compile the CUDA-graph decode step; --device is cpu")):
         assert main(["bench", "long-tail", "--tiny", "qwen2", "--out", str(tmp_path / "x"), *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err

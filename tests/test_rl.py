@@ -47,11 +47,11 @@ def test_bad_settings_are_errors_before_any_work(bad, message):
         check_rl_settings(**settings)
 
 
-def test_the_per_layer_compile_is_refused_off_cuda_before_any_work(monkeypatch):
+def test_the_whole_model_compile_is_refused_off_cuda_before_any_work(monkeypatch):
     monkeypatch.setattr(rl_module, "Rollout", lambda *a, **k: pytest.fail("a rollout was built"))
-    with pytest.raises(ValueError, match="ours_compile_layers compiles the CUDA-graph decode step"):
-        run_rl(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", paths=["ours_compile_layers"], **SHAPE)
-    assert "ours_compile_layers" not in RL_DEFAULT_PATHS
+    with pytest.raises(ValueError, match="ours_compile_model compiles the CUDA-graph decode step"):
+        run_rl(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", paths=["ours_compile_model"], **SHAPE)
+    assert "ours_compile_model" not in RL_DEFAULT_PATHS
 
 
 def test_rl_or_load_measures_the_shape_and_joins_saved_records_of_the_same_workload(tmp_path, monkeypatch):

@@ -86,13 +86,15 @@ def test_resolution_on_cpu():
     assert resolve_spans("auto", model, "cpu") is (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1")
     if torch.cuda.is_available():
         assert resolve_spans("auto", model, "cuda") is HAS_TRITON
-    assert resolve_compile("auto", "eager") is False
+    assert resolve_compile("auto", "eager", model) is False
     with pytest.raises(ValueError, match="compile=True compiles the graph-captured step"):
-        resolve_compile(True, "eager")
+        resolve_compile(True, "eager", model)
     with pytest.raises(ValueError, match="compile='layers' compiles the graph-captured step"):
-        resolve_compile("layers", "eager")
-    assert resolve_compile("auto", "graph") is True and resolve_compile("layers", "graph") == "layers"
-    assert resolve_compile(False, "graph") is False and RolloutConfig(compile="layers").compile == "layers"
+        resolve_compile("layers", "eager", model)
+    # auto: one trace for every decoder layer where the model has a layer list, else the whole model
+    assert resolve_compile("auto", "graph", model) == "layers" and resolve_compile("layers", "graph", model) == "layers"
+    assert resolve_compile("auto", "graph", torch.nn.Linear(2, 2)) is True and resolve_compile(True, "graph", model) is True
+    assert resolve_compile(False, "graph", model) is False and RolloutConfig(compile="layers").compile == "layers"
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         RolloutConfig(decode_attention="flash")
     with pytest.raises(ValueError, match="compile must be 'auto', 'layers', True or False"):
@@ -229,7 +231,7 @@ def test_cuda_kernel_equals_reference():
 
 
 @cuda
-@pytest.mark.parametrize("compile", ["auto", "layers"])
+@pytest.mark.parametrize("compile", ["auto", True])
 @pytest.mark.parametrize("family", ["qwen3", "opt"])
 def test_cuda_compiled_span_graph_equals_eager_and_oracle(family, compile, oracle):
     """fp32: the compiled (whole, or layer by layer), laddered, span-attention graph step gives the
@@ -247,7 +249,7 @@ def test_cuda_compiled_span_graph_equals_eager_and_oracle(family, compile, oracl
         eager = Rollout(model, RolloutConfig(decode="eager", decode_attention="masked", **common)) \
             .generate(prompts, max_new_tokens=budgets)
         with Rollout(model, RolloutConfig(decode="graph", compile=compile, **common)) as rollout:
-            assert rollout.spans and rollout.compiled == (True if compile == "auto" else compile)
+            assert rollout.spans and rollout.compiled == ("layers" if compile == "auto" else compile)
             graph = rollout.generate(prompts, max_new_tokens=budgets, profile=True)
             info = rollout.stepper_info
         assert graph.sequences == eager.sequences == expected, (family, slots)

@@ -75,8 +75,9 @@ class RolloutConfig:
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
     decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
     decode_attention: str = "auto"  # "span", "masked" or "auto" (DECODE_ATTENTIONS)
-    # torch.compile the graph-captured decode step and prefill graphs: "auto"/True the whole model,
-    # "layers" each decoder layer (a shorter first compile, engine.compiling), False to debug
+    # torch.compile the graph-captured decode step and prefill graphs: "layers" each decoder layer
+    # (one trace for all of them, engine.compiling), True the whole model (a first compile ~20x longer),
+    # "auto" the layers where the model has a decoder-layer list, else the whole model; False to debug
     compile: bool | str = "auto"
     # the decode step's q/k/v and gate/up projections as one matmul each, over a stacked copy of their
     # weights refreshed at every call (engine.fusing): "auto" for the graph-captured step when the

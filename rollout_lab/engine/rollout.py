@@ -185,7 +185,7 @@ class Rollout:
         # chosen before any routing decision: graph replay on CUDA, eager elsewhere
         self.decode_mode = resolve_decode_mode(self.config.decode, self.device)
         self.spans = resolve_spans(self.config.decode_attention, model, self.device)
-        self.compiled = resolve_compile(self.config.compile, self.decode_mode)
+        self.compiled = resolve_compile(self.config.compile, self.decode_mode, model)
         self.fused = resolve_fuse(self.config.fuse_projections, self.decode_mode, model)
         self._fused_nbytes = fused_nbytes(model) if self.fused else 0  # the fused copy's memory, once
         interval = self.config.eos_check_interval  # "auto": a captured step's host read is what is saved

@@ -61,9 +61,9 @@ LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
     "paged_128_admit_256": dict(mode="paged", continuous_batch_size=128, admit_tokens_per_step=256),
     # the same with the decode step's projections unfused (engine.fusing off): what the fusion saves
     "paged_128_unfused": dict(mode="paged", continuous_batch_size=128, fuse_projections=False),
-    # the same with each decoder layer compiled (engine.compiling, one trace for all layers): its
-    # step and first call against the whole model's
-    "paged_128_layers": dict(mode="paged", continuous_batch_size=128, compile="layers"),
+    # the same with the whole model compiled as one graph (compile=True) instead of each decoder
+    # layer (engine.compiling): its step and first call against the layers'
+    "paged_128_compile_model": dict(mode="paged", continuous_batch_size=128, compile=True),
     "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
     "aligned_all": dict(mode="bucketed"),  # every row at once
 }

@@ -7,7 +7,7 @@ The workload (``measure.workloads.uniform_workload``): distinct random-token pro
 and whose output budgets, are drawn uniformly from ``[min_len, max_len]`` (seeded); EOS is ignored,
 so every request generates exactly its budget and output tok/s counts those tokens only.
 
-Paths (``RL_PATHS``; ``RL_DEFAULT_PATHS`` leave out the CUDA-only ``ours_compile_layers``): ``ours`` (``Rollout.generate(prompts, max_new_tokens=budgets)`` in ``mode``;
+Paths (``RL_PATHS``; ``RL_DEFAULT_PATHS`` leave out the CUDA-only ``ours_compile_model``): ``ours`` (``Rollout.generate(prompts, max_new_tokens=budgets)`` in ``mode``;
 one warm-up call, its compile and graph capture included, then ``reps`` timed calls and one profiled
 call), the ablations of ``measure.paths.DECODE_VARIANTS`` that take the levers away one at a time,
 and, last, HF ``generate_batch``'s manager with the same per-request budgets (``hf_generate_batch``).
@@ -37,8 +37,8 @@ from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 
 RL_PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
-# what runs by default: every ablation and the peer, not the per-layer compile (a CUDA-only variant of ours)
-RL_DEFAULT_PATHS = tuple(p for p in RL_PATHS if p != "ours_compile_layers")
+# what runs by default: every ablation and the peer, not the whole-model compile (a CUDA-only variant of ours)
+RL_DEFAULT_PATHS = tuple(p for p in RL_PATHS if p != "ours_compile_model")
 # nano-vllm's bench.py: 256 sequences, prompt lengths and budgets uniform in 100..1024, on Qwen3-0.6B
 NANO_VLLM_SHAPE = {"num_seqs": 256, "min_len": 100, "max_len": 1024, "seed": 0}
 NANO_VLLM_MODEL = "qwen3-0.6b"
@@ -77,8 +77,8 @@ def run_rl(
     check_rl_settings(num_seqs=num_seqs, min_len=min_len, max_len=max_len, mode=mode, slots=slots, reps=reps,
                       peer_calls=peer_calls, paths=paths)
     device = next(model.parameters()).device
-    if "ours_compile_layers" in paths and device.type != "cuda":
-        raise ValueError(f"ours_compile_layers compiles the CUDA-graph decode step; the model is on {device}")
+    if "ours_compile_model" in paths and device.type != "cuda":
+        raise ValueError(f"ours_compile_model compiles the CUDA-graph decode step; the model is on {device}")
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0

@@ -13,8 +13,8 @@
 # LONG_TAIL_PATHS / NANO_MODES / NANO_PATHS pick the long-tail paths, the nano-vllm routes and their
 # variants: LONG_TAIL_PATHS="paged_128 paged_128_unfused" NANO_PATHS="ours ours_unfused" time the fused
 # projections (engine.fusing, on by default) against the unfused step side by side, and
-# LONG_TAIL_PATHS="paged_128 paged_128_layers" NANO_PATHS="ours ours_compile_layers" the layer-wise compile
-# (engine.compiling: one trace for every layer) against the whole model's, first call and step;
+# LONG_TAIL_PATHS="paged_128 paged_128_compile_model" NANO_PATHS="ours ours_compile_model" the whole model's
+# compile against the layer-wise default (engine.compiling: one trace for every layer), first call and step;
 # TRACE_ARGS adds options to trace_step.py (--no-fuse-projections).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then

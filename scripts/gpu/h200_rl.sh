@@ -28,8 +28,8 @@ else
   LOGITS="--preset qwen2.5-3b --steps 32"; GRPO="--preset qwen2.5-3b --max-new-tokens 512"
   GPQA="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256 --prefill-graphs"
   PEER="--preset qwen2.5-3b --dtype bfloat16 --repetitions 3 --max-new-tokens 256"
-  # ours_compile_layers: each decoder layer compiled (CUDA only), its step and first-call cost beside the whole model's
-  VARIANTS="ours ours_compile_layers ours_no_compile ours_masked"
+  # ours_compile_model: the whole model compiled as one graph (CUDA only), its step and first-call cost beside the layers'
+  VARIANTS="ours ours_compile_model ours_no_compile ours_masked"
   TL="--preset qwen2.5-0.5b --num-prompts 64 --num-samples 8 --max-new-tokens 256 --iterations 4 --train-rows 64"
   # 3B: smaller micro-batches (the trainer's fp32 log-softmax over a 152k vocabulary is 0.6 GB per 1k tokens)
   TL3B="--preset qwen2.5-3b --num-prompts 64 --num-samples 8 --max-new-tokens 256 --iterations 3 --train-rows 16"
