@@ -15,7 +15,9 @@ from rollout_lab.engine.sampling import (
     _mix64,
     _mix64_int,
     _signed,
+    ARGMAX_CHUNK,
     filter_logits,
+    row_argmax,
     sample_key,
     sample_tokens,
     uniforms,
@@ -53,6 +55,23 @@ def test_hash_matches_the_integer_reference_and_is_row_local():
     perm = torch.randperm(len(keys), generator=torch.Generator().manual_seed(0))
     assert torch.equal(uniforms(keys[perm], steps[perm], 1000), u[perm])  # no batch dependence
     assert len(set(keys.tolist())) == len(keys)
+
+
+@pytest.mark.parametrize("vocab", [1, ARGMAX_CHUNK - 1, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK + 17])
+def test_row_argmax_is_argmax_with_its_first_index_on_ties(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = torch.randint(-3, 4, (9, vocab), generator=gen).to(dtype)  # many ties, across chunks too
+        scores[1] = float("-inf")
+        scores[1, -1] = 0.0  # the only finite value, in the padded chunk
+        scores[2] = 7.0  # every id ties: the first wins
+        scores[3, :] = float("-inf")
+        scores[3, vocab // 2] = float("inf")
+        scores[4] = torch.randn(vocab, generator=gen).to(dtype)
+        got = row_argmax(scores)
+        assert got.dtype == torch.long and torch.equal(got, scores.argmax(dim=-1)), dtype
+        assert got[2].item() == 0 and got[1].item() == vocab - 1
+    assert row_argmax(torch.zeros(0, vocab)).shape == (0,)
 
 
 def test_sampler_distribution_over_seeds():

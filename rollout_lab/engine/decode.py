@@ -14,7 +14,7 @@ import torch
 from rollout_lab.engine.attention import rollout_attention
 from rollout_lab.engine.cache import AlignedKVCache
 from rollout_lab.engine.paged_cache import PagedKVCache
-from rollout_lab.engine.sampling import RowSampling, draw, filter_logits
+from rollout_lab.engine.sampling import RowSampling, draw, filter_logits, row_argmax
 
 # "raw" and "processed" are computed in the decode step (STEP_LOGPROB_MODES); "trainer" and
 # "trainer_fp32" by one teacher-forced forward after it (engine.trainer.rollout_logprobs; the LM head
@@ -198,7 +198,7 @@ def select_tokens(
     ``logprobs_mode`` or None), the processed scores computed once for both."""
     scores = processed_scores(logits, seen, repetition_penalty, sampling, steps=steps,
                               min_new_tokens=min_new_tokens, stop_mask=stop_mask)
-    tokens = scores.argmax(dim=-1) if sampling is None else draw(scores, sample_keys, steps, sampling.greedy)
+    tokens = row_argmax(scores) if sampling is None else draw(scores, sample_keys, steps, sampling.greedy)
     if logprobs_mode is None:
         return tokens, None
     return tokens, logprobs_of(scores if logprobs_mode == "processed" else logits, tokens)

@@ -233,10 +233,30 @@ def with_noise(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, gr
     return scores + noise
 
 
+# row_argmax's first stage reduces the vocabulary in pieces of this many ids
+ARGMAX_CHUNK = 1024
+
+
+def row_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """[rows] the first index of each row's largest value, as ``scores.argmax(dim=-1)`` gives it, in
+    two stages: each ``ARGMAX_CHUNK`` ids' max and its first index, then the first chunk holding the
+    row's max. Compiled, inductor does not split an argmax over a vocabulary (it does a sum's): one
+    program a row reduced 152k ids alone and, with the Gumbel noise's hashing and logs fused in, the
+    sampled step's argmax took 392 us of a 2.3 ms step at 128 rows (Qwen2.5-0.5B, H100). In
+    chunks the rows times the chunks fill the GPU. Padding is -inf, never a row's first max."""
+    rows, vocab = scores.shape
+    pad = -vocab % ARGMAX_CHUNK
+    if pad:
+        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+    best, where = scores.view(rows, (vocab + pad) // ARGMAX_CHUNK, ARGMAX_CHUNK).max(dim=-1)  # [rows, chunks]: first max in each
+    chunk = best.argmax(dim=-1, keepdim=True)  # [rows, 1]: the first chunk holding the row's max
+    return (chunk * ARGMAX_CHUNK + where.gather(1, chunk)).squeeze(1)
+
+
 def draw(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """[rows] ids drawn from softmax(``scores``), already filtered (Gumbel-max with the rows' keys);
     the argmax for ``greedy`` rows."""
-    return with_noise(scores, keys, steps, greedy).argmax(dim=-1)
+    return row_argmax(with_noise(scores, keys, steps, greedy))
 
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
