@@ -11,8 +11,10 @@ The captured decode step and the prefill graphs replay compiled code (``RolloutC
   the model's cache, so the attention's ``cache.update(..., self.layer_idx)`` no longer indexes a
   list by the layer's index, which made dynamo specialise on it and trace every layer again (36
   traces for Qwen2.5-3B, inductor's cache serving 35 of the compiles). Fusions stop at layer
-  boundaries (a residual add and the next norm), so the step may cost a little more: measure
-  before choosing it on a GPU.
+  boundaries (a residual add and the next norm), so the step costs a little more: on an H100,
+  Qwen2.5-3B's step 0.7-1.9% against the whole model's, for a first call of 7.8 s against 164 s.
+  ``RolloutConfig(compile="auto")`` picks it wherever the model has a decoder-layer list
+  (``steppers.resolve_compile``).
 
 Both modes trace without duck shapes (``torch.fx.experimental._config.use_duck_shape``): by
 default dynamo gives two sizes that are equal at the first trace one symbol, so a step first traced
@@ -61,7 +63,7 @@ def decoder_layers(model: torch.nn.Module) -> str:
             best, best_len = name, len(module)
     if best is None:
         raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile one by one; "
-                         "use compile='auto' (the whole model) or False")
+                         "use compile=True (the whole model) or False")
     return best
 
 
