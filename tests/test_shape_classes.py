@@ -201,11 +201,13 @@ def test_auto_prefill_is_classes_and_graphs_on_cuda_only(tmp_path):
     assert Rollout(get_tiny("qwen2"), RolloutConfig(prefill_classes=fixed)).prefill_classes([5], 4) is fixed
     rollout.device = cuda  # what a CUDA rollout would plan at (no GPU needed to ask)
     assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64)
-    # captured and compiled (CUDA's default): no 1-row class, which would compile again
+    # captured with the whole model compiled: no 1-row class, which would compile the model again
     rollout.prefill_graphs, rollout.compiled = True, True
     assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64, smallest_rows=2)
-    rollout.compiled = False
-    assert rollout.prefill_classes([5, 300], 64).rows[0] == 1
+    # layer by layer (CUDA's default) a 1-row class costs one layer's trace: one prompt runs alone
+    for compiled in ("layers", False):
+        rollout.compiled = compiled
+        assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64), compiled
 
 
 def test_smallest_rows_two_drops_the_one_row_rung_and_runs_one_prompt_as_two_rows():

@@ -282,15 +282,19 @@ class Rollout:
     def prefill_classes(self, lengths: Sequence[int], num_slots: int) -> ShapeClasses | None:
         """The shape classes a call over prompts of ``lengths`` on ``num_slots`` slots prefills at:
         the config's, or for "auto" on CUDA the ladder covering the call (``ShapeClasses.covering``),
-        without its 1-row rung where the prefill graphs are compiled (one compile serves every other
-        class; a 1-row one would compile again)."""
+        without its 1-row rung where the prefill graphs compile the whole model (one compile serves
+        every other class; a 1-row one would compile the model again). Layer by layer that second
+        compile is one layer's trace (~1 s for Qwen2.5-3B, H100), so a lone long prompt is not padded
+        to two rows: on the H100 the long_tail workload's 1x512 prompt prefilled as 2x512 made
+        ``RolloutConfig()`` 1.07x the tuned setting, which ran it as 1x512
+        (data/results/defaults_qwen2.5-3b_bfloat16_cuda_h100_layers_warm.json)."""
         classes = self.config.prefill_classes
         if isinstance(classes, ShapeClasses) or classes is None:
             return classes
         if self.device.type != "cuda" or not lengths:
             return None
         return ShapeClasses.covering(max(lengths), max(1, num_slots),
-                                     smallest_rows=2 if self.prefill_graphs and self.compiled else 1)
+                                     smallest_rows=2 if self.prefill_graphs and self.compiled is True else 1)
 
     def __enter__(self) -> "Rollout":
         return self
