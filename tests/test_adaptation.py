@@ -205,8 +205,10 @@ def test_online_recalibration_converges_on_this_machine():
     routes = [rollout.generate(prompts[i % 2], max_new_tokens=17).route for i in range(6)]
     errors = rollout.prediction_errors
     assert len(errors) == 6 and {"predicted_prefill_ms", "measured_prefill_ms", "prefill_rel_error"} <= set(errors[0])
-    assert abs(errors[0]["prefill_rel_error"]) > 2  # defaults: 25 ms fixed cost per forward
-    assert all(abs(e["prefill_rel_error"]) < 1.5 for e in errors[3:])  # loose: a shared CPU is noisy
+    first = abs(errors[0]["prefill_rel_error"])
+    assert first > 1  # defaults: 25 ms fixed cost per forward, a few ms here (more on a loaded CPU)
+    # converged: well under the defaults' error (loose: a shared CPU is noisy)
+    assert all(abs(e["prefill_rel_error"]) < min(1.5, 0.75 * first) for e in errors[3:]), (first, errors[3:])
     assert config.costs == "auto" and rollout.costs != CostCoefficients()
     assert any(e["explored"] for e in errors[:2]) and not any(e["explored"] for e in errors[2:])
     assert set(routes) <= {"nocb", "bucketed"} and dataclasses.is_dataclass(rollout.costs)
