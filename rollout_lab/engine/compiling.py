@@ -142,11 +142,25 @@ def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
     seeded Gumbel noise and the argmax fused over the logits, instead of one kernel per op over
     ``[rows, vocab]`` int64 and float64 temporaries. For the CUDA-graph step only: Triton's int64
     arithmetic wraps as eager's does, so the draws equal eager's (``tests/test_compiling.py``);
-    inductor's CPU C++ code does not (signed overflow is undefined there)."""
+    inductor's CPU C++ code does not (signed overflow is undefined there).
+
+    The sampler's per-token salts (``sampling.token_salts``, made outside any trace) come in as an
+    argument. Looked up inside the trace they broke the graph, and the break split the noise into
+    one graph per function it passed through (uniforms, noise, noise added, argmax): four
+    ``[rows, vocab]`` passes, each written to memory, 52-69 us apiece at 128 rows of Qwen2.5-0.5B
+    on an H100 (``data/diagnostics/trace_long_tail_h100_037603b.txt``). One graph fuses them into
+    the argmax's first stage."""
     from rollout_lab.engine.decode import select_tokens  # decode imports the caches; this module stays below them
+    from rollout_lab.engine.sampling import token_salts
 
     fx_config.use_duck_shape = False
-    return torch.compile(select_tokens, dynamic=True, backend=backend)
+    compiled = torch.compile(select_tokens, dynamic=True, backend=backend)
+
+    def select(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        salts = token_salts(logits.shape[-1], logits.device) if kwargs.get("sampling") is not None else None
+        return compiled(logits, *args, salts=salts, **kwargs)
+
+    return select
 
 
 @contextmanager

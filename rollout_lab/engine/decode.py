@@ -191,14 +191,16 @@ def select_tokens(
     sampling: RowSampling | None = None, sample_keys: torch.Tensor | None = None,
     steps: torch.Tensor | None = None, logprobs_mode: str | None = None,
     min_new_tokens: torch.Tensor | None = None, stop_mask: torch.Tensor | None = None,
+    salts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Greedy (``sampling`` None) or seeded sampling from ``processed_scores`` (its greedy rows:
     the argmax); ``logits`` [rows, vocab], ``sample_keys``, ``steps`` and ``min_new_tokens``
     [rows] int64, ``stop_mask`` [vocab] bool. Returns ([rows] ids, their log-probabilities in
-    ``logprobs_mode`` or None), the processed scores computed once for both."""
+    ``logprobs_mode`` or None), the processed scores computed once for both. ``salts``: the
+    sampler's ``token_salts``, which ``compile_select`` passes in (``sampling.uniforms``)."""
     scores = processed_scores(logits, seen, repetition_penalty, sampling, steps=steps,
                               min_new_tokens=min_new_tokens, stop_mask=stop_mask)
-    tokens = row_argmax(scores) if sampling is None else draw(scores, sample_keys, steps, sampling.greedy)
+    tokens = row_argmax(scores) if sampling is None else draw(scores, sample_keys, steps, sampling.greedy, salts)
     if logprobs_mode is None:
         return tokens, None
     return tokens, logprobs_of(scores if logprobs_mode == "processed" else logits, tokens)

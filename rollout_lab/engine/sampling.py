@@ -84,17 +84,21 @@ def token_salts(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _SALTS[key]
 
 
-def uniforms(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] float64 in (0, 1): the uniforms of each row's (key, step), per token id."""
+def uniforms(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int, salts: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """[rows, vocab] float64 in (0, 1): the uniforms of each row's (key, step), per token id.
+    ``salts``: ``token_salts(vocab_size, device)``, given by a compiled caller (``compile_select``)
+    so that nothing in its trace breaks the graph."""
     base = _mix64(keys + _mix64(steps))  # [rows]
-    salts = token_salts(vocab_size, keys.device)  # [vocab]
+    salts = token_salts(vocab_size, keys.device) if salts is None else salts  # [vocab]
     bits = _shr(_mix64(base[:, None] + salts[None, :]), 11)  # [rows, vocab], 53 bits
     return (bits.to(torch.float64) + 0.5) * (1.0 / 2**53)
 
 
-def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] float32 standard Gumbel noise, -log(-log(u))."""
-    u = uniforms(keys, steps, vocab_size)
+def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int, salts: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """[rows, vocab] float32 standard Gumbel noise, -log(-log(u)) (``salts`` as ``uniforms``)."""
+    u = uniforms(keys, steps, vocab_size, salts)
     return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
@@ -226,10 +230,11 @@ def filter_logits(scores: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
     return torch.where(greedy, scores, filtered)
 
 
-def with_noise(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def with_noise(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, greedy: torch.Tensor,
+               salts: torch.Tensor | None = None) -> torch.Tensor:
     """``scores`` plus each sampled row's Gumbel noise (a ``greedy`` row's unchanged): each row's
-    argmax is its token."""
-    noise = gumbel_noise(keys, steps, scores.shape[-1]).masked_fill(greedy[:, None], 0.0)
+    argmax is its token (``salts`` as ``uniforms``)."""
+    noise = gumbel_noise(keys, steps, scores.shape[-1], salts).masked_fill(greedy[:, None], 0.0)
     return scores + noise
 
 
@@ -253,10 +258,11 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
     return (chunk * ARGMAX_CHUNK + where.gather(1, chunk)).squeeze(1)
 
 
-def draw(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+def draw(scores: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, greedy: torch.Tensor,
+         salts: torch.Tensor | None = None) -> torch.Tensor:
     """[rows] ids drawn from softmax(``scores``), already filtered (Gumbel-max with the rows' keys);
-    the argmax for ``greedy`` rows."""
-    return row_argmax(with_noise(scores, keys, steps, greedy))
+    the argmax for ``greedy`` rows (``salts`` as ``uniforms``)."""
+    return row_argmax(with_noise(scores, keys, steps, greedy, salts))
 
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
