@@ -281,7 +281,10 @@ def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
         assert rollout._prefill_graphs is not graphs
     assert graph.profile.prefill_backend == "graph" and graphs.compiled == compile
     assert graph.sequences == eager.sequences == expected
-    capped = Rollout(model, RolloutConfig(prefill_graphs=True, max_prefill_graphs=1, **common))
+    capped = Rollout(model, RolloutConfig(prefill_graphs=True, max_prefill_graphs=1, compile=compile, **common))
     assert capped.generate(prompts, max_new_tokens=budgets).sequences == expected
     assert capped._prefill_graphs.num_captures == 1 and capped._prefill_graphs.num_eager > 0
+    # past the cap the compiled layers run (their symbolic sizes serve any class), the model otherwise
+    expected_eager = capped._prefill_graphs.forward if compile == "layers" else model
+    assert capped._prefill_graphs.eager is expected_eager
     capped.close()
