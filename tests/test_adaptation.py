@@ -252,5 +252,51 @@ def test_online_recalibration_fixes_the_defaults_route(scripted_clock):
     assert abs(errors[-1]["rel_error"]) < 0.05 < abs(errors[0]["rel_error"])
 
 
+def test_a_settled_calibrator_checks_one_call_in_check_every():
+    calib = OnlineCalibrator(GEO, CostCoefficients(), settled_after=2, check_every=4)
+    record = [{"kind": "decode", "rows": 1, "steps": 10, "ms": 10.0 * CostCoefficients().continuous_decode_cost_ms}]
+    off = [dict(record[0], ms=record[0]["ms"] * 2)]  # predicted at half its time: -50%
+
+    def due_pattern(calls: int) -> list[bool]:
+        pattern = []
+        for _ in range(calls):
+            pattern.append(calib.due())
+            calib.observe(record, CostCoefficients(), route="bucketed", explored=False, total_ms=1.0) \
+                if pattern[-1] else calib.skip()
+        return pattern
+
+    assert calib.due() and not calib.settled  # nothing observed yet
+    calib.observe(record, CostCoefficients(), route="bucketed", explored=False, total_ms=1.0)
+    assert not calib.settled  # one exact call of the two it needs
+    assert due_pattern(9) == [True, False, False, False, True, False, False, False, True]
+    calib.skip()
+    calib.observe(off, CostCoefficients(), route="bucketed", explored=False, total_ms=1.0)  # a missed check
+    assert not calib.settled and due_pattern(3) == [True, True, False]  # every call until 2 fit again
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="check_every must be an int >= 1"):
+            OnlineCalibrator(GEO, CostCoefficients(), check_every=bad)
+
+
+def test_rollout_times_only_the_calls_its_calibrator_is_due_for(scripted_clock):
+    """costs="auto" on CUDA learns from its calls, untimed once settled (a timed call synchronises at
+    every phase); online_recalibration=True times every call. The scripted clock makes the refit
+    exact, so after the first call the predictions fit."""
+    model = get_tiny("qwen2")
+    prompts = lengths_to_prompts([8] * 6, vocab_size=TINY_VOCAB_SIZE, seed=2, special_ids=[0])
+    rollout = Rollout(model, RolloutConfig(mode="bucketed"))
+    assert rollout.online is None  # off CUDA the default learns nothing
+    # what costs="auto" builds on CUDA from an earlier process's refit: settled after one fitting call
+    rollout.online = OnlineCalibrator(rollout.geometry, TRUTH, settled_after=1, check_every=4)
+    rollout.costs = TRUTH
+    results = [rollout.generate(prompts, max_new_tokens=5) for _ in range(10)]
+    assert len(rollout.prediction_errors) == 3  # calls 0, 4 and 8
+    assert [r.profile is not None and r.profile.forwards is not None for r in results] == [False] * 10
+    assert all(abs(e["rel_error"]) < 0.05 for e in rollout.prediction_errors)
+    explicit = Rollout(model, RolloutConfig(mode="bucketed", online_recalibration=True))
+    for _ in range(5):
+        explicit.generate(prompts, max_new_tokens=5)
+    assert len(explicit.prediction_errors) == 5
+
+
 def test_validate_lengths_without_limit():
     assert validate_lengths([10**6], None) == [10**6]

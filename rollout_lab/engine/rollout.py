@@ -70,7 +70,7 @@ from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import as_int, budgets_of, check_context, is_int
 from rollout_lab.planner.cost import CHECKED_GRID_FIELDS, CostCoefficients, CostFile, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
-from rollout_lab.planner.fit import OnlineCalibrator
+from rollout_lab.planner.fit import SETTLED_CALLS, OnlineCalibrator
 from rollout_lab.planner.occupancy import blocks_for, simulate_refill
 from rollout_lab.planner.routes import choose_shared_route, group_sizes, prompt_groups
 from rollout_lab.planner.shape_classes import ShapeClasses
@@ -210,6 +210,7 @@ class Rollout:
             if isinstance(costs, str) and self.device.type == "cuda" else None
         self.costs_source = "the user's coefficients" if isinstance(costs, CostCoefficients) else \
             f"cost file {str(costs.path)!r}" if isinstance(costs, CostFile) else "the reference's coefficients"
+        refitted = False  # whether the costs are an earlier process's online refit (costs="auto")
         if isinstance(costs, CostCoefficients):
             self.costs: CostCoefficients = costs
         elif isinstance(costs, CostFile):
@@ -222,6 +223,7 @@ class Rollout:
             found = cached_cost_file(self._cache_metadata) if self._cache_metadata is not None else None
             self.costs = found.coeffs if found is not None else CostCoefficients()
             if found is not None:
+                refitted = True
                 self.costs_source = f"cached cost file {str(found.path)!r}"
             elif self._cache_metadata is not None and self.decode_mode == "graph":
                 self.costs = captured_decode_prior()
@@ -236,8 +238,10 @@ class Rollout:
             if self._compiled_metadata is not None else 0
         self.length_prior = ResponseLengthPrior(self.config.response_length_prior, self.config.prior_ewma)
         learn = self.config.online_recalibration or self._cache_metadata is not None
-        self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window) \
-            if learn else None
+        # costs from an earlier refit need one call predicted within SETTLED_ERROR to be trusted, the
+        # defaults SETTLED_CALLS of them; then only one call in CHECK_EVERY is timed (planner.fit)
+        self.online = OnlineCalibrator(self.geometry, self.costs, window=self.config.online_window,
+                                       settled_after=1 if refitted else SETTLED_CALLS) if learn else None
         self._explored = False
         self._layout_memo: tuple[tuple, tuple[int, int, int]] | None = None  # _paged_layout's last (args, answer)
 
@@ -478,8 +482,13 @@ class Rollout:
         if self._graph_weights is not None and not rebind_weights(self.model, self._graph_weights):
             self._graph_weights = None  # the model's tensors changed layout: its graphs are captured again
         stats = Profile()
-        timer = Timer(stats, self.device, enabled=profiling or self.online is not None)
-        if profiling or self.online is not None:
+        # timed (the device synchronised at every phase) when profiled or when the costs learn from
+        # it: every call with online_recalibration=True, else while the calibrator is due (planner.fit)
+        observing = self.online is not None and (cfg.online_recalibration or self.online.due())
+        if self.online is not None and not observing:
+            self.online.skip()
+        timer = Timer(stats, self.device, enabled=profiling or observing)
+        if profiling or observing:
             stats.forwards = []
         lengths = [len(p) for p in prompts]
         # rows, request-major: row = request * num_samples + sample

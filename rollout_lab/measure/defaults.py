@@ -177,6 +177,8 @@ def run_defaults(
             for which in ENGINES:
                 engines[which]["stepper"] = rollouts[which].stepper_info
                 engines[which]["prefill_graph_info"] = rollouts[which].prefill_graph_info  # a new class's cost
+                # the calls its costs learned from (timed: planner.fit's due), each one's prediction error
+                engines[which]["prediction_rel_errors"] = [e["rel_error"] for e in rollouts[which].prediction_errors]
             save(record)
             progress(defaults_line(name, results[name]))
     finally:

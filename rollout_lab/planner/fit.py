@@ -27,6 +27,14 @@ their shapes; decode bursts with their rows and steps) goes into a ring buffer o
   of each route (absolute costs, as a calibration that measures both gives). While one route is
   unmeasured, its cost keeps the starting coefficients' difference to the measured one.
 
+Timing a call costs it: every phase synchronises the device, so the host no longer runs ahead of
+the GPU (on an H100, ``RolloutConfig()``'s long_tail call took 92.0 ms, timed, where the tuned
+setting's untimed call at the same shapes took 89.3 ms). ``due()`` says whether the next call is worth timing: every call until the
+last ``settled_after`` observed calls were predicted within ``SETTLED_ERROR`` (1 call when the
+coefficients come from an earlier refit, ``SETTLED_CALLS`` otherwise), then one call in
+``check_every``; a check that misses unsettles it. ``Rollout`` skips the calls it is not due for
+under the implicit ``costs="auto"``; ``online_recalibration=True`` times every call.
+
 Before a route's decode cost is measured its estimate is a guess, so ``Rollout`` (mode auto)
 explores: while nocb is eligible and either route has no decode observation, it runs that route
 once (``explored`` in ``prediction_errors``). Coefficients are never changed in place:
@@ -102,6 +110,9 @@ def _lawson_hanson(a: np.ndarray, b: np.ndarray, *, max_iter: int | None) -> np.
 PREFILL_KINDS = ("prefill", "chunk", "nocb_prefill")
 DECODE_KINDS = {"bucketed": "decode", "nocb": "nocb_decode"}
 MIN_PREFILL_OBSERVATIONS = 3
+SETTLED_ERROR = 0.25  # |predicted / measured - 1| of a call's prefill + decode under which it counts as settled
+SETTLED_CALLS = 3  # observed calls in a row within it before the calibrator only checks (module docstring)
+CHECK_EVERY = 8  # a settled calibrator observes one call in this many
 
 
 def check_window(window: object) -> None:
@@ -153,12 +164,32 @@ def _rel(predicted: float, measured: float) -> float:
 class OnlineCalibrator:
     """The ring buffer of observations, the refit, and the per-call prediction errors."""
 
-    def __init__(self, geometry: ModelGeometry, start: CostCoefficients, *, window: int = 256):
+    def __init__(self, geometry: ModelGeometry, start: CostCoefficients, *, window: int = 256,
+                 settled_after: int = SETTLED_CALLS, check_every: int = CHECK_EVERY):
         check_window(window)
+        for name, value in (("settled_after", settled_after), ("check_every", check_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.geometry, self.start, self.window = geometry, start, window
+        self.settled_after, self.check_every = settled_after, check_every
         self.observations: deque[dict[str, Any]] = deque(maxlen=window)
         self.errors: deque[dict[str, Any]] = deque(maxlen=window)
-        self.num_calls = 0
+        self.num_calls = 0  # observed calls
+        self.num_skipped = 0  # calls not observed since the last observed one
+
+    @property
+    def settled(self) -> bool:
+        """Whether the last ``settled_after`` observed calls were all predicted within ``SETTLED_ERROR``."""
+        recent = list(self.errors)[-self.settled_after:]
+        return len(recent) == self.settled_after and all(abs(e["rel_error"]) <= SETTLED_ERROR for e in recent)
+
+    def due(self) -> bool:
+        """Whether the next call should be timed and observed (module docstring)."""
+        return not self.settled or self.num_skipped >= self.check_every - 1
+
+    def skip(self) -> None:
+        """Note a call that was not observed."""
+        self.num_skipped += 1
 
     def has_decode(self, route: str) -> bool:
         kind = DECODE_KINDS["nocb" if route == "nocb" else "bucketed"]
@@ -182,6 +213,7 @@ class OnlineCalibrator:
         self.errors.append(error)
         self.observations.extend(dict(r) for r in records if r["ms"] >= 0)
         self.num_calls += 1
+        self.num_skipped = 0
         return error
 
     def refit(self, coeffs: CostCoefficients) -> CostCoefficients:
