@@ -277,6 +277,32 @@ def test_a_settled_calibrator_checks_one_call_in_check_every():
             OnlineCalibrator(GEO, CostCoefficients(), check_every=bad)
 
 
+def test_a_window_of_one_shape_scales_the_prefill_terms_together():
+    """One shape cannot tell the fixed, token and attention costs apart: the refit scales them by one
+    factor (the observed shape predicted, the others priced in proportion); three shapes fit each."""
+    from rollout_lab.planner.fit import predicted_ms
+
+    start = CostCoefficients()
+    calib = OnlineCalibrator(GEO, start)
+    one = [{"kind": "prefill", "batch": 32, "width": 32, "ms": 5.0}] * 3
+    calib.observe(one, start, route="bucketed", explored=False, total_ms=15.0)
+    refit = calib.refit(start)
+    assert sum(predicted_ms(one[:1], GEO, refit)) == pytest.approx(5.0)
+    scale = refit.prefill_fixed_cost_ms / start.prefill_fixed_cost_ms
+    assert scale < 1 and refit.prefill_token_cost_ms == pytest.approx(start.prefill_token_cost_ms * scale)
+    assert refit.prefill_attention_cost_ms == pytest.approx(start.prefill_attention_cost_ms * scale)
+    shapes = [(32, 32), (1, 512), (8, 128)]
+    truth = dataclasses.replace(start, prefill_fixed_cost_ms=2.0, prefill_token_cost_ms=0.01,
+                                prefill_attention_cost_ms=0.5)
+    calib = OnlineCalibrator(GEO, start)
+    records = [{"kind": "prefill", "batch": b, "width": w, "ms": 0.0} for b, w in shapes]
+    records = [dict(r, ms=sum(predicted_ms([r], GEO, truth))) for r in records]
+    calib.observe(records, start, route="bucketed", explored=False, total_ms=1.0)
+    fitted = calib.refit(start)
+    assert fitted.prefill_fixed_cost_ms == pytest.approx(2.0, rel=1e-6)
+    assert fitted.prefill_token_cost_ms == pytest.approx(0.01, rel=1e-6)
+
+
 def test_rollout_times_only_the_calls_its_calibrator_is_due_for(scripted_clock):
     """costs="auto" on CUDA learns from its calls, untimed once settled (a timed call synchronises at
     every phase); online_recalibration=True times every call. The scripted clock makes the refit
