@@ -34,11 +34,12 @@ their shapes; decode bursts with their rows and steps) goes into a ring buffer o
 
 Timing a call costs it: every phase synchronises the device, so the host no longer runs ahead of
 the GPU (on an H100, ``RolloutConfig()``'s long_tail call took 92.0 ms, timed, where the tuned
-setting's untimed call at the same shapes took 89.3 ms). ``due()`` says whether the next call is worth timing: every call until the
-last ``settled_after`` observed calls were predicted within ``SETTLED_ERROR`` (1 call when the
-coefficients come from an earlier refit, ``SETTLED_CALLS`` otherwise), then one call in
-``check_every``; a check that misses unsettles it. ``Rollout`` skips the calls it is not due for
-under the implicit ``costs="auto"``; ``online_recalibration=True`` times every call.
+setting's untimed call at the same shapes took 89.3 ms). ``due()`` says whether the next call is
+worth timing: every call until the last ``settled_after`` observed calls were predicted within
+``SETTLED_ERROR`` (1 call when the coefficients come from an earlier refit, ``SETTLED_CALLS``
+otherwise), then one call in ``check_every``; a check that misses unsettles it. ``Rollout`` skips
+the calls it is not due for under the implicit ``costs="auto"``; ``online_recalibration=True``
+times every call.
 
 Before a route's decode cost is measured its estimate is a guess, so ``Rollout`` (mode auto)
 explores: while nocb is eligible and either route has no decode observation, it runs that route
@@ -115,6 +116,7 @@ def _lawson_hanson(a: np.ndarray, b: np.ndarray, *, max_iter: int | None) -> np.
 PREFILL_KINDS = ("prefill", "chunk", "nocb_prefill")
 DECODE_KINDS = {"bucketed": "decode", "nocb": "nocb_decode"}
 MIN_PREFILL_OBSERVATIONS = 3
+# the prefill coefficients, in design_row's order of columns
 PREFILL_TERMS = ("prefill_fixed_cost_ms", "prefill_token_cost_ms", "prefill_attention_cost_ms", "prefill_kv_cost_ms")
 SETTLED_ERROR = 0.25  # |predicted / measured - 1| of a call's prefill + decode under which it counts as settled
 SETTLED_CALLS = 3  # observed calls in a row within it before the calibrator only checks (module docstring)
@@ -136,11 +138,15 @@ def design_row(record: Mapping[str, Any], geometry: ModelGeometry) -> list[float
     return [1.0, float(batch * width), gflops, mib]
 
 
+def prefill_terms(coeffs: CostCoefficients) -> np.ndarray:
+    """The prefill coefficients in ``design_row``'s order (``PREFILL_TERMS``)."""
+    return np.array([getattr(coeffs, name) for name in PREFILL_TERMS])
+
+
 def predicted_ms(records: Iterable[Mapping[str, Any]], geometry: ModelGeometry,
                  coeffs: CostCoefficients) -> tuple[float, float]:
     """(prefill ms, decode ms) that ``coeffs`` predict for these forwards (the measured shapes)."""
-    weights = np.array([coeffs.prefill_fixed_cost_ms, coeffs.prefill_token_cost_ms,
-                        coeffs.prefill_attention_cost_ms, coeffs.prefill_kv_cost_ms])
+    weights = prefill_terms(coeffs)
     prefill = decode = 0.0
     for r in records:
         if r["kind"] in PREFILL_KINDS:
@@ -240,8 +246,7 @@ class OnlineCalibrator:
             # the window's shapes cannot tell the terms apart (one shape, or shapes on a line): a fit
             # would put their cost on any one term and price other shapes anyhow, so the terms are
             # scaled together to the observed level and keep their shape (module docstring)
-            current = np.array([coeffs.prefill_fixed_cost_ms, coeffs.prefill_token_cost_ms,
-                                coeffs.prefill_attention_cost_ms, coeffs.prefill_kv_cost_ms])
+            current = prefill_terms(coeffs)
             predicted, w2 = a @ current, weights ** 2
             if not np.sum(w2 * predicted ** 2) > 0:
                 return {}
