@@ -258,8 +258,7 @@ class OnlineCalibrator:
         else:
             kv = coeffs.prefill_kv_cost_ms
             x = nnls(a[:, :3] * weights[:, None], (y - kv * a[:, 3]) * weights)
-        return {"prefill_fixed_cost_ms": float(x[0]), "prefill_token_cost_ms": float(x[1]),
-                "prefill_attention_cost_ms": float(x[2]), "prefill_kv_cost_ms": kv}
+        return dict(zip(PREFILL_TERMS, (float(x[0]), float(x[1]), float(x[2]), kv)))
 
     def _decode_fit(self, coeffs: CostCoefficients) -> dict[str, float]:
         per_step = {}
