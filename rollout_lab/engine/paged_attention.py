@@ -19,7 +19,9 @@ at; nothing in the kernel treats it specially. The kernel follows ``engine.span_
   seven of eight cases (``scripts/gpu/paged_kernel.py``, run by ``h200_paged.sh kernel``). Under
   Triton's CPU interpreter, whose bf16 products are wrong, half inputs are upcast to fp32 instead;
 - the merge kernel of ``span_attention`` combines the splits of each (row, KV head); an empty split
-  (past the row's last live block) has weight 0.
+  (past the row's last live block) has weight 0. With one split (enough rows fill the GPU: at 66
+  rows or more of Qwen3-0.6B on an H100) the partial kernel writes the output itself, the bits the
+  merge would make, and no merge runs.
 
 ``positions`` and ``block_tables`` are device tensors read inside the kernels, and the grid depends
 only on the shapes (rows, KV heads, blocks per row), so the launch can be captured in a CUDA graph
@@ -76,12 +78,13 @@ def paged_attention_reference(
 
 
 if triton is not None:
+    from rollout_lab.engine.span_attention import _store_split
 
     @triton.jit
     def _paged_partial(
-        Q, K, V, Tables, Positions, M, L, Acc,
+        Q, K, V, Tables, Positions, M, L, Acc, Out,
         stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_tb, stride_tn, stride_p, max_blocks, scale,
+        stride_tb, stride_tn, stride_p, stride_ob, stride_oh, max_blocks, scale,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         NATIVE_QK: tl.constexpr = False, NATIVE_PV: tl.constexpr = False,
@@ -128,11 +131,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             s = s * alpha + tl.sum(p, 1)
             m = m_new
-        out = (pid * SPLITS + split) * GROUP_PAD + g  # [GROUP_PAD] rows of the partial buffers
-        real = g < GROUP  # the padded group members' partials are never read: not written either
-        tl.store(M + out, m, mask=real)
-        tl.store(L + out, s, mask=real)
-        tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+        _store_split(M, L, Acc, Out, stride_ob, stride_oh, m, s, acc, pid, split, row, head,
+                     GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
 
 
 def _check(
@@ -187,11 +187,12 @@ def paged_attention(
     # wrongly, so on the CPU the kernel upcasts, and the native dots are checked on a GPU
     native = query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cuda"
     _paged_partial[(rows * kv_heads, splits)](
-        query, key_pool, value_pool, block_tables, positions, m, s, acc,
+        query, key_pool, value_pool, block_tables, positions, m, s, acc, out,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
-        block_tables.stride(0), block_tables.stride(1), positions.stride(0), max_blocks, scale,
+        block_tables.stride(0), block_tables.stride(1), positions.stride(0), out.stride(0), out.stride(2),
+        max_blocks, scale,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLITS=splits, PRECISION="ieee", NATIVE_QK=native, NATIVE_PV=native, num_warps=4, num_stages=2,
     )

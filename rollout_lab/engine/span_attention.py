@@ -84,10 +84,28 @@ def span_attention_reference(
 if triton is not None:
 
     @triton.jit
+    def _store_split(M, L, Acc, Out, stride_ob, stride_oh, m, s, acc, pid, split, row, head,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        """A split's max, sum and unnormalised output into the partial buffers; with one split, the
+        output itself (``acc / s``, the bits ``_span_merge`` would make of one split: its weight is
+        exp(0) = 1), so no merge runs."""
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        real = g < GROUP  # the padded group members' partials are never read: not written either
+        if SPLITS == 1:
+            o_ptrs = Out + row * stride_ob + (head * GROUP + g)[:, None] * stride_oh + d[None, :]
+            tl.store(o_ptrs, (acc / s[:, None]).to(Out.dtype.element_ty), mask=real[:, None])
+        else:
+            out = (pid * SPLITS + split) * GROUP_PAD + g  # [GROUP_PAD] rows of the partial buffers
+            tl.store(M + out, m, mask=real)
+            tl.store(L + out, s, mask=real)
+            tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
     def _span_partial(
-        Q, K, V, Starts, Front, M, L, Acc,
+        Q, K, V, Starts, Front, M, L, Acc, Out,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        scale,
+        stride_ob, stride_oh, scale,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -124,11 +142,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             s = s * alpha + tl.sum(p, 1)
             m = m_new
-        out = (pid * SPLITS + split) * GROUP_PAD + g  # [GROUP_PAD] rows of the partial buffers
-        real = g < GROUP  # the padded group members' partials are never read: not written either
-        tl.store(M + out, m, mask=real)
-        tl.store(L + out, s, mask=real)
-        tl.store(Acc + out[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+        _store_split(M, L, Acc, Out, stride_ob, stride_oh, m, s, acc, pid, split, row, head,
+                     GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
 
     @triton.jit
     def _span_merge(
@@ -188,7 +203,10 @@ def split_buffers(query: torch.Tensor, kv_heads: int, splits: int, group_pad: in
 def merge_splits(m: torch.Tensor, s: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, *, kv_heads: int,
                  group: int, group_pad: int, splits: int) -> torch.Tensor:
     """Combine the splits of each (row, KV head) into ``out`` (``_span_merge``); returns ``out``.
-    The span and the paged kernels write the same partials, so they share this step."""
+    The span and the paged kernels write the same partials, so they share this step. With one split
+    the partial kernel wrote ``out`` itself (``_store_split``): nothing runs."""
+    if splits == 1:
+        return out
     rows, _, _, head_dim = out.shape
     _span_merge[(rows * kv_heads,)](
         m, s, acc, out, out.stride(0), out.stride(2),
@@ -219,9 +237,9 @@ def span_attention(
     m, s, acc, out = split_buffers(query, kv_heads, splits, group_pad)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _span_partial[(rows * kv_heads, splits)](
-        query, key, value, starts, front, m, s, acc,
+        query, key, value, starts, front, m, s, acc, out,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), scale,
+        value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(2), scale,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
         SPLITS=splits, PRECISION=precision, num_warps=4,
     )

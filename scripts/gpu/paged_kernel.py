@@ -58,10 +58,10 @@ def launch(query, key, value, tables, positions, scale, *, num_warps: int, num_s
     m, s, acc, out = split_buffers(query, kv_heads, splits, group_pad)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _paged_partial[(rows * kv_heads, splits)](
-        query, key, value, tables, positions, m, s, acc,
+        query, key, value, tables, positions, m, s, acc, out,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), tables.stride(0), tables.stride(1),
-        positions.stride(0), tables.shape[1], scale,
+        positions.stride(0), out.stride(0), out.stride(2), tables.shape[1], scale,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         SPLITS=splits, PRECISION=precision, NATIVE_QK="qk" in native, NATIVE_PV="pv" in native,
         num_warps=num_warps, num_stages=num_stages,
