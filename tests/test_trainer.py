@@ -2,13 +2,22 @@
 ``logprobs_mode="trainer"``, which returns exactly those bits (tiny fp32 models, CPU)."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.trainer import (clipped_policy_loss, eval_mode, group_advantages, padded_batch, policy_gradient_loss,
-                                        rollout_logprobs, sequence_logprobs)
+                                        rollout_logprobs, sequence_logprobs, token_logprobs)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
 BUDGETS = [5, 2, 7, 3, 4]
@@ -146,3 +155,66 @@ def test_bad_arguments_are_errors_before_any_forward(change, message):
         sequence_logprobs(*args.values(), fp32_head=fp32_head)
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         padded_batch([[5], [6]], [[1]], pad_token_id=0)
+
+
+def plain_token_logprobs(logits, targets):
+    """The head's log-softmax as plain torch: fp32 copy, gather, logsumexp."""
+    x = logits.float()
+    return x.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_and_their_gradient_match_plain_torch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 50, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 50, (6,), generator=gen)
+    grad = torch.randn(6, generator=gen)
+    mine = logits.clone().requires_grad_()
+    plain = logits.clone().requires_grad_()
+    got, want = token_logprobs(mine, targets), plain_token_logprobs(plain, targets)
+    assert got.dtype == torch.float32 and torch.equal(got, want)  # the CPU form is the same ops
+    (got * grad).sum().backward()
+    (want * grad).sum().backward()
+    assert mine.grad.dtype == dtype
+    torch.testing.assert_close(mine.grad.float(), plain.grad.float(), atol=1e-6 if dtype == torch.float32 else 1e-2,
+                               rtol=0)
+    with pytest.raises(ValueError, match=r"logits \[N, vocab\] and targets \[N\], got \(6, 50\) and \(5,\)"):
+        token_logprobs(logits, targets[:5])
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from rollout_lab.engine.trainer import token_logprobs, _logprob_kernel_runs
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert _logprob_kernel_runs(torch.device(device))
+    gen = torch.Generator().manual_seed(1)
+    # a vocabulary over several strips, one not a multiple of the strip, a one-entry row, a strided view
+    for rows, vocab in ((5, 9000), (3, 4096), (2, 1), (7, 300)):
+        for dtype in (torch.float32, torch.bfloat16):
+            wide = (torch.randn(rows, vocab + 3, generator=gen) * 5).to(dtype)
+            logits = wide[:, :vocab].to(device)
+            targets = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+            x = logits.float()
+            want = x.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(x, -1)
+            got = token_logprobs(logits, targets)
+            assert got.dtype == torch.float32, got.dtype
+            assert (got - want).abs().max().item() < 1e-4, (rows, vocab, dtype, (got - want).abs().max())
+            # a row's value does not depend on the rows beside it
+            assert torch.equal(token_logprobs(logits[1:2], targets[1:2]), got[1:2])
+    print("logprob kernel ok")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="needs Triton (make test installs it) on a machine without CUDA")
+def test_the_logprob_kernel_matches_torch_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "logprob kernel ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA GPU and Triton")
+def test_cuda_logprob_kernel_matches_torch():
+    exec(KERNEL_CHECK, {})

@@ -15,11 +15,18 @@ return_logprobs=True, logprobs_mode="trainer")`` returns ``sequence_logprobs`` o
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: token_logprobs runs its torch form
+    triton = tl = None
 
 # LM-head positions per chunk: [8192, 151936] fp32 logits are 5 GB; the chunks are rows of the batch
 HEAD_CHUNK_TOKENS = 8192
@@ -86,6 +93,87 @@ def check_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
         raise ValueError("response_mask is set where attention_mask is 0: response tokens must be attended to")
 
 
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[N] fp32 ``logits[i, targets[i]] - logsumexp(logits[i])`` of ``logits`` [N, vocab] (any float
+    dtype, computed in fp32), differentiable in ``logits``.
+
+    On CUDA one Triton program per row reads the row twice (its max, then its sum of exponentials)
+    in the logits' own dtype: 4 bytes an entry for bf16, where ``.float()`` and ``torch.logsumexp``
+    move ~32 (an fp32 copy, then the max, the shifted copy, its exponential and the sum). The head
+    of a 512 x 256-token batch is 20 G entries. Elsewhere (CPU; ``TRITON_INTERPRET=1`` runs the
+    kernel there) the same in torch. Either way the result depends only on the row, not on the
+    other rows: a trainer's call and the rollout's give the same bits for the same row and dtype.
+    The backward is ``grad * (onehot(target) - softmax)``, from the saved logits and logsumexp."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"token_logprobs takes logits [N, vocab] and targets [N], got {tuple(logits.shape)} "
+                         f"and {tuple(targets.shape)}")
+    return _TokenLogprobs.apply(logits, targets)
+
+
+def _logprob_kernel_runs(device: torch.device) -> bool:
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _token_logprobs_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen - lse, lse), each [N] fp32."""
+    if not _logprob_kernel_runs(logits.device) or logits.shape[0] == 0:
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        return logits.gather(-1, targets[:, None])[:, 0].float() - lse, lse
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _row_logprob[(rows,)](logits, targets, out, lse, logits.stride(0), vocab,
+                          BLOCK=LOGPROB_BLOCK, num_warps=8)
+    return out, lse
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out, lse = _token_logprobs_forward(logits, targets)
+        ctx.save_for_backward(logits, targets, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        probs = torch.exp(logits.float() - lse[:, None])  # [N, vocab]
+        grad_logits = probs.mul_(-grad[:, None])
+        grad_logits.scatter_add_(-1, targets[:, None], grad[:, None].float())
+        return grad_logits.to(logits.dtype), None
+
+
+LOGPROB_BLOCK = 4096  # vocabulary entries a program reads per inner step
+
+if triton is not None:
+
+    @triton.jit
+    def _row_logprob(Logits, Targets, Out, Lse, stride_row, vocab, BLOCK: tl.constexpr):
+        """One row: its max, then its sum of exp(x - max), both in fp32 over BLOCK-wide strips in
+        order; out = x[target] - (max + log(sum))."""
+        row = tl.program_id(0)
+        base = Logits + row.to(tl.int64) * stride_row
+        cols = tl.arange(0, BLOCK)
+        top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        for start in range(0, vocab, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
+            top = tl.maximum(top, x)
+        peak = tl.max(top, 0)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, vocab, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
+            total += tl.exp(x - peak)
+        lse = peak + tl.log(tl.sum(total, 0))
+        target = tl.load(Targets + row)
+        chosen = tl.load(base + target).to(tl.float32)
+        tl.store(Out + row, chosen - lse)
+        tl.store(Lse + row, lse)
+
+
 def full_width(response_mask: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, width]: a response mask of the last R columns (``RolloutResult.to_tensors()``'s) padded
     on the left with False; a full-width one as it is."""
@@ -104,7 +192,7 @@ def sequence_logprobs(
     Positions are each row's own (``cumsum(attention_mask) - 1``, as HF ``generate``), so padding on
     either side gives the unpadded sequence's values up to kernel rounding. The LM head runs on the
     response columns only, in chunks of rows (``HEAD_CHUNK_TOKENS``), in the model's dtype then a
-    fp32 log-softmax (as the rollout's "raw" logprobs), or with ``fp32_head`` in fp32 throughout.
+    fp32 log-softmax (``token_logprobs``), or with ``fp32_head`` in fp32 throughout.
 
     Guarantee: two calls on the same tensors, in the same dtype, head precision and train/eval state,
     give the same bits. Another batch holding the same sequences (other rows beside them, another
@@ -132,9 +220,9 @@ def sequence_logprobs(
     pieces = []
     for start in range(0, rows, step):
         h = hidden[start: start + step]
-        logits = F.linear(h.float() if fp32_head else h, weight, bias).float()  # [chunk, span, vocab]
-        chosen = logits.gather(-1, targets[start: start + step, :, None])[..., 0]  # [chunk, span]
-        pieces.append(chosen - torch.logsumexp(logits, dim=-1))
+        logits = F.linear(h.float() if fp32_head else h, weight, bias)  # [chunk, span, vocab]
+        chunk = token_logprobs(logits.flatten(0, 1), targets[start: start + step].flatten())
+        pieces.append(chunk.view(logits.shape[:2]))  # [chunk, span]
     full = F.pad(torch.cat(pieces), (lo, width - hi))  # [rows, width]
     return torch.where(response_mask, full, out)[:, width - num_columns:]
 
