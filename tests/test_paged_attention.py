@@ -170,8 +170,33 @@ def check_kernel(cases, device):
     return splits
 
 
+def check_paged_write(device):
+    """``paged_write`` (its one-launch kernel where Triton runs) against ``index_copy_`` into copies of
+    the pools: strided [rows, kv_heads, head_dim] views as the decode step passes them, untouched
+    tokens kept; tokens of another dtype than the pools' (``index_copy_`` casts them) too."""
+    from rollout_lab.engine.paged_cache import paged_write
+    from rollout_lab.engine.span_attention import kernel_available
+
+    assert kernel_available(device)
+    gen = torch.Generator().manual_seed(3)
+    for pool_dtype, new_dtype, (kv_heads, dim) in ((torch.float32, torch.float32, (2, 16)),
+                                                   (torch.bfloat16, torch.bfloat16, (3, 32)),
+                                                   (torch.bfloat16, torch.float32, (1, 64))):
+        keys_pool = torch.randn(5, 4, kv_heads, dim, generator=gen).to(pool_dtype).to(device)
+        values_pool = torch.randn(5, 4, kv_heads, dim, generator=gen).to(pool_dtype).to(device)
+        states = torch.randn(6, kv_heads, 2, dim, generator=gen).to(new_dtype).to(device)  # [rows, heads, q, dim]
+        keys, values = states[:, :, 0], states[:, :, 1]  # strided, as key_states[:, :, 0]
+        slots = torch.tensor([7, 0, 19, 3, 12, 8], device=device)
+        want_k, want_v = keys_pool.clone(), values_pool.clone()
+        for pool, new in ((want_k, keys), (want_v, values)):
+            pool.view(-1, kv_heads, dim).index_copy_(0, slots, new.to(pool_dtype))
+        paged_write(keys_pool, values_pool, keys, values, slots)
+        assert torch.equal(keys_pool, want_k) and torch.equal(values_pool, want_v), (pool_dtype, new_dtype)
+
+
 INTERPRETED = textwrap.dedent("""
-    from test_paged_attention import check_kernel
+    from test_paged_attention import check_kernel, check_paged_write
+    check_paged_write("cpu")
     # (rows, kv_heads, groups, block_size, max_blocks, head_dim)
     cases = [(3, 2, 4, 16, 5, 32), (4, 1, 1, 32, 3, 16), (2, 2, 2, 64, 2, 16), (2, 1, 1, 16, 1, 16)]
     splits = check_kernel(cases, "cpu")
@@ -198,3 +223,4 @@ def test_cuda_kernel_equals_reference():
              (1, 1, 1, 16, 1, 16)]
     splits = check_kernel(cases, "cuda")
     assert 1 in splits and max(splits) > 1
+    check_paged_write("cuda")

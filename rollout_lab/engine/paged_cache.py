@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from rollout_lab.engine.span_attention import kernel_available, tl, triton
 from rollout_lab.planner.cost import ModelGeometry
 from rollout_lab.planner.occupancy import blocks_for
 
@@ -110,9 +111,39 @@ def paged_write(key_pool: torch.Tensor, value_pool: torch.Tensor, keys: torch.Te
     An op of its own, declared to mutate the pools: traced by ``torch.compile`` as an in-place
     ``index_copy_`` on a view of the pool, the write was functionalised into a copy of the whole pool
     per layer and step (the compiled Qwen2.5-0.5B step took 25 ms on the H200); as an opaque mutating
-    op it writes the rows' tokens only."""
+    op it writes the rows' tokens only. Where the Triton kernels run (``span_attention.kernel_available``)
+    one launch writes both pools (``_paged_write_kernel``: a program per row), where two ``index_copy_``
+    launches did (a few microseconds each, per layer and step, about the time of the copy itself)."""
+    rows = keys.shape[0]
+    width = keys.shape[1] * keys.shape[2]  # one token's kv_heads x head_dim
+    same = keys.dtype == values.dtype == key_pool.dtype == value_pool.dtype  # a copy, no rounding
+    if rows and same and kernel_available(keys.device) and key_pool.is_contiguous() and value_pool.is_contiguous() \
+            and keys.stride(2) == 1 and values.stride(2) == 1:
+        _paged_write_kernel[(rows,)](
+            key_pool, value_pool, keys, values, slot_mapping, keys.stride(0), keys.stride(1),
+            values.stride(0), values.stride(1), HEADS=keys.shape[1], HEAD_DIM=keys.shape[2],
+            BLOCK=triton.next_power_of_2(width), num_warps=4)
+        return
     for pool, new in ((key_pool, keys), (value_pool, values)):
         pool.view(-1, pool.shape[2], pool.shape[3]).index_copy_(0, slot_mapping, new.to(pool.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_write_kernel(KeyPool, ValuePool, Keys, Values, SlotMapping, stride_kr, stride_kh, stride_vr,
+                            stride_vh, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+        """Row ``r``'s key and value (``[HEADS, HEAD_DIM]``, last dimension contiguous, the pools'
+        dtype) into the flat token ``slot_mapping[r]`` of each pool."""
+        row = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        live = i < HEADS * HEAD_DIM
+        head, dim = i // HEAD_DIM, i % HEAD_DIM
+        slot = tl.load(SlotMapping + row).to(tl.int64)
+        key = tl.load(Keys + row * stride_kr + head * stride_kh + dim, mask=live)
+        value = tl.load(Values + row * stride_vr + head * stride_vh + dim, mask=live)
+        tl.store(KeyPool + slot * HEADS * HEAD_DIM + i, key, mask=live)
+        tl.store(ValuePool + slot * HEADS * HEAD_DIM + i, value, mask=live)
 
 
 class PagedLayer(StaticLayer):
