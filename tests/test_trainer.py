@@ -184,9 +184,10 @@ def test_token_logprobs_and_their_gradient_match_plain_torch(dtype):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from rollout_lab.engine.trainer import token_logprobs, _logprob_kernel_runs
+    from rollout_lab.engine.span_attention import kernel_available
+    from rollout_lab.engine.trainer import token_logprobs
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert _logprob_kernel_runs(torch.device(device))
+    assert kernel_available(device)
     gen = torch.Generator().manual_seed(1)
     # a vocabulary over several strips, one not a multiple of the strip, a one-entry row, a strided view
     for rows, vocab in ((5, 9000), (3, 4096), (2, 1), (7, 300)):

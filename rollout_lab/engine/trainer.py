@@ -15,18 +15,13 @@ return_logprobs=True, logprobs_mode="trainer")`` returns ``sequence_logprobs`` o
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: token_logprobs runs its torch form
-    triton = tl = None
+from rollout_lab.engine.span_attention import kernel_available, tl, triton
 
 # LM-head positions per chunk: [8192, 151936] fp32 logits are 5 GB; the chunks are rows of the batch
 HEAD_CHUNK_TOKENS = 8192
@@ -110,15 +105,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _TokenLogprobs.apply(logits, targets)
 
 
-def _logprob_kernel_runs(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
 def _token_logprobs_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen - lse, lse), each [N] fp32."""
-    if not _logprob_kernel_runs(logits.device) or logits.shape[0] == 0:
+    if not kernel_available(logits.device) or logits.shape[0] == 0:
         lse = torch.logsumexp(logits.float(), dim=-1)
         return logits.gather(-1, targets[:, None])[:, 0].float() - lse, lse
     if logits.stride(-1) != 1:
