@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from rollout_lab.engine.span_attention import kernel_available, tl, triton
 
-# LM-head positions per chunk: [8192, 151936] fp32 logits are 5 GB; the chunks are rows of the batch
+# LM-head positions per chunk: [8192, 151936] logits are 2.5 GB in bf16, 5 GB in fp32 (fp32_head, and the
+# backward's probabilities); the chunks are rows of the batch
 HEAD_CHUNK_TOKENS = 8192
 # config fields that make a model's logits something other than head(last hidden state)
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -95,9 +96,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     On CUDA one Triton program per row reads the row twice (its max, then its sum of exponentials)
     in the logits' own dtype: 4 bytes an entry for bf16, where ``.float()`` and ``torch.logsumexp``
     move ~32 (an fp32 copy, then the max, the shifted copy, its exponential and the sum). The head
-    of a 512 x 256-token batch is 20 G entries. Elsewhere (CPU; ``TRITON_INTERPRET=1`` runs the
-    kernel there) the same in torch. Either way the result depends only on the row, not on the
-    other rows: a trainer's call and the rollout's give the same bits for the same row and dtype.
+    of a 512 x 256-token batch is 20 G entries. The kernel's result for a row depends only on that
+    row, not on the rows beside it, so a trainer's call and the rollout's agree bit for bit on the
+    same row and dtype. Elsewhere (CPU; ``TRITON_INTERPRET=1`` runs the kernel there) the same
+    computation in torch.
     The backward is ``grad * (onehot(target) - softmax)``, from the saved logits and logsumexp."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs takes logits [N, vocab] and targets [N], got {tuple(logits.shape)} "
