@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import CharTokenizer, get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.paged_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
@@ -75,6 +75,71 @@ def test_preemption_with_eos_penalty_and_sampling(oracle):
         assert worst < 1e-4, worst
         preemptions.append(got.profile.num_preemptions)
     assert preemptions[0] > 0 and preemptions[1] == 0
+
+
+@pytest.mark.parametrize("mode", ["paged", "bucketed"])
+def test_without_stops_the_host_reads_each_burst_after_queueing_the_next(mode, oracle, monkeypatch):
+    """No EOS or stop strings: a burst's tokens are read only once the next burst is queued (the
+    host never waits on the device between bursts), with refill and preemption (paged), the penalty,
+    samples and logprobs; the tokens are the oracle's, and sampled ones with their logprobs those of
+    a call that reads every burst at once (stop strings that never match force that)."""
+    from rollout_lab.engine.batching import ContinuousBatcher
+    from rollout_lab.engine.steppers import EagerStepper
+
+    events = []  # ("step",), ("sent", burst), ("read", burst)
+    send, read, step = ContinuousBatcher._send_burst, ContinuousBatcher._read_burst, EagerStepper.step
+
+    def sending(self, tokens, logprobs):
+        kept = send(self, tokens, logprobs)
+        events.append(("sent", id(self._in_flight)))
+        return kept
+
+    def reading(self):
+        if self._in_flight is not None:
+            events.append(("read", id(self._in_flight)))
+        return read(self)
+
+    def stepping(self, num_rows, front):
+        events.append(("step",))
+        return step(self, num_rows, front)
+
+    monkeypatch.setattr(ContinuousBatcher, "_send_burst", sending)
+    monkeypatch.setattr(ContinuousBatcher, "_read_burst", reading)
+    monkeypatch.setattr(EagerStepper, "step", stepping)
+
+    def late_reads():
+        """(bursts sent, bursts read, bursts read after a later burst's steps were queued)."""
+        sent, late = {}, 0
+        for i, event in enumerate(events):
+            if event[0] == "sent":
+                sent[event[1]] = i
+            elif event[0] == "read":
+                late += any(e == ("step",) for e in events[sent.pop(event[1]) : i])
+        reads = sum(e[0] == "read" for e in events)
+        return sum(e[0] == "sent" for e in events), reads, late
+
+    model = get_tiny("qwen2")
+    prompts = make_prompts(LENGTHS, seed=3)
+    budgets = [3, 1, 7, 5, 30, 12, 25, 30, 28, 30]
+    config = TIGHT | dict(kv_cache_tokens=64) if mode == "paged" else dict(mode=mode)  # every row at once
+    expected = [oracle.one(model, p, b, None, 1.3) for p, b in zip(prompts, budgets)]
+    got = run(model, prompts, budgets, repetition_penalty=1.3, **config)
+    assert got.sequences == expected
+    assert mode != "paged" or got.profile.num_preemptions > 0
+    # every burst is read once; once the queue has drained, after the next burst's steps were queued
+    # (while rows wait, an admission turn reads it first: a resuming row needs its tokens)
+    sent, reads, late = late_reads()
+    assert sent > 5 and reads == sent and late >= 3, (sent, reads, late)
+    sample = dict(do_sample=True, temperature=0.9, top_k=40, seed=7, num_samples=2, return_logprobs=True)
+    late = run(model, prompts, budgets, repetition_penalty=1.3, generate=sample, **config)
+    events.clear()
+    # a stop string no row can make (the pieces are a, b, # and newlines) reads every token at once
+    at_once = Rollout(model, RolloutConfig(costs=SPLIT_COSTS, repetition_penalty=1.3, **config),
+                      tokenizer=CharTokenizer()).generate(prompts, max_new_tokens=budgets, stop=["zz"], **sample)
+    assert late_reads() == (0, 0, 0)
+    assert late.sequences == at_once.sequences
+    worst = max(abs(a - b) for g, w in zip(late.logprobs, at_once.logprobs) for a, b in zip(g, w))
+    assert worst < 1e-5, worst
 
 
 @pytest.mark.parametrize("interval", [4, 7])

@@ -125,10 +125,13 @@ class ContinuousBatcher:
         self.plans: list[BucketPlan] = []
         self.tails: dict[int, tuple[int, ...]] = {}  # request -> tail chunk widths (this admission)
         self._spans: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket row -> whole KV
+        self._in_flight: tuple | None = None  # a burst whose tokens are read late (``_send_burst``)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
         while self.queue or self.rows or self._pending():
+            if self.queue or self._pending():
+                self._read_burst()  # admission may read a row's tokens (a preempted row resuming)
             self._admit_queued()
             if not self.rows:
                 if not self.queue and not self._pending():
@@ -152,24 +155,77 @@ class ContinuousBatcher:
                     steps.append(self.stepper.step(num_rows, front + k))
                     if self.settings.logprobs_mode:  # read before the next step overwrites them
                         step_logprobs.append(self.stepper.logprobs(num_rows))
-                tokens = torch.stack(steps, 1).tolist()
-                logprobs = torch.stack(step_logprobs, 1).tolist() if step_logprobs else None
+                tokens = torch.stack(steps, 1)
+                logprobs = torch.stack(step_logprobs, 1) if step_logprobs else None
                 self._advance_front(burst)
+                if self._reads_late():
+                    kept = self._send_burst(tokens, logprobs)
+                else:
+                    self._read_burst()
+                    kept = self._take_burst(list(self.rows), tokens.tolist(),
+                                            None if logprobs is None else logprobs.tolist())
             self._note_peak()
-            kept = 0  # row-steps that made a row's token (not those after an EOS inside the interval)
-            for i, (row, row_tokens) in enumerate(zip(self.rows, tokens)):
-                for k, token in enumerate(row_tokens):
-                    self._append(row, token, None if logprobs is None else logprobs[i][k])
-                    kept += 1
-                    if k + 1 < burst and self._is_done(row):
-                        break  # ended inside the interval: the steps after its EOS are not its tokens
             self.profile.num_decode_forwards += burst
             self.profile.decode_row_steps += kept
             if self.queue or self._pending():
                 self.profile.queued_decode_steps += burst
                 self.profile.queued_row_steps += kept
             self._retire()
+        self._read_burst()
         return self.outputs, self.plans
+
+    # -- reading the tokens one burst late ------------------------------------------------------
+    # When no token can end a row (no EOS or stop ids, no stop strings), which rows live, retire and
+    # grow follows from the budgets alone, so the host need not wait for a burst's tokens before it
+    # queues the next: it counts them at once, copies them to pinned memory behind the burst, and
+    # reads them after the next burst is queued. The device never idles while the host retires,
+    # compacts and reserves (every host-to-device copy on that path is asynchronous:
+    # ``cache.device_tensor``). Admission reads them first (a preempted row resumes with its tokens).
+    def _reads_late(self) -> bool:
+        return self.settings.stop_strings is None and not self.settings.eos_token_ids
+
+    def _send_burst(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> int:
+        """Start the copy of a burst's tokens (and logprobs) to the host, read the burst before it,
+        and count this one's tokens on its rows; the row-steps it made."""
+        cuda = tokens.device.type == "cuda"
+        host = [t if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=True)
+                for t in (tokens, logprobs)]
+        copied = None
+        if cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self._read_burst()
+        rows = list(self.rows)
+        self._in_flight = (rows, host[0], host[1], copied)
+        burst = tokens.shape[1]
+        for row in rows:
+            row.num_generated += burst
+        return len(rows) * burst
+
+    def _read_burst(self) -> None:
+        """Append the tokens of the burst in flight (``_send_burst``) to their rows' outputs."""
+        if self._in_flight is None:
+            return
+        rows, tokens, logprobs, copied = self._in_flight
+        self._in_flight = None
+        if copied is not None:
+            copied.synchronize()
+        for i, row in enumerate(rows):
+            self.outputs[row.request].extend(tokens[i].tolist())
+            if logprobs is not None:
+                self.logprobs[row.request].extend(logprobs[i].tolist())
+
+    def _take_burst(self, rows: Sequence[_Row], tokens: list[list[int]], logprobs: list[list[float]] | None) -> int:
+        """Append a burst's tokens read at once; a row that ended inside it (EOS, read every
+        ``eos_check_interval`` steps) keeps none after its end. The row-steps that made a row's token."""
+        kept = 0
+        for i, (row, row_tokens) in enumerate(zip(rows, tokens)):
+            for k, token in enumerate(row_tokens):
+                self._append(row, token, None if logprobs is None else logprobs[i][k])
+                kept += 1
+                if k + 1 < len(row_tokens) and self._is_done(row):
+                    break  # ended inside the interval: the steps after its EOS are not its tokens
+        return kept
 
     # What the paged cache (engine.paged_batching) does its own way: admission, reserving memory for
     # the next steps, and where a step writes.
@@ -206,8 +262,11 @@ class ContinuousBatcher:
         row.num_generated += 1
 
     def _is_done(self, row: _Row) -> bool:
-        last = self.outputs[row.request][-1]
-        return last in self.settings.eos_token_ids or row.num_generated >= self.settings.budgets[row.request]
+        """Its budget is spent or (with EOS or stop ids) its last token ends it; with none, the
+        count alone decides (its tokens may still be on their way: ``_send_burst``)."""
+        if row.num_generated >= self.settings.budgets[row.request]:
+            return True
+        return bool(self.settings.eos_token_ids) and self.outputs[row.request][-1] in self.settings.eos_token_ids
 
     def _live_slots(self) -> list[int]:
         """The slots of rows still generating: not done (``_is_done``), nor stopped by a stop string,

@@ -27,6 +27,15 @@ from transformers.cache_utils import Cache, StaticLayer
 from rollout_lab.planner.cost import ModelGeometry
 
 
+def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host ``values`` as a tensor on ``device``, without waiting on it: on CUDA from pinned memory by
+    an asynchronous copy, where a pageable copy would synchronise the stream (the caching host
+    allocator keeps the pinned buffer until its copy has run). The batcher's retire, compact and
+    reserve use it, so the host queues them while the steps before still run."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.tensor(list(values), dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+
 class AlignedLayer(StaticLayer):
     """A ``StaticLayer`` over preallocated views that writes one decode token at the shared front."""
 
@@ -142,9 +151,9 @@ class AlignedKVCache:
         self.starts[num_live:].fill_(self.capacity)
 
     def _push_starts(self, slots: Sequence[int]) -> None:
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.starts.device)
-        values = torch.tensor([self.row_starts[s] for s in slots], dtype=torch.int32)
-        self.starts.index_copy_(0, index, values.to(self.starts.device))
+        index = device_tensor(slots, torch.long, self.starts.device)
+        values = device_tensor([self.row_starts[s] for s in slots], torch.int32, self.starts.device)
+        self.starts.index_copy_(0, index, values)
 
     def set_front(self, front: int) -> None:
         self.front_int = front
@@ -236,9 +245,7 @@ class AlignedKVCache:
         """Copy slots ``src`` onto slots ``dst`` (compaction); returns the KV bytes moved."""
         if not src:
             return 0
-        device = self.mask.device
-        src_t = torch.tensor(list(src), dtype=torch.long, device=device)
-        dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
+        src_t, dst_t = (device_tensor(i, torch.long, self.mask.device) for i in (src, dst))
         lo = min(self.row_starts[s] for s in src)
         for tensor in (*self.keys, *self.values):
             window = tensor[:, :, lo : self.front_int]

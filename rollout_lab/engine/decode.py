@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from rollout_lab.engine.attention import rollout_attention
-from rollout_lab.engine.cache import AlignedKVCache
+from rollout_lab.engine.cache import AlignedKVCache, device_tensor
 from rollout_lab.engine.paged_cache import PagedKVCache
 from rollout_lab.engine.sampling import RowSampling, draw, filter_logits, row_argmax
 
@@ -143,9 +143,7 @@ class DecodeState:
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if not src:
             return
-        device = self.input_ids.device
-        src_t = torch.tensor(list(src), dtype=torch.long, device=device)
-        dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
+        src_t, dst_t = (device_tensor(i, torch.long, self.input_ids.device) for i in (src, dst))
         for buf in self._buffers():
             buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
 

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from rollout_lab.engine.cache import device_tensor
 from rollout_lab.engine.span_attention import kernel_available, tl, triton
 from rollout_lab.planner.cost import ModelGeometry
 from rollout_lab.planner.occupancy import blocks_for
@@ -248,9 +249,8 @@ class PagedKVCache:
         if not entries:
             return
         device = self.block_tables.device
-        slots, index, blocks = (torch.tensor(col, dtype=torch.long) for col in zip(*entries))
-        flat = (slots * self.max_blocks_per_row + index).to(device)
-        self.block_tables.view(-1).index_copy_(0, flat, blocks.to(torch.int32).to(device))
+        flat = device_tensor([s * self.max_blocks_per_row + i for s, i, _ in entries], torch.long, device)
+        self.block_tables.view(-1).index_copy_(0, flat, device_tensor([b for _, _, b in entries], torch.int32, device))
 
     def reset(self) -> None:
         self.allocator.reset()
@@ -270,9 +270,7 @@ class PagedKVCache:
         """Slots ``dst`` take over rows ``src`` (compaction): a table copy, no KV moves; returns 0 bytes."""
         if not src:
             return 0
-        device = self.block_tables.device
-        src_t = torch.tensor(list(src), dtype=torch.long, device=device)
-        dst_t = torch.tensor(list(dst), dtype=torch.long, device=device)
+        src_t, dst_t = (device_tensor(i, torch.long, self.block_tables.device) for i in (src, dst))
         self.block_tables.index_copy_(0, dst_t, self.block_tables.index_select(0, src_t))
         self.allocator.move(src, dst)
         return 0
