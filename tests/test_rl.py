@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rollout_lab.cli import main
 from rollout_lab.measure import rl as rl_module
@@ -30,6 +31,11 @@ def test_run_rl_runs_every_request_to_its_own_budget_and_saves_after_each_path()
         "compile": False}
     assert record["config"]["model"] == "tiny-qwen2" and record["config"]["device"] == "cpu"
     assert record["config"]["paths"] == ["ours", "ours_no_compile"]
+    # each call's account: the warm-up, then every timed call (CPU: no graphs, no online costs)
+    calls = ours["calls"]
+    assert [c["ms"] for c in calls] == [ours["first_call_ms"], *ours["samples_ms"]]
+    assert all(c["prefill_captures"] == c["decode_captures"] == 0 and c["observed"] is False for c in calls)
+    assert calls[0]["prefill_widths"] and all(w >= 3 for w in calls[0]["prefill_widths"])
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -125,3 +131,31 @@ def test_hf_continuous_batching_is_sized_to_the_work_off_cuda(monkeypatch):
     out = hf_generate_batch_budgets(model, prompts, [8, 3], pad_id=0)
     assert [len(s) for s in out] == [8, 3]
     assert seen["continuous_batching_config"].num_blocks == config.num_blocks
+
+
+def test_a_calls_account_says_what_it_captured_and_whether_it_was_timed():
+    """``_account``: the prefill classes and decode graphs captured during the call (a rebuilt stepper
+    counts all of its own), whether the online costs timed it, and its prefill widths."""
+    from types import SimpleNamespace
+
+    from rollout_lab.measure.rl import _account
+
+    rollout = SimpleNamespace(prefill_graph_info={"num_captures": 2, "capture_ms": 10.0},
+                              stepper_info={"kind": "graph", "num_captures": 1, "build_ms": 5.0},
+                              prediction_errors=[{}])
+
+    def call():
+        rollout.prefill_graph_info = {"num_captures": 3, "capture_ms": 14.5}
+        rollout.stepper_info = {"kind": "graph", "num_captures": 1, "build_ms": 7.0}  # a new stepper
+        rollout.prediction_errors = [{}, {}]
+        return SimpleNamespace(plans=[SimpleNamespace(widths=(64, 128)), SimpleNamespace(widths=(64,))])
+
+    calls = []
+    _, result = _account(rollout, calls, call, torch.device("cpu"))
+    assert len(result.plans) == 2
+    (account,) = calls
+    assert account["prefill_captures"] == 1 and account["prefill_capture_ms"] == pytest.approx(4.5)
+    assert account["decode_captures"] == 1 and account["observed"] is True
+    assert account["prefill_widths"] == [64, 128] and account["compiled_frames"] == 0
+    _account(rollout, calls, lambda: SimpleNamespace(plans=[]), torch.device("cpu"))
+    assert calls[1]["prefill_captures"] == calls[1]["decode_captures"] == 0 and calls[1]["observed"] is False

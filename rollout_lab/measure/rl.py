@@ -33,6 +33,7 @@ from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import DECODE_VARIANTS, release_memory
 from rollout_lab.measure.peers import cb_sizing
+from rollout_lab.measure.trainer_loop import compile_counts, decode_captures
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 
@@ -126,13 +127,17 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
     if baseline is not None:
         torch.cuda.reset_peak_memory_stats(device)
     rollout = Rollout(model, config)
-    first_ms, _ = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
+    calls: list[dict[str, Any]] = []  # the warm-up, then each timed call: what it captured or was timed for
+    first_ms, _ = _account(rollout, calls, lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
     print(f"{variant:16s} warm-up {first_ms:10.1f} ms (compile and capture included)", file=sys.stderr)
     samples = []
     for rep in range(reps):
-        ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
+        ms, result = _account(rollout, calls, lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
         samples.append(ms)
-        print(f"{variant:16s} rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
+        extra = calls[-1]
+        print(f"{variant:16s} rep {rep + 1}  {ms:10.1f} ms ({extra['prefill_captures']} prefill captures, "
+              f"{extra['decode_captures']} decode, {extra['compiled_frames']} frames compiled, "
+              f"{'timed by the online costs' if extra['observed'] else 'untimed'})", file=sys.stderr)
     peak = peak_memory_over(device, baseline)
     if [len(s) for s in result.sequences] != list(budgets):
         raise RuntimeError(f"{variant}: a row did not run its own budget")
@@ -141,7 +146,7 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
     stepper = rollout.stepper_info
     rollout.close()
     return {
-        "samples_ms": samples, "mean_ms": statistics.fmean(samples), "first_call_ms": first_ms,
+        "samples_ms": samples, "mean_ms": statistics.fmean(samples), "first_call_ms": first_ms, "calls": calls,
         "peak_memory_bytes": peak, "route": profiled.route, "decode": rollout.decode_mode,
         "num_decode_steps": prof.num_decode_forwards, "stepper": stepper,
         "decode_ms_per_step": prof.decode_ms / max(1, prof.num_decode_forwards),
@@ -152,6 +157,26 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
                                                   "num_kv_blocks", "peak_kv_blocks", "peak_live_tokens",
                                                   "num_preemptions")},
     }
+
+
+def _account(rollout: Rollout, calls: list[dict[str, Any]], call, device: torch.device) -> tuple[float, Any]:
+    """Time ``call`` and append what it did besides decoding to ``calls``: the prefill classes it
+    captured (their ms, compile included), the decode graphs it captured (a rebuilt stepper's all),
+    torch.compile's frames, whether the online costs timed it (a timed call synchronises every phase)
+    and its prefill widths. A call slower than its neighbours says here whether a capture, a compile
+    or a new plan's first shapes cost it."""
+    prefill, stepper, compiles = rollout.prefill_graph_info, rollout.stepper_info, compile_counts()
+    observed = len(rollout.prediction_errors)
+    ms, result = timed_ms(call, device)
+    after = rollout.prefill_graph_info
+    calls.append({
+        "ms": ms, "prefill_captures": after.get("num_captures", 0) - prefill.get("num_captures", 0),
+        "prefill_capture_ms": after.get("capture_ms", 0.0) - prefill.get("capture_ms", 0.0),
+        "decode_captures": decode_captures(stepper, rollout.stepper_info)[0],
+        "compiled_frames": compile_counts()["frames"] - compiles["frames"],
+        "observed": len(rollout.prediction_errors) > observed,
+        "prefill_widths": sorted({w for plan in result.plans for w in plan.widths})})
+    return ms, result
 
 
 def hf_generate_batch_budgets(model: Any, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
