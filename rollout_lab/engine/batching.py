@@ -187,11 +187,10 @@ class ContinuousBatcher:
     def _send_burst(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> int:
         """Start the copy of a burst's tokens (and logprobs) to the host, read the burst before it,
         and count this one's tokens on its rows; the row-steps it made."""
-        cuda = tokens.device.type == "cuda"
-        host = [t if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=True)
-                for t in (tokens, logprobs)]
-        copied = None
-        if cuda:
+        host, copied = [tokens, logprobs], None  # off CUDA the stacked tensors are the host's already
+        if tokens.device.type == "cuda":
+            host = [t if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                    for t in host]
             copied = torch.cuda.Event()
             copied.record()
         self._read_burst()
