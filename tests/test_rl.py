@@ -142,12 +142,12 @@ def test_a_calls_account_says_what_it_captured_and_whether_it_was_timed():
 
     rollout = SimpleNamespace(prefill_graph_info={"num_captures": 2, "capture_ms": 10.0},
                               stepper_info={"kind": "graph", "num_captures": 1, "build_ms": 5.0},
-                              prediction_errors=[{}])
+                              online=SimpleNamespace(num_calls=1))
 
     def call():
         rollout.prefill_graph_info = {"num_captures": 3, "capture_ms": 14.5}
         rollout.stepper_info = {"kind": "graph", "num_captures": 1, "build_ms": 7.0}  # a new stepper
-        rollout.prediction_errors = [{}, {}]
+        rollout.online.num_calls = 2
         return SimpleNamespace(plans=[SimpleNamespace(widths=(64, 128)), SimpleNamespace(widths=(64,))])
 
     calls = []

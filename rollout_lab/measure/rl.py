@@ -166,7 +166,7 @@ def _account(rollout: Rollout, calls: list[dict[str, Any]], call, device: torch.
     and its prefill widths. A call slower than its neighbours says here whether a capture, a compile
     or a new plan's first shapes cost it."""
     prefill, stepper, compiles = rollout.prefill_graph_info, rollout.stepper_info, compile_counts()
-    observed = len(rollout.prediction_errors)
+    observed = _observed_calls(rollout)
     ms, result = timed_ms(call, device)
     after = rollout.prefill_graph_info
     calls.append({
@@ -174,9 +174,15 @@ def _account(rollout: Rollout, calls: list[dict[str, Any]], call, device: torch.
         "prefill_capture_ms": after.get("capture_ms", 0.0) - prefill.get("capture_ms", 0.0),
         "decode_captures": decode_captures(stepper, rollout.stepper_info)[0],
         "compiled_frames": compile_counts()["frames"] - compiles["frames"],
-        "observed": len(rollout.prediction_errors) > observed,
+        "observed": _observed_calls(rollout) > observed,
         "prefill_widths": sorted({w for plan in result.plans for w in plan.widths})})
     return ms, result
+
+
+def _observed_calls(rollout: Rollout) -> int:
+    """Calls the online costs timed so far (their calibrator's count: ``prediction_errors`` is a
+    window, which stops growing once full)."""
+    return 0 if rollout.online is None else rollout.online.num_calls
 
 
 def hf_generate_batch_budgets(model: Any, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
