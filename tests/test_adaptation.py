@@ -327,3 +327,62 @@ def test_rollout_times_only_the_calls_its_calibrator_is_due_for(scripted_clock):
 
 def test_validate_lengths_without_limit():
     assert validate_lengths([10**6], None) == [10**6]
+
+
+def test_a_forward_that_captured_or_compiled_its_shape_is_left_out_of_the_fit():
+    """A timed forward that paid for a capture or a compile (``first_use``) says nothing about what
+    its shape costs: the refit and the prediction error are those of the other forwards alone."""
+    from rollout_lab.planner.fit import predicted_ms
+
+    start = CostCoefficients()
+    truth = dataclasses.replace(start, prefill_fixed_cost_ms=2.0, prefill_token_cost_ms=0.01,
+                                prefill_attention_cost_ms=0.5, continuous_decode_cost_ms=0.8)
+    clean = [{"kind": "prefill", "batch": b, "width": w, "ms": 0.0} for b, w in [(32, 32), (1, 512), (8, 128)]]
+    clean = [dict(r, ms=sum(predicted_ms([r], GEO, truth))) for r in clean]
+    clean.append({"kind": "decode", "rows": 4, "steps": 10, "ms": 8.0})
+    captured = [{"kind": "prefill", "batch": 16, "width": 256, "ms": 4000.0, "first_use": True},
+                {"kind": "decode", "rows": 4, "steps": 10, "ms": 900.0, "first_use": True}]
+    calib, alone = OnlineCalibrator(GEO, start), OnlineCalibrator(GEO, start)
+    error = calib.observe(captured[:1] + clean + captured[1:], start, route="bucketed", explored=False, total_ms=1.0)
+    assert error == dict(alone.observe(clean, start, route="bucketed", explored=False, total_ms=1.0))
+    assert error["measured_prefill_ms"] == pytest.approx(sum(r["ms"] for r in clean[:3]))
+    assert len(calib.observations) == 4 and not any("first_use" in r for r in calib.observations)
+    fitted = calib.refit(start)
+    assert fitted == alone.refit(start)
+    assert fitted.prefill_fixed_cost_ms == pytest.approx(2.0, rel=1e-6)
+    assert fitted.continuous_decode_cost_ms == pytest.approx(0.8)
+
+
+def test_a_timed_call_marks_the_forwards_that_captured_or_compiled(monkeypatch):
+    """Through a Rollout: a prefill forward during which the one-time work changed (here a fake
+    capture that sleeps 0.3 s on a shape's first use) is marked ``first_use`` in the profile and the
+    refit does not price it: the costs it learns from the call are those of a call without it."""
+    import time
+
+    import rollout_lab.engine.batching as batching
+
+    model = get_tiny("qwen2")
+    prompts = lengths_to_prompts([8, 9, 30, 31, 60, 64], vocab_size=TINY_VOCAB_SIZE, seed=3, special_ids=[0])
+    real, seen, captures = batching.prefill_bucket, set(), [0]
+
+    def capturing(model, prompts, **kwargs):
+        shape = (len(prompts), max(map(len, prompts)))
+        if shape not in seen:
+            seen.add(shape)
+            captures[0] += 1
+            time.sleep(0.3)
+        return real(model, prompts, **kwargs)
+
+    monkeypatch.setattr(batching, "prefill_bucket", capturing)
+    rollout = Rollout(model, RolloutConfig(mode="bucketed", online_recalibration=True))
+    rollout._one_time_work = lambda: captures[0]
+    first = rollout.generate(prompts, max_new_tokens=4, profile=True)
+    prefills = [r for r in first.profile.forwards if r["kind"] == "prefill"]
+    assert len(prefills) >= 1 and all(r.get("first_use") for r in prefills)
+    assert all(r["ms"] >= 300 for r in prefills)  # what capturing cost is in the record, marked
+    assert not any(r.get("first_use") for r in first.profile.forwards if r["kind"] == "decode")
+    assert rollout.costs.prefill_fixed_cost_ms < 300  # the refit saw no prefill: the capture is not a cost
+    assert rollout.prediction_errors[0]["measured_prefill_ms"] == 0.0
+    second = rollout.generate(prompts, max_new_tokens=4, profile=True)  # the same plan: every shape seen
+    assert [r for r in second.profile.forwards if r.get("first_use")] == []
+    assert rollout.prediction_errors[1]["measured_prefill_ms"] > 0

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch._dynamo.utils import counters
 
 COMPILE_MODES = ("model", "layers")
 
@@ -176,3 +177,8 @@ def shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
     twin = copy.copy(module)
     twin._modules = dict(module._modules)
     return twin
+
+
+def compile_counts() -> dict[str, int]:
+    """torch.compile's process-wide counts so far: frames compiled and graphs made."""
+    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"])}

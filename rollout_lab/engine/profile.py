@@ -90,12 +90,19 @@ class Profile:
 
 
 class Timer:
-    """Adds wall-clock ms to ``Profile`` fields; synchronises the device only when enabled."""
+    """Adds wall-clock ms to ``Profile`` fields; synchronises the device only when enabled.
 
-    def __init__(self, profile: Profile, device: torch.device, *, enabled: bool):
+    ``one_time`` (optional) returns a snapshot of the one-time work done so far (graph captures,
+    compiled frames). A record during which it changed paid for that work too, a first use of its
+    shape, so it is marked ``first_use``: its ms are not what the shape costs (the online costs leave
+    it out, ``planner.fit``)."""
+
+    def __init__(self, profile: Profile, device: torch.device, *, enabled: bool,
+                 one_time: Callable[[], Any] | None = None):
         self.profile = profile
         self.device = torch.device(device)
         self.enabled = enabled
+        self.one_time = one_time
 
     def sync(self) -> None:
         if self.enabled and self.device.type == "cuda":
@@ -118,19 +125,22 @@ class Timer:
     @contextmanager
     def record(self, kind: str, **shape: int) -> Iterator[None]:
         """Append ``{kind, **shape, ms}`` to ``profile.forwards`` (when it is a list); the ms exclude
-        records nested inside (a bucket's tail chunks)."""
+        records nested inside (a bucket's tail chunks). ``first_use: True`` is added when the
+        one-time work changed during it (class docstring)."""
         forwards = self.profile.forwards
         if forwards is None:
             yield
             return
         self.sync()
+        before = None if self.one_time is None else self.one_time()
         first, start = len(forwards), time.perf_counter()
         try:
             yield
         finally:
             self.sync()
             elapsed = (time.perf_counter() - start) * 1e3 - sum(r["ms"] for r in forwards[first:])
-            forwards.append({"kind": kind, **shape, "ms": elapsed})
+            first_use = self.one_time is not None and self.one_time() != before
+            forwards.append({"kind": kind, **shape, "ms": elapsed} | ({"first_use": True} if first_use else {}))
 
 
 # -- timing ----------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from rollout_lab.engine.nocb import run_nocb
 from rollout_lab.engine.fusing import fused_nbytes
 from rollout_lab.engine.paged_batching import PagedBatcher
 from rollout_lab.engine.prefill import cache_kwarg_name
+from rollout_lab.engine.compiling import compile_counts
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.sampling import RowSampling, SamplingParams, sample_key
 from rollout_lab.engine.setting import model_metadata, model_name_of
@@ -317,6 +318,16 @@ class Rollout:
         eager runs; {} when none are kept."""
         return {} if self._prefill_graphs is None else self._prefill_graphs.info
 
+    def _one_time_work(self) -> tuple:
+        """A snapshot of the captures and compiles done so far: the prefill graphs' and the decode
+        stepper's (each object with its count, so a rebuilt one differs) and torch.compile's frames.
+        A timed forward during which it changed paid for them (``Timer``'s ``first_use``), and the
+        online costs leave it out: the warm-up call's captures and compiles, fitted as forward time,
+        made the next calls plan at shapes of their own, each captured again on first use."""
+        graphs, stepper = self._prefill_graphs, self._stepper
+        return (graphs, 0 if graphs is None else graphs.num_captures,
+                stepper, 0 if stepper is None else stepper.num_captures, compile_counts()["frames"])
+
     def _stepper_for(
         self, num_slots: int, capacity: int, explicit_capacity: bool,
         sampling: RowSampling | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,
@@ -487,7 +498,7 @@ class Rollout:
         observing = self.online is not None and (cfg.online_recalibration or self.online.due())
         if self.online is not None and not observing:
             self.online.skip()
-        timer = Timer(stats, self.device, enabled=profiling or observing)
+        timer = Timer(stats, self.device, enabled=profiling or observing, one_time=self._one_time_work)
         if profiling or observing:
             stats.forwards = []
         lengths = [len(p) for p in prompts]

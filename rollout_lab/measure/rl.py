@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from transformers import GenerationConfig
 
+from rollout_lab.engine.compiling import compile_counts
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.rollout import Rollout
@@ -33,7 +34,7 @@ from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import DECODE_VARIANTS, release_memory
 from rollout_lab.measure.peers import cb_sizing
-from rollout_lab.measure.trainer_loop import compile_counts, decode_captures
+from rollout_lab.measure.trainer_loop import decode_captures
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 

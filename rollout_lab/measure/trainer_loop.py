@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch._dynamo.utils import counters
 
+from rollout_lab.engine.compiling import compile_counts
 from rollout_lab.engine.config import MODES, RolloutConfig
 from rollout_lab.engine.decode import LOGPROB_MODES
 from rollout_lab.engine.profile import timed_ms
@@ -145,11 +145,6 @@ def logprob_mismatch(rollout: torch.Tensor, trainer: torch.Tensor, response_mask
     return {"mean_abs": float(diff.mean()), "p50_abs": float(np.percentile(diff, 50)),
             "p99_abs": float(np.percentile(diff, 99)), "max_abs": float(diff.max()),
             "equal_share": float((diff == 0).mean())}
-
-
-def compile_counts() -> dict[str, int]:
-    """torch.compile's process-wide counts so far: frames compiled and graphs made."""
-    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"])}
 
 
 def decode_captures(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[int, bool]:

@@ -15,7 +15,10 @@ Online recalibration: refit the cost coefficients from the forwards of every cal
 
 Each call's ``Profile.forwards`` (prefill buckets, tail chunks and HF ``generate``'s prefill with
 their shapes; decode bursts with their rows and steps) goes into a ring buffer of the last
-``window`` observations, so memory stays bounded. After the call:
+``window`` observations, so memory stays bounded. A forward marked ``first_use`` captured a graph
+or compiled code for its shape, so its ms say nothing about the shape's cost and it is left out
+(of the prediction error too): fitted as forward time, a warm-up call's captures and compiles
+would price every shape by what capturing one cost. After the call:
 
 - prefill: NNLS (``nnls`` above), rows divided by the measurement (relative error, as
   ``fit_coefficients``), over the columns of C(B, L): 1, B*L, attention GFLOPs (a chunk's
@@ -209,7 +212,9 @@ class OnlineCalibrator:
 
     def observe(self, records: Sequence[Mapping[str, Any]], coeffs: CostCoefficients, *,
                 route: str, explored: bool, total_ms: float) -> dict[str, Any]:
-        """Note one call: its prediction error under ``coeffs`` (the ones it was planned with)."""
+        """Note one call: its prediction error under ``coeffs`` (the ones it was planned with). A
+        forward marked ``first_use`` (it captured or compiled its shape) is left out of both."""
+        records = [r for r in records if r["ms"] >= 0 and not r.get("first_use")]
         pred_prefill, pred_decode = predicted_ms(records, self.geometry, coeffs)
         meas_prefill, meas_decode = measured_ms(records)
         error = {
@@ -223,7 +228,7 @@ class OnlineCalibrator:
             "total_ms": total_ms,
         }
         self.errors.append(error)
-        self.observations.extend(dict(r) for r in records if r["ms"] >= 0)
+        self.observations.extend(dict(r) for r in records)
         self.num_calls += 1
         self.num_skipped = 0
         return error
