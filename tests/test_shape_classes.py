@@ -7,7 +7,13 @@ import random
 import pytest
 
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
-from rollout_lab.planner.shape_classes import ShapeClasses, classed_cost_ms, plan_buckets_classed
+from rollout_lab.planner.shape_classes import (
+    CAPTURE_PAYBACK_CALLS,
+    ShapeClasses,
+    class_shape,
+    classed_cost_ms,
+    plan_buckets_classed,
+)
 
 GEO = ModelGeometry.qwen25_3b(2)
 
@@ -62,6 +68,92 @@ def test_classed_dp_equals_brute_force(seed):
     for bucket, width, rows in zip(plan.buckets, plan.widths, plan.rows):
         assert width == classes.width_for(max(lengths[i] for i in bucket))
         assert rows == classes.rows_for(len(bucket))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_classed_dp_with_captured_shapes_equals_brute_force(seed):
+    """With some class shapes captured and a new one priced at its first use, a bucket runs at its
+    class shape (first use included) or a larger captured shape, whichever costs less; the DP is
+    still the cheapest of every set partition."""
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 7)
+    lengths = [rng.choice([rng.randint(1, 40), rng.randint(1, 600)]) for _ in range(n)]
+    ladder = ShapeClasses(tuple(sorted(rng.sample([8, 16, 32, 64, 100, 128, 256, 512, 640], 4))),
+                          rng.choice([(), (1, 2, 4, 8), (2, 3, 5)]))
+    shapes = [(r, w) for r in (ladder.rows or (1, 2, 3, 4, 5, 6, 7)) for w in ladder.widths]
+    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.5, 5.0, 25.0]),
+                              prefill_max_tokens=rng.choice([None, 4096]))
+    classes = ladder.priced_captures(frozenset(rng.sample(shapes, rng.randint(1, min(6, len(shapes))))),
+                                     rng.choice([1.0, 40.0, 4000.0]), max_tokens=rng.choice([None, 2048]))
+    plan = plan_buckets_classed(lengths, GEO, coeffs, classes)
+    assert sorted(i for b in plan.buckets for i in b) == list(range(n))
+    assert plan.cost_ms == pytest.approx(brute_force(lengths, coeffs, classes), rel=1e-9)
+    for bucket, width, rows in zip(plan.buckets, plan.widths, plan.rows):
+        longest = max(lengths[i] for i in bucket)
+        assert (rows, width) == class_shape(len(bucket), longest, GEO, coeffs, classes)[:2]
+        assert rows >= len(bucket) and width >= longest
+        assert (rows, width) in classes.captured or (rows, width) == (ladder.rows_for(len(bucket)), ladder.width_for(longest))
+
+
+def test_a_refit_keeps_to_the_captured_shapes_unless_new_ones_pay_their_capture_back():
+    """The plan a warm-up's costs gave is captured; a refit that makes a forward nearly free of fixed
+    cost would split the prompts into many small buckets, each a new class to capture. Priced at
+    what a capture costs over CAPTURE_PAYBACK_CALLS calls, the plan keeps the captured shapes when
+    captures are dear and moves when they are cheap."""
+    rng = random.Random(7)
+    lengths = [rng.randint(100, 1024) for _ in range(256)]
+    ladder = ShapeClasses.covering(max(lengths), 256)
+    warm = plan_buckets_classed(lengths, GEO, CostCoefficients(), ladder)
+    refit = CostCoefficients(prefill_fixed_cost_ms=0.05)
+    moved = plan_buckets_classed(lengths, GEO, refit, ladder)
+    captured = frozenset(zip(warm.rows, warm.widths))
+    assert not set(zip(moved.rows, moved.widths)) <= captured  # unpriced, the refit needs new classes
+    dear = plan_buckets_classed(lengths, GEO, refit, ladder.priced_captures(captured, 3000.0, max_tokens=None))
+    assert set(zip(dear.rows, dear.widths)) <= captured
+    free = plan_buckets_classed(lengths, GEO, refit, ladder.priced_captures(captured, 0.0, max_tokens=None))
+    assert (free.rows, free.widths, free.cost_ms) == (moved.rows, moved.widths, moved.cost_ms)
+    cheap = plan_buckets_classed(lengths, GEO, refit, ladder.priced_captures(captured, 1e-3, max_tokens=None))
+    assert not set(zip(cheap.rows, cheap.widths)) <= captured
+    assert moved.cost_ms <= cheap.cost_ms <= moved.cost_ms + 1e-3 * len(moved.buckets)
+    # a class past max_capture_tokens is never captured, so its first use costs nothing more
+    priced = ladder.priced_captures(captured, 3000.0, max_tokens=4096)
+    assert priced.first_use_ms == 3000.0 / CAPTURE_PAYBACK_CALLS
+    assert priced.first_use_cost_ms(16, 512) == 0.0 and priced.first_use_cost_ms(4, 512) == priced.first_use_ms
+    assert priced.first_use_cost_ms(*next(iter(captured))) == 0.0
+    for field, bad in (("captured", {(1, 16)}), ("captured", frozenset({(0, 16)})), ("first_use_ms", -1.0),
+                       ("first_use_ms", float("inf")), ("max_capture_tokens", 0)):
+        with pytest.raises(ValueError, match=f"ShapeClasses.{field}"):
+            ShapeClasses((16,), **{field: bad})
+
+
+def test_the_rollout_prices_new_classes_by_its_graphs_captures():
+    """Rollout.prefill_classes adds the kept graphs' shapes and their capture estimate (the median of
+    the captures after the first, which compiled), and leaves the ladder unpriced before any capture
+    and once no more classes can be captured."""
+    from types import SimpleNamespace
+
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+    from rollout_lab.engine.prefill_graphs import PrefillGraphs
+
+    def graphs(captures: dict[str, float], max_graphs: int = 32):
+        shapes = {tuple(map(int, key.split("x"))): None for key in captures}
+        fake = SimpleNamespace(class_capture_ms=captures, shapes=shapes, max_graphs=max_graphs, max_tokens=8192)
+        fake.capture_estimate_ms = lambda: PrefillGraphs.capture_estimate_ms(fake)
+        return fake
+
+    assert graphs({}).capture_estimate_ms() is None
+    assert graphs({"8x256": 30000.0}).capture_estimate_ms() == 30000.0
+    assert graphs({"8x256": 30000.0, "4x512": 300.0, "2x128": 100.0, "16x64": 200.0}).capture_estimate_ms() == 200.0
+    assert graphs({"8x256": 30000.0, "4x512": 300.0}, max_graphs=2).capture_estimate_ms() is None
+    ladder = ShapeClasses((64, 256, 512), (2, 4, 8, 16))
+    rollout = Rollout(get_tiny("qwen2"), RolloutConfig(prefill_classes=ladder))
+    assert rollout.prefill_classes([10, 20], 2) == ladder  # nothing captured yet
+    rollout._prefill_graphs = graphs({"8x256": 30000.0, "4x512": 300.0})
+    priced = rollout.prefill_classes([10, 20], 2)
+    assert priced.captured == {(8, 256), (4, 512)} and priced.max_capture_tokens == 8192
+    assert priced.first_use_ms == 300.0 / CAPTURE_PAYBACK_CALLS and priced.widths == ladder.widths
 
 
 def test_classes_change_the_plan():

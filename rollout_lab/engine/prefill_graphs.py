@@ -30,6 +30,7 @@ CUDA only; CPU keeps the eager ``prefill_bucket``.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Sequence
 
@@ -117,6 +118,15 @@ class PrefillGraphs:
         self.capture_ms += ms
         rows, width = entry.ids.shape
         self.class_capture_ms[f"{rows}x{width}"] = ms
+
+    def capture_estimate_ms(self) -> float | None:
+        """What capturing one more class would cost: the median of the captures after the first
+        (the first also compiled what they share), the first's alone while it is the only one;
+        None before any capture, or once ``max_graphs`` are kept (a new class then runs eagerly)."""
+        if not self.class_capture_ms or len(self.shapes) >= self.max_graphs:
+            return None
+        ms = list(self.class_capture_ms.values())
+        return statistics.median(ms[1:] or ms)
 
     @property
     def info(self) -> dict:

@@ -287,6 +287,7 @@ class Rollout:
     def prefill_classes(self, lengths: Sequence[int], num_slots: int) -> ShapeClasses | None:
         """The shape classes a call over prompts of ``lengths`` on ``num_slots`` slots prefills at:
         the config's, or for "auto" on CUDA the ladder covering the call (``ShapeClasses.covering``),
+        either with the kept prefill graphs' captures priced (``_priced``); "auto"'s ladder comes
         without its 1-row rung where the prefill graphs compile the whole model (one compile serves
         every other class; a 1-row one would compile the model again). Layer by layer that second
         compile is one layer's trace (~1 s for Qwen2.5-3B, H100), so a lone long prompt is not padded
@@ -294,12 +295,25 @@ class Rollout:
         ``RolloutConfig()`` 1.07x the tuned setting, which ran it as 1x512
         (data/results/defaults_qwen2.5-3b_bfloat16_cuda_h100_layers_warm.json)."""
         classes = self.config.prefill_classes
-        if isinstance(classes, ShapeClasses) or classes is None:
-            return classes
+        if classes is None:
+            return None
+        if isinstance(classes, ShapeClasses):
+            return self._priced(classes)
         if self.device.type != "cuda" or not lengths:
             return None
-        return ShapeClasses.covering(max(lengths), max(1, num_slots),
-                                     smallest_rows=2 if self.prefill_graphs and self.compiled is True else 1)
+        return self._priced(ShapeClasses.covering(max(lengths), max(1, num_slots),
+                                                  smallest_rows=2 if self.prefill_graphs and self.compiled is True else 1))
+
+    def _priced(self, classes: ShapeClasses) -> ShapeClasses:
+        """``classes`` with the kept prefill graphs' shapes and a new class priced at what capturing
+        one cost them (``ShapeClasses.priced_captures``): once the online costs refit, the plan they
+        give moves to new class shapes only where those pay their captures back. Unchanged before
+        any capture and once no more classes can be captured."""
+        graphs = self._prefill_graphs
+        estimate = None if graphs is None else graphs.capture_estimate_ms()
+        if estimate is None:
+            return classes
+        return classes.priced_captures(frozenset(graphs.shapes), estimate, max_tokens=graphs.max_tokens)
 
     def __enter__(self) -> "Rollout":
         return self

@@ -18,6 +18,7 @@ tests). A length or row count above the ladder's top runs at its own size. Pure 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,18 +34,59 @@ def _ascending(name: str, values: Sequence[int]) -> tuple[int, ...]:
     return values
 
 
+CAPTURE_PAYBACK_CALLS = 16  # a class not captured yet is priced at a capture's ms over this many calls
+
+
 @dataclass(frozen=True)
 class ShapeClasses:
-    """Ladders of prefill widths and row counts (``rows=()``: rows run as they are)."""
+    """Ladders of prefill widths and row counts (``rows=()``: rows run as they are).
+
+    ``captured`` (the (rows, width) class shapes whose forward is captured already), ``first_use_ms``
+    and ``max_capture_tokens`` price a class's first use: each bucket at a class shape not captured
+    yet, of at most ``max_capture_tokens`` rows x width (a larger one runs eagerly, never captured),
+    costs ``first_use_ms`` more (``priced_captures``). Without it a refit of the costs that moves the
+    plan to other classes makes the next call capture each of them (seconds, a compile included).
+    The charge is per bucket, so two buckets of one new class pay it twice: an upper bound."""
 
     widths: tuple[int, ...]
     rows: tuple[int, ...] = ()
+    captured: frozenset[tuple[int, int]] = frozenset()
+    first_use_ms: float = 0.0
+    max_capture_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", _ascending("widths", self.widths))
         object.__setattr__(self, "rows", _ascending("rows", self.rows))
         if not self.widths:
             raise ValueError("ShapeClasses.widths must hold at least one width")
+        if not isinstance(self.captured, frozenset) or any(
+                not (isinstance(s, tuple) and len(s) == 2 and all(isinstance(v, int) and v >= 1 for v in s))
+                for s in self.captured):
+            raise ValueError(f"ShapeClasses.captured must be a frozenset of (rows, width) int pairs, got {self.captured!r}")
+        if isinstance(self.first_use_ms, bool) or not isinstance(self.first_use_ms, (int, float)) \
+                or not 0 <= self.first_use_ms < float("inf"):
+            raise ValueError(f"ShapeClasses.first_use_ms must be a finite number >= 0, got {self.first_use_ms!r}")
+        if self.max_capture_tokens is not None and (isinstance(self.max_capture_tokens, bool) or
+                                                    not isinstance(self.max_capture_tokens, int) or
+                                                    self.max_capture_tokens < 1):
+            raise ValueError(f"ShapeClasses.max_capture_tokens must be None or an int >= 1, "
+                             f"got {self.max_capture_tokens!r}")
+
+    def priced_captures(self, captured: frozenset[tuple[int, int]], capture_ms: float, *,
+                        max_tokens: int | None) -> "ShapeClasses":
+        """These ladders with ``captured`` kept and a class not in it priced at ``capture_ms`` (what
+        capturing one costs) over ``CAPTURE_PAYBACK_CALLS`` calls: a plan moves to new class shapes
+        only when they save their capture back within that many calls."""
+        return dataclasses.replace(self, captured=frozenset(captured), first_use_ms=capture_ms / CAPTURE_PAYBACK_CALLS,
+                                   max_capture_tokens=max_tokens)
+
+    def first_use_cost_ms(self, rows: int, width: int) -> float:
+        """What a bucket at class shape (``rows``, ``width``) costs on top of its forward: its
+        capture's share (``first_use_ms``) unless it is captured already or too large to capture."""
+        if not self.first_use_ms or (rows, width) in self.captured or \
+                (self.max_capture_tokens is not None and rows * width > self.max_capture_tokens):
+            return 0.0
+        return self.first_use_ms
 
     @classmethod
     def ladder(cls, max_width: int, max_rows: int | None = None, *, smallest_rows: int = 1) -> "ShapeClasses":
@@ -93,17 +135,38 @@ class ShapeClasses:
         return len(self.widths) * max(1, len(self.rows))
 
 
+def class_shape(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostCoefficients,
+                classes: ShapeClasses) -> tuple[int, int, float]:
+    """(rows, width, ms) of a bucket of ``batch`` prompts whose longest has ``longest`` tokens: its
+    class shape, priced with its first use (``ShapeClasses.first_use_cost_ms``), or a larger shape
+    in ``classes.captured`` where that costs less (a replay at more rows or a wider width than the
+    bucket needs, instead of a new capture)."""
+    rows, width = classes.rows_for(batch), classes.width_for(longest)
+    best = (rows, width, prefill_cost_ms(rows, width, geometry, coeffs) + classes.first_use_cost_ms(rows, width))
+    limit = coeffs.prefill_max_tokens
+    for r, w in sorted(classes.captured):
+        if r >= batch and w >= longest and (limit is None or r * w <= limit):
+            ms = prefill_cost_ms(r, w, geometry, coeffs)
+            if ms < best[2]:
+                best = (r, w, ms)
+    return best
+
+
 def classed_cost_ms(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostCoefficients,
                     classes: ShapeClasses) -> float:
-    """C at the class shape of a bucket of ``batch`` prompts whose longest has ``longest`` tokens."""
-    return prefill_cost_ms(classes.rows_for(batch), classes.width_for(longest), geometry, coeffs)
+    """C of a bucket of ``batch`` prompts whose longest has ``longest`` tokens at the shape it runs
+    at (``class_shape``): its class shape, a class's first use included."""
+    return class_shape(batch, longest, geometry, coeffs, classes)[2]
 
 
 def plan_buckets_classed(
     lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, classes: ShapeClasses
 ) -> BucketPlan:
     """The cheapest contiguous bucketing of the sorted lengths when every bucket runs (and is
-    priced) at its class shape; ``widths`` and ``rows`` hold the class shapes. O(n^2)."""
+    priced) at the shape ``class_shape`` gives it: its class shape with its first use, or a larger
+    captured one; ``widths`` and ``rows`` hold those shapes. That cost stays monotone in the bucket's
+    rows and longest prompt (a captured shape that holds a bucket holds every smaller one), so the
+    contiguous DP stays exact. O(n^2 log k) for k captured shapes."""
     lengths = validate_lengths(lengths, coeffs)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     widths = [lengths[i] for i in order]
@@ -113,10 +176,21 @@ def plan_buckets_classed(
     limit = coeffs.prefill_max_tokens
     per_row = {w: per_row_cost_ms(classes.width_for(w), geometry, coeffs) for w in set(widths)}
     fixed = _fixed_with_tie_break(coeffs, [per_row[widths[-1]]])
+    # the captured shapes a bucket may replay at instead of its class shape (none while nothing is priced)
+    captured = [(r, w, r * per_row_cost_ms(w, geometry, coeffs)) for r, w in sorted(classes.captured)
+                if classes.first_use_ms and (limit is None or r * w <= limit)]
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
+    shape = [(0, 0)] * (n + 1)
     for j in range(1, n + 1):
         width = classes.width_for(widths[j - 1])
+        # the captured shapes that hold the bucket's longest prompt, by rows, with the cheapest of
+        # those of at least each row count (a suffix minimum)
+        holding = sorted((r, ms, w) for r, w, ms in captured if w >= widths[j - 1])
+        held_rows = [r for r, _, _ in holding]
+        cheapest = holding[:]
+        for k in range(len(cheapest) - 2, -1, -1):
+            cheapest[k] = min(cheapest[k], cheapest[k + 1], key=lambda c: c[1])
         for i in range(j - 1, -1, -1):
             rows = classes.rows_for(j - i)
             if limit is not None and rows * width > limit:
@@ -124,16 +198,21 @@ def plan_buckets_classed(
                     raise ValueError(f"a prompt of {widths[j - 1]} tokens runs at class width {width}, "
                                      f"over prefill_max_tokens={limit}; add a smaller class or raise the limit")
                 break  # fewer rows fit for every smaller i too
-            cost = best[i] + fixed + rows * per_row[widths[j - 1]]
+            run, ms = (rows, width), rows * per_row[widths[j - 1]] + classes.first_use_cost_ms(rows, width)
+            k = bisect.bisect_left(held_rows, j - i)
+            if k < len(cheapest) and cheapest[k][1] < ms:
+                run, ms = (cheapest[k][0], cheapest[k][2]), cheapest[k][1]
+            cost = best[i] + fixed + ms
             if cost < best[j]:
-                best[j], cut[j] = cost, i
+                best[j], cut[j], shape[j] = cost, i, run
     bounds, j = [], n
     while j > 0:
         bounds.append((cut[j], j))
         j = cut[j]
     bounds.reverse()
     buckets = tuple(tuple(order[i:j]) for i, j in bounds)
-    class_widths = tuple(classes.width_for(widths[j - 1]) for _, j in bounds)
-    class_rows = tuple(classes.rows_for(j - i) for i, j in bounds)
-    cost = sum(prefill_cost_ms(r, w, geometry, coeffs) for r, w in zip(class_rows, class_widths))
+    class_rows = tuple(shape[j][0] for _, j in bounds)
+    class_widths = tuple(shape[j][1] for _, j in bounds)
+    cost = sum(prefill_cost_ms(r, w, geometry, coeffs) + classes.first_use_cost_ms(r, w)
+               for r, w in zip(class_rows, class_widths))
     return BucketPlan(buckets, class_widths, cost, rows=class_rows)
