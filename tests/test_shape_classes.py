@@ -120,7 +120,7 @@ def test_a_refit_keeps_to_the_captured_shapes_unless_new_ones_pay_their_capture_
     assert priced.first_use_ms == 3000.0 / CAPTURE_PAYBACK_CALLS
     assert priced.first_use_cost_ms(16, 512) == 0.0 and priced.first_use_cost_ms(4, 512) == priced.first_use_ms
     assert priced.first_use_cost_ms(*next(iter(captured))) == 0.0
-    for field, bad in (("captured", {(1, 16)}), ("captured", frozenset({(0, 16)})), ("first_use_ms", -1.0),
+    for field, bad in (("captured", {(1, 16)}), ("captured", ((0, 16),)), ("captured", ((True, 16),)), ("first_use_ms", -1.0),
                        ("first_use_ms", float("inf")), ("max_capture_tokens", 0)):
         with pytest.raises(ValueError, match=f"ShapeClasses.{field}"):
             ShapeClasses((16,), **{field: bad})
@@ -152,7 +152,7 @@ def test_the_rollout_prices_new_classes_by_its_graphs_captures():
     assert rollout.prefill_classes([10, 20], 2) == ladder  # nothing captured yet
     rollout._prefill_graphs = graphs({"8x256": 30000.0, "4x512": 300.0})
     priced = rollout.prefill_classes([10, 20], 2)
-    assert priced.captured == {(8, 256), (4, 512)} and priced.max_capture_tokens == 8192
+    assert priced.captured == ((4, 512), (8, 256)) and priced.max_capture_tokens == 8192
     assert priced.first_use_ms == 300.0 / CAPTURE_PAYBACK_CALLS and priced.widths == ladder.widths
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from rollout_lab.planner.bucket_dp import BucketPlan, _fixed_with_tie_break, validate_lengths
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms, prefill_cost_ms
@@ -50,7 +50,7 @@ class ShapeClasses:
 
     widths: tuple[int, ...]
     rows: tuple[int, ...] = ()
-    captured: frozenset[tuple[int, int]] = frozenset()
+    captured: tuple[tuple[int, int], ...] = ()
     first_use_ms: float = 0.0
     max_capture_tokens: int | None = None
 
@@ -59,10 +59,13 @@ class ShapeClasses:
         object.__setattr__(self, "rows", _ascending("rows", self.rows))
         if not self.widths:
             raise ValueError("ShapeClasses.widths must hold at least one width")
-        if not isinstance(self.captured, frozenset) or any(
-                not (isinstance(s, tuple) and len(s) == 2 and all(isinstance(v, int) and v >= 1 for v in s))
+        if not isinstance(self.captured, (tuple, frozenset)) or any(
+                not (isinstance(s, tuple) and len(s) == 2 and
+                     all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in s))
                 for s in self.captured):
-            raise ValueError(f"ShapeClasses.captured must be a frozenset of (rows, width) int pairs, got {self.captured!r}")
+            raise ValueError(f"ShapeClasses.captured must hold (rows, width) pairs of ints >= 1, got {self.captured!r}")
+        object.__setattr__(self, "captured", tuple(sorted(set(self.captured))))  # a record's JSON holds it
+        object.__setattr__(self, "_captured", frozenset(self.captured))  # for membership, not a field
         if isinstance(self.first_use_ms, bool) or not isinstance(self.first_use_ms, (int, float)) \
                 or not 0 <= self.first_use_ms < float("inf"):
             raise ValueError(f"ShapeClasses.first_use_ms must be a finite number >= 0, got {self.first_use_ms!r}")
@@ -72,18 +75,18 @@ class ShapeClasses:
             raise ValueError(f"ShapeClasses.max_capture_tokens must be None or an int >= 1, "
                              f"got {self.max_capture_tokens!r}")
 
-    def priced_captures(self, captured: frozenset[tuple[int, int]], capture_ms: float, *,
+    def priced_captures(self, captured: Iterable[tuple[int, int]], capture_ms: float, *,
                         max_tokens: int | None) -> "ShapeClasses":
         """These ladders with ``captured`` kept and a class not in it priced at ``capture_ms`` (what
         capturing one costs) over ``CAPTURE_PAYBACK_CALLS`` calls: a plan moves to new class shapes
         only when they save their capture back within that many calls."""
-        return dataclasses.replace(self, captured=frozenset(captured), first_use_ms=capture_ms / CAPTURE_PAYBACK_CALLS,
+        return dataclasses.replace(self, captured=tuple(captured), first_use_ms=capture_ms / CAPTURE_PAYBACK_CALLS,
                                    max_capture_tokens=max_tokens)
 
     def first_use_cost_ms(self, rows: int, width: int) -> float:
         """What a bucket at class shape (``rows``, ``width``) costs on top of its forward: its
         capture's share (``first_use_ms``) unless it is captured already or too large to capture."""
-        if not self.first_use_ms or (rows, width) in self.captured or \
+        if not self.first_use_ms or (rows, width) in self._captured or \
                 (self.max_capture_tokens is not None and rows * width > self.max_capture_tokens):
             return 0.0
         return self.first_use_ms
@@ -144,7 +147,7 @@ def class_shape(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostC
     rows, width = classes.rows_for(batch), classes.width_for(longest)
     best = (rows, width, prefill_cost_ms(rows, width, geometry, coeffs) + classes.first_use_cost_ms(rows, width))
     limit = coeffs.prefill_max_tokens
-    for r, w in sorted(classes.captured):
+    for r, w in classes.captured:
         if r >= batch and w >= longest and (limit is None or r * w <= limit):
             ms = prefill_cost_ms(r, w, geometry, coeffs)
             if ms < best[2]:
@@ -177,7 +180,7 @@ def plan_buckets_classed(
     per_row = {w: per_row_cost_ms(classes.width_for(w), geometry, coeffs) for w in set(widths)}
     fixed = _fixed_with_tie_break(coeffs, [per_row[widths[-1]]])
     # the captured shapes a bucket may replay at instead of its class shape (none while nothing is priced)
-    captured = [(r, w, r * per_row_cost_ms(w, geometry, coeffs)) for r, w in sorted(classes.captured)
+    captured = [(r, w, r * per_row_cost_ms(w, geometry, coeffs)) for r, w in classes.captured
                 if classes.first_use_ms and (limit is None or r * w <= limit)]
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
