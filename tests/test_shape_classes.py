@@ -220,6 +220,30 @@ def test_engine_at_class_shapes_with_chunked_prompts(oracle):
     assert result.sequences == oracle(model, prompts, max_new_tokens=5)
 
 
+def test_engine_replays_a_larger_captured_shape_with_the_oracle_tokens(oracle):
+    """With a new class priced dear, buckets run at a captured shape wider and with more rows than
+    they need (left padding and repeated rows, dropped), and the tokens are the one-request oracle's."""
+    from types import SimpleNamespace
+
+    from conftest import get_tiny
+
+    from rollout_lab import Rollout, RolloutConfig
+
+    model = get_tiny("qwen2")
+    prompts = _prompts([7, 2, 15, 1, 9, 4, 11, 30], seed=4)
+    budgets = [5, 9, 2, 7, 1, 6, 3, 4]
+    expected = [oracle(model, [p], max_new_tokens=b)[0] for p, b in zip(prompts, budgets)]
+    rollout = Rollout(model, RolloutConfig(mode="bucketed", prefill_classes=ShapeClasses((8, 16, 32), (1, 2, 4, 8)),
+                                           costs=CostCoefficients(prefill_fixed_cost_ms=0.05), profile=True))
+    # what the kept graphs would say: one 8x32 class captured, a capture costs a second
+    rollout._prefill_graphs = SimpleNamespace(shapes={(8, 32): None}, max_tokens=8192, num_captures=1,
+                                              capture_estimate_ms=lambda: 1000.0, close=lambda: None)
+    result = rollout.generate(prompts, max_new_tokens=budgets)
+    shapes = [(f["batch"], f["width"]) for f in result.profile.forwards if f["kind"] == "prefill"]
+    assert shapes == [(8, 32)]
+    assert result.sequences == expected
+
+
 def test_bad_class_settings_are_named():
     from conftest import get_tiny
 

@@ -336,8 +336,8 @@ class Rollout:
         """A snapshot of the captures and compiles done so far: the prefill graphs' and the decode
         stepper's (each object with its count, so a rebuilt one differs) and torch.compile's frames.
         A timed forward during which it changed paid for them (``Timer``'s ``first_use``), and the
-        online costs leave it out: the warm-up call's captures and compiles, fitted as forward time,
-        made the next calls plan at shapes of their own, each captured again on first use."""
+        online costs leave it out: fitted as forward time, the warm-up call's captures and compiles
+        would price every shape by what capturing one cost."""
         graphs, stepper = self._prefill_graphs, self._stepper
         return (graphs, 0 if graphs is None else graphs.num_captures,
                 stepper, 0 if stepper is None else stepper.num_captures, compile_counts()["frames"])
