@@ -147,7 +147,7 @@ def class_shape(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostC
     rows, width = classes.rows_for(batch), classes.width_for(longest)
     best = (rows, width, prefill_cost_ms(rows, width, geometry, coeffs) + classes.first_use_cost_ms(rows, width))
     limit = coeffs.prefill_max_tokens
-    for r, w in classes.captured:
+    for r, w in classes.captured if classes.first_use_ms else ():  # unpriced, a class shape is the cheapest
         if r >= batch and w >= longest and (limit is None or r * w <= limit):
             ms = prefill_cost_ms(r, w, geometry, coeffs)
             if ms < best[2]:
