@@ -18,6 +18,7 @@ from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior, expected_decode_steps
 from rollout_lab.planner.fit import OnlineCalibrator
 from rollout_lab.planner.routes import choose_route
+from rollout_lab.planner.shape_classes import ShapeClasses
 
 GEO = ModelGeometry(36, 16, 2, 128, 4)
 LIMIT = 16
@@ -386,3 +387,71 @@ def test_a_timed_call_marks_the_forwards_that_captured_or_compiled(monkeypatch):
     second = rollout.generate(prompts, max_new_tokens=4, profile=True)  # the same plan: every shape seen
     assert [r for r in second.profile.forwards if r.get("first_use")] == []
     assert rollout.prediction_errors[1]["measured_prefill_ms"] > 0
+
+
+class _FakeGraphs:
+    """PrefillGraphs' bookkeeping on the CPU: a class shape's first run "captures" it (sleeps, counts
+    it, notes its ms), and every run computes by the eager bucket forward."""
+
+    def __init__(self, capture_s: float = 0.05):
+        from rollout_lab.engine.prefill_graphs import MAX_GRAPH_TOKENS
+
+        self.capture_s, self.shapes, self.class_capture_ms = capture_s, {}, {}
+        self.num_captures, self.max_graphs, self.max_tokens = 0, 32, MAX_GRAPH_TOKENS
+
+    def run(self, prompts, *, rows, width, pad_token_id):
+        import time
+
+        from rollout_lab.engine.prefill import prefill_bucket
+
+        if (rows, width) not in self.shapes:
+            started = time.perf_counter()
+            time.sleep(self.capture_s)
+            self.shapes[rows, width] = None
+            self.num_captures += 1
+            self.class_capture_ms[f"{rows}x{width}"] = (time.perf_counter() - started) * 1e3
+        return prefill_bucket(get_tiny("qwen2"), prompts, pad_token_id=pad_token_id, cache_kwarg="cache",
+                              rows=rows, width=width)
+
+    def capture_estimate_ms(self):
+        from rollout_lab.engine.prefill_graphs import PrefillGraphs
+
+        return PrefillGraphs.capture_estimate_ms(self)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_after_the_first_call_a_refit_captures_no_new_class(scripted_clock, priced):
+    """The whole loop (the engine, the online costs, the classed DP): the first call plans with the
+    starting costs and captures its classes (three buckets; those timed forwards are first uses, left
+    out); the second replays them and the refit learns TRUTH's costs, which put every prompt in one
+    bucket of a new class. Priced by what a capture cost, the next calls capture nothing; unpriced
+    (the control), they capture the refit's class."""
+    start = dataclasses.replace(TRUTH, prefill_fixed_cost_ms=0.05)  # three buckets: a window the fit can tell apart
+    rollout = Rollout(get_tiny("qwen2"), RolloutConfig(
+        mode="bucketed", online_recalibration=True, costs=start,
+        prefill_classes=ShapeClasses((8, 16, 32, 64), (1, 2, 4, 8, 16, 24, 32))))
+    graphs = _FakeGraphs()
+
+    def captured():
+        rollout._prefill_graphs = graphs
+        return graphs
+
+    rollout._captured_prefill = captured
+    if not priced:
+        rollout._priced = lambda classes: classes
+    rng = random.Random(5)
+    prompts = lengths_to_prompts([rng.randint(3, 60) for _ in range(24)], vocab_size=TINY_VOCAB_SIZE, seed=5,
+                                 special_ids=[0])
+    expected = rollout.generate(prompts, max_new_tokens=3).sequences
+    first = graphs.num_captures
+    assert first >= 1
+    for _ in range(4):
+        assert rollout.generate(prompts, max_new_tokens=3).sequences == expected
+    assert rollout.costs.prefill_fixed_cost_ms == pytest.approx(TRUTH.prefill_fixed_cost_ms, rel=1e-6)  # refitted
+    if priced:
+        assert graphs.num_captures == first
+    else:
+        assert graphs.num_captures > first
