@@ -313,7 +313,7 @@ class Rollout:
         estimate = None if graphs is None else graphs.capture_estimate_ms()
         if estimate is None:
             return classes
-        return classes.priced_captures(frozenset(graphs.shapes), estimate, max_tokens=graphs.max_tokens)
+        return classes.priced_captures(graphs.shapes, estimate, max_tokens=graphs.max_tokens)
 
     def __enter__(self) -> "Rollout":
         return self
