@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout_lab.cli import positive_int, record_out
+from rollout_lab.cli.options import positive_int, record_out
 from rollout_lab.engine.compiling import COMPILE_MODES, compile_forward, tracing
 from rollout_lab.engine.prefill import cache_kwarg_name
 from rollout_lab.engine.steppers import EagerStepper, StepperKey

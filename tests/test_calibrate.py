@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_lab.cli import main as cli_main
+from rollout_lab.cli.main import main as cli_main
 from rollout_lab.measure.calibrate import CalibrationGrid, CalibrationResult, calibrate, load_calibration
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry, attention_gflops, kv_mib
@@ -398,7 +398,7 @@ def test_a_second_calibration_to_one_cost_file_is_refused(tmp_path, monkeypatch,
     from rollout_lab.workspace import output_lock
 
     out = tmp_path / "costs.json"
-    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built a model"))
     with output_lock(out):  # as a running calibration holds it
         assert cli_main(["calibrate", "--tiny", "qwen2", "--device", "cpu", "--out", str(out)]) == 2
     assert "is being written by pid" in capsys.readouterr().err and not out.exists()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.measure.presets import geometry_for
 from rollout_lab.planner.cost import CostCoefficients, setting_metadata
 
@@ -93,10 +93,10 @@ def test_plan_file_errors_are_one_line(tmp_path, content, message, capsys):
 def test_plan_refuses_a_huge_file_and_too_many_lengths_before_planning(tmp_path, monkeypatch, capsys):
     """A 200 MB lengths file once ran past 300 s: an oversized file is refused unread, and more
     lengths than a batch would hold (from any source) before the DP."""
-    from rollout_lab.cli import MAX_PLAN_PROMPTS
+    from rollout_lab.cli.main import MAX_PLAN_PROMPTS
     from rollout_lab.measure.workloads import MAX_LENGTHS_FILE_BYTES
 
-    monkeypatch.setattr("rollout_lab.cli.plan_buckets", lambda *a, **k: pytest.fail("planned anyway"))
+    monkeypatch.setattr("rollout_lab.cli.main.plan_buckets", lambda *a, **k: pytest.fail("planned anyway"))
     with (tmp_path / "huge.txt").open("wb") as handle:
         handle.truncate(MAX_LENGTHS_FILE_BYTES + 1)  # sparse: its size, not its bytes
     assert main(["plan", "--file", str(tmp_path / "huge.txt")]) == 2
@@ -121,7 +121,7 @@ def test_out_dir_that_is_a_file_fails_before_any_work(tmp_path, capsys):
 
 def test_a_missing_extra_is_named_in_one_line(tmp_path):
     code = ("import sys; sys.modules['papermill'] = None\n"
-            "from rollout_lab.cli import main\n"
+            "from rollout_lab.cli.main import main\n"
             f"sys.exit(main(['notebooks', '--only', '02', '--out-dir', {str(tmp_path)!r}]))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 2
@@ -205,7 +205,9 @@ def test_sweep_refuses_a_calibration_of_captured_prefill_forwards_before_the_mod
 @pytest.fixture
 def no_model(monkeypatch):
     """Any attempt to build or load a model fails the test: the errors must come first."""
-    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model before the checks"))
+    for where in ("main", "bench"):  # calibrate and sweep build it in cli.main, every bench in cli.bench
+        monkeypatch.setattr(f"rollout_lab.cli.{where}.build_model",
+                            lambda *a, **k: pytest.fail("built a model before the checks"))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -264,7 +266,7 @@ BENCHES = ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail",
 
 
 def test_bench_lists_the_benchmarks_without_importing_torch():
-    code = ("import sys\nfrom rollout_lab.cli import main\n"
+    code = ("import sys\nfrom rollout_lab.cli.main import main\n"
             "assert main(['bench', '--help']) == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -410,7 +412,7 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
 
 
 def test_reproduce_renders_the_committed_gpu_records_without_a_gpu(tmp_path, monkeypatch, capsys):
-    from rollout_lab.cli import HEADLINE_ROLES, _committed_gpu_table
+    from rollout_lab.cli.main import HEADLINE_ROLES, _committed_gpu_table
     from rollout_lab.measure.evidence import records_with_role
     from rollout_lab.measure.records import load_results
     from rollout_lab.workspace import Workspace

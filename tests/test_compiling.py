@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import get_tiny
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.engine.compiling import compile_forward, decoder_layers
 from rollout_lab.engine.prefill import cache_kwarg_name
 

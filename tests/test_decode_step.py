@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.measure.decode_step import DECODE_STEP_DEFAULTS, run_decode_step
 from rollout_lab.measure.records import load_decode_step_results
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import get_tiny
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.measure import defaults as defaults_module
 from rollout_lab.measure.defaults import (DEFAULTS_BENCH_DEFAULTS, ENGINES, check_defaults_settings, compile_seconds,
                                           compile_text, defaults_rows, prompt_seed, run_defaults)
@@ -129,7 +129,7 @@ def test_bench_defaults_writes_the_record_and_refuses_an_existing_one_or_bad_set
     assert (tmp_path / "defaults.csv").read_text().splitlines()[0].startswith("run_id,workload,git_sha,ratio")
     assert [line.split()[0] for line in printed.err.splitlines() if " ratio " in line] == ["short_tail", "spread"]
     assert "process first call:" in printed.out
-    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr("rollout_lab.cli.bench.build_model", lambda *a, **k: pytest.fail("a model was built"))
     assert main(["bench", "defaults", *argv]) == 2
     assert "already exist" in capsys.readouterr().err
     for bad, message in ((["--tuned-costs", str(tmp_path / "nope.json")], f"cost file '{tmp_path / 'nope.json'}' does "

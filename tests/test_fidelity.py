@@ -9,7 +9,7 @@ import pytest
 from conftest import get_tiny
 
 from rollout_lab import RolloutConfig
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.engine import span_attention as span_module
 from rollout_lab.measure.fidelity import LOGITS_DEFAULTS, run_logits_check, teacher_forced_check
 from rollout_lab.measure.models import TINY_VOCAB_SIZE

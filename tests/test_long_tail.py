@@ -9,7 +9,7 @@ import math
 import pytest
 from conftest import get_tiny
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.measure import long_tail as long_tail_module
 from rollout_lab.measure.long_tail import (LONG_TAIL_DEFAULTS, LONG_TAIL_PATHS, check_long_tail_settings, decode_by_rows,
                                            long_tail_rows, run_long_tail, step_cost_rows)
@@ -168,7 +168,7 @@ def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_se
     assert record["config"]["tiny"] == "qwen2" and list(record["results"]) == ["paged_128", "aligned_128"]
     assert (tmp_path / "long_tail.csv").read_text().splitlines()[0].startswith("run_id,path,git_sha,mode,slots")
     capsys.readouterr()
-    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr("rollout_lab.cli.bench.build_model", lambda *a, **k: pytest.fail("a model was built"))
     assert main(["bench", "long-tail", *argv]) == 2
     assert "already exist" in capsys.readouterr().err
     for bad, message in ((["--hazard", "0.9"], "in (0, 0.5], got 0.9"), (["--seed", "-2"], "seed must be an int >= 0"),

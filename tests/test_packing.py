@@ -147,7 +147,7 @@ def test_prefill_routes_are_measured_side_by_side():
 
 
 def test_bench_prefill_routes_writes_the_record_after_every_batch(tmp_path):
-    from rollout_lab.cli import main
+    from rollout_lab.cli.main import main
     from rollout_lab.measure.records import load_prefill_routes_results
 
     out = tmp_path / "prefill"

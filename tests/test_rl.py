@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.measure import rl as rl_module
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.rl import RL_DEFAULT_PATHS, check_rl_settings, rl_or_load, run_rl

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import get_tiny
 
-from rollout_lab.cli import main as cli_main
+from rollout_lab.cli.main import main as cli_main
 from rollout_lab.engine.config import MANUAL_ROUTES, MODES
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.paths import PATHS
@@ -142,7 +142,7 @@ def test_load_results_errors(tmp_path):
     (["--decode", "graph", "--device", "cpu"], "decode='graph' needs a CUDA device, the model is on cpu"),
 ])
 def test_cli_errors_before_any_work(argv, message, monkeypatch, capsys):
-    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
+    monkeypatch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built a model despite bad arguments"))
     assert cli_main(["sweep", "--tiny", "qwen2", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and message in err
@@ -336,7 +336,7 @@ def test_cli_resume_recovers_a_kill_and_checks_its_settings_before_the_model(tmp
             cli_main(argv)
     assert list(json.loads(out.with_suffix(".json").read_text())["workloads"]) == ["short_tail"]
     with monkeypatch.context() as patch:
-        patch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model before the checks"))
+        patch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built a model before the checks"))
         for more, message in ((["--repetitions", "2"], "config.repetitions: saved 1, now 2"),
                               (["--max-new-tokens", "3"], "config.max_new_tokens: saved 2, now 3"),
                               (["--tiny", "llama"], "provenance.model_name: saved 'tiny-qwen2', now 'tiny-llama'"),
@@ -396,7 +396,7 @@ def test_two_sweeps_to_one_output_lose_nothing(tmp_path, monkeypatch, capsys):
             run_sweep(tiny_model("qwen2"), workloads={"second": [2, 2]}, paths=["nocb"], repetitions=1,
                       max_new_tokens=2, progress=False, out=out)
         with monkeypatch.context() as patch:  # the command refuses before it builds a model
-            patch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("built a model"))
+            patch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built a model"))
             assert cli_main(["sweep", "--tiny", "qwen2", "--workloads", "short_tail", "--scale", "0.05", "--paths",
                              "nocb", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress",
                              "--out", str(out)]) == 2

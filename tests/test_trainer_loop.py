@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rollout_lab.cli import main
+from rollout_lab.cli.main import main
 from rollout_lab.measure import trainer_loop as trainer_loop_module
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.trainer_loop import (TRAINER_LOOP_DEFAULTS, check_trainer_loop_settings, decode_captures,
@@ -115,7 +115,7 @@ def test_bench_trainer_loop_writes_the_record_and_refuses_an_existing_one(tmp_pa
     assert [it["logprob_mismatch"]["max_abs"] for it in record["results"]["iterations"]] == [0, 0]
     assert (tmp_path / "trainer_loop.csv").read_text().splitlines()[0].startswith("run_id,iteration,git_sha")
     capsys.readouterr()
-    monkeypatch.setattr("rollout_lab.cli.build_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr("rollout_lab.cli.bench.build_model", lambda *a, **k: pytest.fail("a model was built"))
     assert main(["bench", "trainer-loop", *argv]) == 2
     assert "already exist" in capsys.readouterr().err
     for bad, message in ((["--lr", "-1"], "lr must be a number > 0, got -1.0"),
