@@ -5,7 +5,7 @@
     PYTHONPATH=. python3 scripts/compile_cost.py --layers 2 --rows 4 1 --out /tmp/cc   # seconds
     PYTHONPATH=. python3 scripts/compile_cost.py --symbolic-floats --out ...   # torch's default floats (a restart)
 
-For each mode of ``engine.compiling`` (``model``, ``layers``) the decode step of a tiny model deepened
+For each mode of ``engine.runner.compiling`` (``model``, ``layers``) the decode step of a tiny model deepened
 to ``--layers`` runs once at each row count of ``--rows``, compiled with ``--backend``, in a process
 of its own with an empty inductor cache (so neither mode inherits the other's warm-up or cache);
 each call's seconds (a compile where dynamo specialises a new size, a cache hit
@@ -28,9 +28,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout_lab.cli.options import positive_int, record_out
-from rollout_lab.engine.compiling import COMPILE_MODES, compile_forward, tracing
-from rollout_lab.engine.prefill import cache_kwarg_name
-from rollout_lab.engine.steppers import EagerStepper, StepperKey
+from rollout_lab.engine.runner.compiling import COMPILE_MODES, compile_forward, tracing
+from rollout_lab.engine.runner.prefill import cache_kwarg_name
+from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
 from rollout_lab.measure.models import TINY_FAMILIES, tiny_config
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.workspace import write_record
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(COMPILE_MODES), choices=COMPILE_MODES)
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--symbolic-floats", action="store_true",
-                   help="trace outside engine.compiling.tracing(), with torch's default symbolic floats "
+                   help="trace outside engine.runner.compiling.tracing(), with torch's default symbolic floats "
                         "(the frame restarts once): the baseline of the float constants the engine traces with")
     p.add_argument("--child", choices=COMPILE_MODES, help=argparse.SUPPRESS)  # one mode, its rows on stdout
     args = p.parse_args(argv)
@@ -68,8 +68,7 @@ def deep_tiny(family: str, layers: int) -> torch.nn.Module:
 
 def run_mode(model: torch.nn.Module, mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch._dynamo.reset()
-    key = StepperKey(num_slots=args.rows[0], capacity=CAPACITY, repetition_penalty=1.0, track_seen=False,
-                     cache_kwarg=cache_kwarg_name(model), spans=False)
+    key = StepperKey(num_slots=args.rows[0], capacity=CAPACITY, cache_kwarg=cache_kwarg_name(model), spans=False)
     eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
     compiled.forward = compile_forward(model, mode, backend=args.backend)
     rows_out = []

@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.distributed import distributed_generate
 from rollout_lab.measure.models import from_preset, tiny_model
 from rollout_lab.measure.presets import PRESETS

@@ -34,7 +34,7 @@ LEFT, WIDTH, ROW_HEIGHT, GAP = 0.27, 0.72, 0.118, 0.022
 
 
 def part_of(module: str) -> str | None:
-    """'rollout_lab.engine.rollout' -> 'engine'; None outside the package."""
+    """'rollout_lab.engine.api.rollout' -> 'engine'; None outside the package."""
     names = module.split(".")
     if names[0] != "rollout_lab" or len(names) < 2:
         return None

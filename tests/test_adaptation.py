@@ -360,7 +360,7 @@ def test_a_timed_call_marks_the_forwards_that_captured_or_compiled(monkeypatch):
     refit does not price it: the costs it learns from the call are those of a call without it."""
     import time
 
-    import rollout_lab.engine.batching as batching
+    import rollout_lab.engine.sched.aligned as batching
 
     model = get_tiny("qwen2")
     prompts = lengths_to_prompts([8, 9, 30, 31, 60, 64], vocab_size=TINY_VOCAB_SIZE, seed=3, special_ids=[0])
@@ -376,7 +376,7 @@ def test_a_timed_call_marks_the_forwards_that_captured_or_compiled(monkeypatch):
 
     monkeypatch.setattr(batching, "prefill_bucket", capturing)
     rollout = Rollout(model, RolloutConfig(mode="bucketed", online_recalibration=True))
-    rollout._one_time_work = lambda: captures[0]
+    rollout.runner.one_time_work = lambda: captures[0]
     first = rollout.generate(prompts, max_new_tokens=4, profile=True)
     prefills = [r for r in first.profile.forwards if r["kind"] == "prefill"]
     assert len(prefills) >= 1 and all(r.get("first_use") for r in prefills)
@@ -394,7 +394,7 @@ class _FakeGraphs:
     it, notes its ms), and every run computes by the eager bucket forward."""
 
     def __init__(self, capture_s: float = 0.05):
-        from rollout_lab.engine.prefill_graphs import MAX_GRAPH_TOKENS
+        from rollout_lab.engine.runner.prefill_graphs import MAX_GRAPH_TOKENS
 
         self.capture_s, self.shapes, self.class_capture_ms = capture_s, {}, {}
         self.num_captures, self.max_graphs, self.max_tokens = 0, 32, MAX_GRAPH_TOKENS
@@ -402,7 +402,7 @@ class _FakeGraphs:
     def run(self, prompts, *, rows, width, pad_token_id):
         import time
 
-        from rollout_lab.engine.prefill import prefill_bucket
+        from rollout_lab.engine.runner.prefill import prefill_bucket
 
         if (rows, width) not in self.shapes:
             started = time.perf_counter()
@@ -414,7 +414,7 @@ class _FakeGraphs:
                               rows=rows, width=width)
 
     def capture_estimate_ms(self):
-        from rollout_lab.engine.prefill_graphs import PrefillGraphs
+        from rollout_lab.engine.runner.prefill_graphs import PrefillGraphs
 
         return PrefillGraphs.capture_estimate_ms(self)
 
@@ -436,12 +436,12 @@ def test_after_the_first_call_a_refit_captures_no_new_class(scripted_clock, pric
     graphs = _FakeGraphs()
 
     def captured():
-        rollout._prefill_graphs = graphs
+        rollout.runner.prefill_graphs = graphs
         return graphs
 
-    rollout._captured_prefill = captured
+    rollout.runner.captured_prefill = captured
     if not priced:
-        rollout._priced = lambda classes: classes
+        rollout.runner.priced = lambda classes: classes
     rng = random.Random(5)
     prompts = lengths_to_prompts([rng.randint(3, 60) for _ in range(24)], vocab_size=TINY_VOCAB_SIZE, seed=5,
                                  special_ids=[0])

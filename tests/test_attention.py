@@ -1,7 +1,7 @@
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from rollout_lab.engine.attention import gqa_decode_attention
+from rollout_lab.engine.kernels.attention import gqa_decode_attention
 
 
 class _Module(torch.nn.Module):
@@ -43,7 +43,7 @@ def test_decode_steps_use_it_and_hf_paths_keep_sdpa():
     from transformers import AttentionInterface
 
     from rollout_lab import Rollout, RolloutConfig
-    from rollout_lab.engine.attention import NAME, register
+    from rollout_lab.engine.kernels.attention import NAME, register
 
     register()
     model = get_tiny("qwen2")  # 4 query heads, 2 KV heads

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import get_tiny
 
-from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
+from rollout_lab.engine.kv.aligned import AlignedKVCache
+from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
 
 
 def small_cache(**overrides) -> AlignedKVCache:

@@ -1,4 +1,4 @@
-"""engine.compiling: the forward compiled whole or layer by layer, on the CPU with the aot_eager
+"""engine.runner.compiling: the forward compiled whole or layer by layer, on the CPU with the aot_eager
 backend (inductor's code generation is the GPU tests' business; this checks what is compiled)."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab.cli.main import main
-from rollout_lab.engine.compiling import compile_forward, decoder_layers
-from rollout_lab.engine.prefill import cache_kwarg_name
+from rollout_lab.engine.runner.compiling import compile_forward, decoder_layers
+from rollout_lab.engine.runner.prefill import cache_kwarg_name
 
 
 @pytest.mark.parametrize("family, name", [("qwen2", "model.layers"), ("qwen3", "model.layers"),
@@ -77,12 +77,11 @@ def test_layerwise_prefill_into_a_dynamic_cache_equals_the_model():
 def stepper_pair(mode: str, *, num_slots: int):
     """An eager decode stepper of a fresh tiny qwen2 and one whose forward is compiled in ``mode``
     (aot_eager), over one cache shape; dynamo's caches emptied first."""
-    from rollout_lab.engine.steppers import EagerStepper, StepperKey
+    from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
 
     torch._dynamo.reset()
     model = get_tiny("qwen2")
-    key = StepperKey(num_slots=num_slots, capacity=32, repetition_penalty=1.0, track_seen=False,
-                     cache_kwarg=cache_kwarg_name(model), spans=False)
+    key = StepperKey(num_slots=num_slots, capacity=32, cache_kwarg=cache_kwarg_name(model), spans=False)
     eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
     compiled.forward = compile_forward(model, mode, backend="aot_eager")
     return eager, compiled
@@ -112,7 +111,7 @@ def test_one_trace_serves_every_layer(family):
     its index; before, every layer traced again), and give the eager forward's logits and cache."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from rollout_lab.engine.steppers import EagerStepper, StepperKey
+    from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
     from rollout_lab.measure.models import tiny_config
 
     torch.manual_seed(0)
@@ -120,8 +119,7 @@ def test_one_trace_serves_every_layer(family):
     kwarg = cache_kwarg_name(model)
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
-    key = StepperKey(num_slots=4, capacity=32, repetition_penalty=1.0, track_seen=False, cache_kwarg=kwarg,
-                     spans=False)
+    key = StepperKey(num_slots=4, capacity=32, cache_kwarg=kwarg, spans=False)
     eager, compiled = EagerStepper(model, key), EagerStepper(model, key)
     compiled.forward = compile_forward(model, "layers", backend="aot_eager")
     before = counters["stats"]["unique_graphs"]
@@ -153,7 +151,7 @@ def test_the_first_trace_is_not_restarted(mode):
     traced as a symbol. The tokens are the eager step's."""
     from torch._dynamo.utils import counters
 
-    from rollout_lab.engine.compiling import tracing
+    from rollout_lab.engine.runner.compiling import tracing
 
     eager, compiled = stepper_pair(mode, num_slots=4)
     before = dict(counters["aot_autograd"])
@@ -173,12 +171,13 @@ def test_the_first_trace_is_not_restarted(mode):
                                                               reason="needs a CUDA GPU"))])
 def test_compiled_select_draws_eagers_tokens(backend, device):
     """The decode step's compiled token choice (``compile_select``) equals ``select_tokens``: greedy,
-    seeded sampling with and without top-k/top-p and the penalty, rows of mixed settings (greedy
+    seeded sampling with and without top-k/top-p and the penalties, rows of mixed settings (greedy
     among them), min_new_tokens, logprobs, at two row counts (symbolic sizes: one compile serves
     both); traced with no graph break (``sampling.token_salts`` comes in as an argument)."""
-    from rollout_lab.engine.compiling import compile_select
-    from rollout_lab.engine.decode import select_tokens
-    from rollout_lab.engine.sampling import RowSampling, SamplingParams
+    from rollout_lab.engine.runner.compiling import compile_select
+    from rollout_lab.engine.sample.processors import RowPenalties, select_tokens
+    from rollout_lab.engine.sample.sampler import RowSampling
+    from rollout_lab.engine.sample.params import SamplingParams
 
     torch._dynamo.reset()
     earlier = dict(torch._dynamo.utils.counters["graph_break"])  # other tests' in this process
@@ -193,12 +192,16 @@ def test_compiled_select_draws_eagers_tokens(backend, device):
             keys = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
             steps = torch.randint(0, 500, (rows,), generator=gen).to(device)
             minimum = torch.randint(0, 500, (rows,), generator=gen).to(device)
-            stop_mask = (torch.rand(1000, generator=gen) < 0.01).to(device)
+            counts = torch.randint(0, 3, (rows, 1000), generator=gen, dtype=torch.int32).to(device)
+            stop_mask = (torch.rand(rows, 1000, generator=gen) < 0.01).to(device)
             for penalty, mode in ((1.0, None), (1.3, "processed"), (1.0, "raw")):
-                kwargs = dict(sampling=sampling, sample_keys=keys, steps=steps, logprobs_mode=mode,
+                penalties = None if penalty == 1.0 else RowPenalties.of(
+                    [(penalty, 0.5 * (i % 2), -0.3 * (i % 3)) for i in range(rows)], device)
+                kwargs = dict(sampling=sampling, sample_keys=keys, steps=steps, logprobs_mode=mode, penalties=penalties,
+                              seen=seen if penalties else None, counts=counts if penalties else None,
                               min_new_tokens=minimum if mode == "processed" else None, stop_mask=stop_mask)
-                want, want_lp = select_tokens(logits, seen, penalty, **kwargs)
-                got, got_lp = select(logits, seen, penalty, **kwargs)
+                want, want_lp = select_tokens(logits, **kwargs)
+                got, got_lp = select(logits, **kwargs)
                 assert torch.equal(got, want)
                 if mode is not None:
                     torch.testing.assert_close(got_lp, want_lp)

@@ -1,4 +1,4 @@
-"""costs="auto" (engine.disk_cache): the cache of coefficients per setting, found by provenance,
+"""costs="auto" (engine.runner.disk_cache): the cache of coefficients per setting, found by provenance,
 refined online and saved back; on a CPU the reference's coefficients, and nothing written."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.disk_cache import CACHE_ENV, cache_dir, cached_cost_file, cost_cache_path, save_costs
-from rollout_lab.engine.setting import model_metadata
+from rollout_lab.engine.runner.disk_cache import CACHE_ENV, cache_dir, cached_cost_file, cost_cache_path, save_costs
+from rollout_lab.engine.model_info import model_metadata
 from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.planner.fit import OnlineCalibrator
 
@@ -79,7 +79,7 @@ def test_auto_learning_saves_the_refit_for_the_next_process(cache):
 def test_compiled_artifacts_round_trip_through_the_cache(cache):
     """compile_cache: what this process compiled is saved per setting and loaded back (torch.compile's
     portable cache); nothing saved, nothing loaded; a damaged file is skipped with a warning."""
-    from rollout_lab.engine.disk_cache import compiled_cache_path, load_compiled, save_compiled
+    from rollout_lab.engine.runner.disk_cache import compiled_cache_path, load_compiled, save_compiled
 
     meta = model_metadata(get_tiny("qwen2"), prefill_graphs=True)
     assert load_compiled(meta) == 0  # no file yet
@@ -109,15 +109,15 @@ def test_the_captured_decode_prior_runs_short_batches_on_cb_and_learns_from_them
     """costs="auto" on CUDA with nothing cached (issue 33): the reference's gap sends 32 short prompts
     x 16 tokens to nocb (HF's eager loop) and nothing there ever measures CB; the prior for a captured
     step prices CB below nocb, and the refit keeps the prior's gap until nocb itself is measured."""
-    from rollout_lab.engine.rollout import CAPTURED_DECODE_GAP_MS, captured_decode_prior
+    from rollout_lab.engine.api.costs import CAPTURED_DECODE_GAP_MS, captured_decode_prior
 
     prior = captured_decode_prior()
     assert prior.nocb_decode_cost_ms - prior.continuous_decode_cost_ms == CAPTURED_DECODE_GAP_MS
     assert prior.prefill_fixed_cost_ms == CostCoefficients().prefill_fixed_cost_ms  # prefill: the reference's
     lengths = [n for n in range(20, 12, -1) for _ in range(4)]  # the seed's short_similar
     model = get_tiny("qwen2")
-    assert Rollout(model, RolloutConfig(costs="reference"))._route(lengths, [16] * 32) == "nocb"
-    assert Rollout(model, RolloutConfig(costs=prior))._route(lengths, [16] * 32) != "nocb"
+    assert Rollout(model, RolloutConfig(costs="reference")).route_for(lengths, [16] * 32) == "nocb"
+    assert Rollout(model, RolloutConfig(costs=prior)).route_for(lengths, [16] * 32) != "nocb"
     learner = OnlineCalibrator(Rollout(model).geometry, prior, window=16)
     learner.observations.append({"kind": "decode", "ms": 60.0, "steps": 10, "rows": 32, "width": 40})
     refit = learner.refit(prior)
@@ -128,7 +128,7 @@ def test_a_calibration_without_a_decode_probe_prices_a_captured_decode_by_the_pr
     """The H200 calibration of Qwen2.5-3B ran no decode probe (grid decode_batches []) and wrote both
     decode terms as 0: with a captured step Auto took nocb on 32 x 16 tokens (629 ms against 95 on
     CB). A captured decode takes the prior's terms instead; an eager one, or a probed file, as written."""
-    from rollout_lab.engine.rollout import captured_decode_prior, with_unmeasured_decode
+    from rollout_lab.engine.api.costs import captured_decode_prior, with_unmeasured_decode
 
     file_coeffs = CostCoefficients(prefill_fixed_cost_ms=8.5, continuous_decode_cost_ms=0.0, nocb_decode_cost_ms=0.0)
     unprobed = {"grid": {"decode_batches": [], "prefill_graphs": True}}
@@ -141,5 +141,5 @@ def test_a_calibration_without_a_decode_probe_prices_a_captured_decode_by_the_pr
         assert with_unmeasured_decode(file_coeffs, metadata, mode) == (file_coeffs, "")
     lengths = [n for n in range(20, 12, -1) for _ in range(4)]  # the seed's short_similar
     model = get_tiny("qwen2")
-    assert Rollout(model, RolloutConfig(costs=file_coeffs))._route(lengths, [16] * 32) == "nocb"
-    assert Rollout(model, RolloutConfig(costs=coeffs))._route(lengths, [16] * 32) != "nocb"
+    assert Rollout(model, RolloutConfig(costs=file_coeffs)).route_for(lengths, [16] * 32) == "nocb"
+    assert Rollout(model, RolloutConfig(costs=coeffs)).route_for(lengths, [16] * 32) != "nocb"

@@ -161,9 +161,9 @@ def test_check_partition_names_the_problem():
 # ---------------------------------------------------------------- distributed (gloo, spawned)
 
 torch = pytest.importorskip("torch")
-from rollout_lab.engine.config import RolloutConfig  # noqa: E402
+from rollout_lab.engine.api.config import RolloutConfig  # noqa: E402
 from rollout_lab.engine.distributed import distributed_generate, launch  # noqa: E402
-from rollout_lab.engine.rollout import Rollout  # noqa: E402
+from rollout_lab.engine.api.rollout import Rollout  # noqa: E402
 from rollout_lab.measure.models import TINY_VOCAB_SIZE, tiny_model  # noqa: E402
 from rollout_lab.measure.workloads import lengths_to_prompts  # noqa: E402
 

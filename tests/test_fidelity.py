@@ -10,7 +10,7 @@ from conftest import get_tiny
 
 from rollout_lab import RolloutConfig
 from rollout_lab.cli.main import main
-from rollout_lab.engine import span_attention as span_module
+from rollout_lab.engine.kernels import span as span_module
 from rollout_lab.measure.fidelity import LOGITS_DEFAULTS, run_logits_check, teacher_forced_check
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.workspace import check_record_pair

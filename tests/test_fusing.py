@@ -1,4 +1,4 @@
-"""engine.fusing: a decoder layer's q/k/v and gate/up projections as one matmul each, in a shallow
+"""engine.runner.fusing: a decoder layer's q/k/v and gate/up projections as one matmul each, in a shallow
 copy of the model whose stacked weights follow the model's (refresh), eager and traced."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from conftest import get_tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rollout_lab.engine.config import RolloutConfig
-from rollout_lab.engine.fusing import FusedProjections, fusable, fused_nbytes
-from rollout_lab.engine.rollout import Rollout
-from rollout_lab.engine.steppers import resolve_fuse
+from rollout_lab.engine.api.config import RolloutConfig
+from rollout_lab.engine.runner.fusing import FusedProjections, fusable, fused_nbytes
+from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.runner.steppers import resolve_fuse
 from rollout_lab.measure.models import tiny_model
 
 
@@ -127,7 +127,7 @@ def test_a_rollout_with_fused_projections_makes_the_unfused_tokens_across_weight
     models = [tiny_model(family, seed=4), tiny_model(family, seed=4)]
     rollouts = [Rollout(m, RolloutConfig(mode=mode, continuous_batch_size=3, fuse_projections=f))
                 for m, f in zip(models, (True, False))]
-    assert rollouts[0].fused and not rollouts[1].fused
+    assert rollouts[0].runner.fused and not rollouts[1].runner.fused
     calls = [dict(max_new_tokens=[6, 9, 4, 8, 5]), dict(max_new_tokens=7, do_sample=True, temperature=1.0, seed=3)]
     for call in calls:  # one kind of call at a time: each kind keeps its own step across the updates
         for update in range(3):
@@ -154,7 +154,7 @@ def test_fuse_projections_is_checked_and_resolved():
 def test_the_fused_copy_compiles_layer_by_layer_too():
     """compile="layers" over the fused copy: its own layer list, compiled one layer at a time, one
     graph for every layer (nothing in the fused parts specialises on the layer)."""
-    from rollout_lab.engine.compiling import compile_forward, decoder_layers
+    from rollout_lab.engine.runner.compiling import compile_forward, decoder_layers
 
     torch._dynamo.reset()
     model = get_tiny("qwen2")

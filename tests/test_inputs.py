@@ -176,13 +176,13 @@ def test_eos_settings_are_checked_and_the_pad_falls_back_to_the_models_eos(oracl
     with pytest.raises(ValueError, match="ignore_eos must be a bool"):
         RolloutConfig(ignore_eos=1)
     model, _, eos = _with_model_eos("qwen3", oracle)
-    assert Rollout(model)._pad_token_id() == 0  # the generation_config's pad
+    assert Rollout(model).pad_token_id == 0  # the generation_config's pad
     model.generation_config.pad_token_id = 7
-    assert Rollout(model)._pad_token_id() == 7  # it wins over the config's, as in HF generate
+    assert Rollout(model).pad_token_id == 7  # it wins over the config's, as in HF generate
     model.generation_config.pad_token_id = None
     model.config.pad_token_id = None
     rollout = Rollout(model)
-    assert rollout.eos_token_ids == (eos,) and rollout._pad_token_id() == eos  # then the first EOS
+    assert rollout.eos_token_ids == (eos,) and rollout.pad_token_id == eos  # then the first EOS
     assert Rollout(model, RolloutConfig(ignore_eos=True)).eos_token_ids == ()
 
 
@@ -277,7 +277,7 @@ def test_a_sampling_generation_config_keeps_hfs_default_top_k():
     """GenerationConfig(do_sample=True) samples as HF does: with top_k=50 unless it or the call says otherwise."""
     from transformers import GenerationConfig
 
-    from rollout_lab.engine.config import HF_SAMPLING_DEFAULTS
+    from rollout_lab.engine.api.call import HF_SAMPLING_DEFAULTS
 
     model = get_tiny("qwen2")
     rollout = Rollout(model)

@@ -8,8 +8,9 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.decode import apply_repetition_penalty, seen_from_ids
-from rollout_lab.engine.sampling import RowSampling, SamplingParams, filter_logits
+from rollout_lab.engine.sample.processors import RowPenalties, apply_penalties, seen_from_ids
+from rollout_lab.engine.sample.sampler import RowSampling, filter_logits
+from rollout_lab.engine.sample.params import SamplingParams
 
 ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
@@ -29,7 +30,8 @@ def reference(model, prompts, sequences, *, mode="raw", penalty=1.0, sampling=No
             if mode == "processed":
                 before = torch.tensor([prompt + seq[:t]])
                 if penalty != 1.0:
-                    scores = apply_repetition_penalty(scores, seen_from_ids(before, torch.ones_like(before, dtype=torch.bool), vocab), penalty)
+                    seen = seen_from_ids(before, torch.ones_like(before, dtype=torch.bool), vocab)
+                    scores = apply_penalties(scores, RowPenalties.of([(penalty, 0.0, 0.0)], "cpu"), seen=seen, counts=None)
                 if sampling is not None:
                     scores = filter_logits(scores, RowSampling.of([sampling], "cpu"))
             row.append(float(scores[0, token] - torch.logsumexp(scores[0], -1)))

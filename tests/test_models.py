@@ -13,7 +13,7 @@ from rollout_lab.measure.models import (
     preset_config,
     tiny_model,
 )
-from rollout_lab.engine.setting import model_name_of
+from rollout_lab.engine.model_info import model_name_of
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.planner.cost import ModelGeometry
 
@@ -87,7 +87,7 @@ def test_load_pretrained_round_trip(tmp_path):
 
 
 def test_a_model_goes_by_the_name_load_model_gives_it(tmp_path):
-    """The name a cost file is checked against (engine.setting.model_name_of) is the one load_model
+    """The name a cost file is checked against (engine.model_info.model_name_of) is the one load_model
     and the CLI give: tiny-<family>, the preset, a checkpoint folder's own name (issue 36)."""
     tiny_model("qwen2").save_pretrained(tmp_path / "my-checkpoint")
     for spec in ("tiny-qwen2", "tiny-opt", str(tmp_path / "my-checkpoint")):

@@ -10,7 +10,7 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.prefill import block_diagonal_mask, cache_kwarg_name, prefill_packed
+from rollout_lab.engine.runner.prefill import block_diagonal_mask, cache_kwarg_name, prefill_packed
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms, prefill_cost_ms
 from rollout_lab.planner.packing import min_forwards, pack_first_fit, plan_packed

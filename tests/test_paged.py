@@ -1,4 +1,4 @@
-"""The paged route (engine.paged_cache, engine.paged_batching): the tokens of the one-request oracle
+"""The paged route (engine.kv.paged, engine.sched.paged): the tokens of the one-request oracle
 with refill, EOS, a pool small enough to preempt, the penalty, budgets, samples and logprobs; block
 bookkeeping; occupancy against the aligned cache; errors before any work (tiny fp32 models, CPU)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from conftest import CharTokenizer, get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.paged_cache import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
+from rollout_lab.engine.kv.paged import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
@@ -83,8 +83,8 @@ def test_without_stops_the_host_reads_each_burst_after_queueing_the_next(mode, o
     host never waits on the device between bursts), with refill and preemption (paged), the penalty,
     samples and logprobs; the tokens are the oracle's, and sampled ones with their logprobs those of
     a call that reads every burst at once (stop strings that never match force that)."""
-    from rollout_lab.engine.batching import ContinuousBatcher
-    from rollout_lab.engine.steppers import EagerStepper
+    from rollout_lab.engine.sched.aligned import ContinuousBatcher
+    from rollout_lab.engine.runner.steppers import EagerStepper
 
     events = []  # ("step",), ("sent", burst), ("read", burst)
     send, read, step = ContinuousBatcher._send_burst, ContinuousBatcher._read_burst, EagerStepper.step
@@ -272,12 +272,12 @@ def test_auto_goes_paged_when_every_row_at_once_would_not_fit_the_memory(monkeyp
     model = get_tiny("qwen2")
     prompts = make_prompts([12, 30, 7, 20, 16, 9], seed=6)
     rollout = Rollout(model, RolloutConfig(costs=SPLIT_COSTS))
-    assert rollout._kv_budget_bytes(6) is None  # off CUDA: no bound
+    assert rollout.kv_budget_bytes(6) is None  # off CUDA: no bound
     per_token = rollout.geometry.kv_bytes_per_token
     all_at_once = 6 * (30 + 10) * per_token
-    monkeypatch.setattr(rollout, "_kv_budget_bytes", lambda num_slots: all_at_once - 1.0)
+    monkeypatch.setattr(rollout, "kv_budget_bytes", lambda num_slots: all_at_once - 1.0)
     tight = rollout.generate(prompts, max_new_tokens=10)
-    monkeypatch.setattr(rollout, "_kv_budget_bytes", lambda num_slots: float(all_at_once))
+    monkeypatch.setattr(rollout, "kv_budget_bytes", lambda num_slots: float(all_at_once))
     roomy = rollout.generate(prompts, max_new_tokens=10)
     assert tight.route == "paged" and roomy.route != "paged"
     aligned = Rollout(model, RolloutConfig(mode="bucketed")).generate(prompts, max_new_tokens=10)
@@ -380,7 +380,7 @@ def test_a_pool_too_small_for_one_row_fails_before_work():
 def test_auto_replays_the_pools_worst_case_once_per_call(monkeypatch):
     """Auto prices the paged pool and then lays it out: one worst-case replay a call, not two (the
     layout is kept for the call), and a new one for the next call."""
-    import rollout_lab.engine.rollout as engine_rollout
+    import rollout_lab.engine.kv.sizing as engine_rollout
     from rollout_lab.planner.cost import CostCoefficients
 
     calls = []
@@ -401,7 +401,7 @@ def test_a_kept_pool_too_small_grows_by_a_quarter_within_what_the_call_could_use
     """A call whose rows need more blocks than the kept pool replaces it with one PAGED_POOL_GROWTH
     times larger (so the next calls' wandering peaks rarely rebuild and recapture it), never past the
     uncut pool (every row's prompt and budget); smaller calls then keep it. Tokens stay the oracle's."""
-    from rollout_lab.engine.rollout import PAGED_POOL_GROWTH
+    from rollout_lab.engine.runner.runner import PAGED_POOL_GROWTH
 
     model = get_tiny("qwen2")
     rollout = Rollout(model, RolloutConfig(mode="paged", continuous_batch_size=4, kv_block_size=16, ignore_eos=True,
@@ -413,7 +413,7 @@ def test_a_kept_pool_too_small_grows_by_a_quarter_within_what_the_call_could_use
         assert result.profile.num_preemptions == 0
         assert result.sequences == run(model, prompts, 20, mode="bucketed").sequences
         pools.append(result.profile.num_kv_blocks)
-        uncut.append(rollout._paged_layout([length] * 8, [20] * 8, 20))
-    assert [u[1] for u in uncut] == [17, 21, 21, 17]  # what each call alone would allocate
+        uncut.append(rollout.paged_layout([length] * 8, [20] * 8, 20))
+    assert [u.num_blocks for u in uncut] == [17, 21, 21, 17]  # what each call alone would allocate
     assert pools == [17, math.ceil(17 * PAGED_POOL_GROWTH), 22, 22]  # grown once, then kept
-    assert all(p <= u[2] for p, u in zip(pools, uncut))
+    assert all(p <= u.max_blocks for p, u in zip(pools, uncut))

@@ -1,4 +1,4 @@
-"""Paged attention (engine.paged_attention): the torch reference against a dense computation over
+"""Paged attention (engine.kernels.paged): the torch reference against a dense computation over
 contiguous per-row keys, the Triton kernel against the reference, and the checks on its inputs.
 
 The Triton kernel runs on CPU under ``TRITON_INTERPRET=1``, in a subprocess (the flag is read when
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_lab.engine.paged_attention import (
+from rollout_lab.engine.kernels.paged import (
     OP_NAME, paged_attention, paged_attention_reference, paged_splits,
 )
 
@@ -152,7 +152,7 @@ def check_kernel(cases, device):
     """The kernel (called directly and through ``torch.ops``) against the reference on ``device``,
     fp32 and bf16, for cases (rows, kv_heads, groups, block_size, max_blocks, head_dim); the numbers
     of splits the cases ran with (one split writes the output without the merge)."""
-    from rollout_lab.engine.span_attention import kernel_available
+    from rollout_lab.engine.kernels.available import kernel_available
 
     assert kernel_available(device)
     splits = set()
@@ -174,8 +174,8 @@ def check_paged_write(device):
     """``paged_write`` (its one-launch kernel where Triton runs) against ``index_copy_`` into copies of
     the pools: strided [rows, kv_heads, head_dim] views as the decode step passes them, untouched
     tokens kept; tokens of another dtype than the pools' (``index_copy_`` casts them) too."""
-    from rollout_lab.engine.paged_cache import paged_write
-    from rollout_lab.engine.span_attention import kernel_available
+    from rollout_lab.engine.kv.paged import paged_write
+    from rollout_lab.engine.kernels.available import kernel_available
 
     assert kernel_available(device)
     gen = torch.Generator().manual_seed(3)

@@ -26,9 +26,9 @@ def test_rollout_config_costs_path_is_checked_against_the_model(tmp_path):
 
     import pytest
 
-    from rollout_lab.engine.config import RolloutConfig
-    from rollout_lab.engine.rollout import Rollout
-    from rollout_lab.engine.setting import model_metadata, model_name_of
+    from rollout_lab.engine.api.config import RolloutConfig
+    from rollout_lab.engine.api.rollout import Rollout
+    from rollout_lab.engine.model_info import model_metadata, model_name_of
     from rollout_lab.measure.models import tiny_model
     from rollout_lab.planner.cost import CostCoefficients
 
@@ -67,9 +67,9 @@ def test_rollout_refuses_a_calibration_of_captured_prefill_for_its_eager_forward
     field, unless override_costs=True; a grid of eager forwards is accepted."""
     import pytest
 
-    from rollout_lab.engine.config import RolloutConfig
-    from rollout_lab.engine.rollout import Rollout
-    from rollout_lab.engine.setting import model_metadata, model_name_of
+    from rollout_lab.engine.api.config import RolloutConfig
+    from rollout_lab.engine.api.rollout import Rollout
+    from rollout_lab.engine.model_info import model_metadata, model_name_of
     from rollout_lab.measure.models import tiny_model
     from rollout_lab.planner.cost import CostCoefficients
 
@@ -87,14 +87,14 @@ def test_rollout_refuses_a_calibration_of_captured_prefill_for_its_eager_forward
 def test_rollout_checks_the_model_name_of_a_cost_file_as_the_cli_does(tmp_path):
     """Issue 36: RolloutConfig(costs=path) accepted a cost file of another model with the same shapes,
     or one naming another model; the CLI refuses both (its model's name is in the metadata it checks).
-    Rollout checks the name too (engine.setting.model_name_of): a checkpoint goes by its folder's name,
+    Rollout checks the name too (engine.model_info.model_name_of): a checkpoint goes by its folder's name,
     as `--model` does, tiny_model/from_preset by their CLI names, another model built from a config by
     its family and size; override_costs accepts a mismatch."""
     import pytest
 
-    from rollout_lab.engine.config import RolloutConfig
-    from rollout_lab.engine.rollout import Rollout
-    from rollout_lab.engine.setting import model_metadata, model_name_of
+    from rollout_lab.engine.api.config import RolloutConfig
+    from rollout_lab.engine.api.rollout import Rollout
+    from rollout_lab.engine.model_info import model_metadata, model_name_of
     from rollout_lab.measure.calibrate import load_calibration
     from rollout_lab.measure.models import tiny_model
     from rollout_lab.planner.cost import CostCoefficients

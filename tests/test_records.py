@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_lab.engine.config import MANUAL_ROUTES
+from rollout_lab.engine.api.config import MANUAL_ROUTES
 from rollout_lab.measure.prefill_routes import PREFILL_ROUTES
 from rollout_lab.measure.records import PEER_PATHS
 from rollout_lab.planner.cost import CostCoefficients, CostFile, ModelGeometry

@@ -9,7 +9,7 @@ import torch
 from conftest import CharTokenizer, get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.config import RequestOutput, SampleOutput
+from rollout_lab.engine.api.result import RequestOutput, SampleOutput
 
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8, 1, 6, 6], [11, 2]]
 SAMPLE = dict(max_new_tokens=7, num_samples=3, do_sample=True, seed=3)

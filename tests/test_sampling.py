@@ -9,19 +9,8 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.sampling import (
-    RowSampling,
-    SamplingParams,
-    _mix64,
-    _mix64_int,
-    _signed,
-    ARGMAX_CHUNK,
-    filter_logits,
-    row_argmax,
-    sample_key,
-    sample_tokens,
-    uniforms,
-)
+from rollout_lab.engine.sample.sampler import RowSampling, _mix64, _mix64_int, _signed, ARGMAX_CHUNK, filter_logits, row_argmax, sample_key, sample_tokens, uniforms
+from rollout_lab.engine.sample.params import SamplingParams
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.routes import choose_shared_route, prompt_groups, replication_cost_ms
@@ -275,17 +264,17 @@ def test_graph_key_holds_the_filters_not_their_values():
     prompts = make_prompts([4, 6], seed=8)
     with Rollout(model, RolloutConfig(mode="aligned")) as rollout:
         rollout.generate(prompts, max_new_tokens=3)
-        greedy = rollout._stepper
+        greedy = rollout.runner.stepper
         rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=1, top_k=5)
-        sampled = rollout._stepper
+        sampled = rollout.runner.stepper
         assert sampled is not greedy and sampled.key.do_sample and sampled.key.max_top_k == 8
         assert not sampled.key.top_p_filter
         # a new seed, temperature or top-k of the same width needs no new stepper (they are buffers)
         rollout.generate(prompts, max_new_tokens=3, do_sample=True, seed=2, top_k=7, temperature=0.5)
         rollout.generate(prompts, max_new_tokens=3, sampling=[SamplingParams(0.3, 6, seed=4), SamplingParams(0)])
-        assert rollout._stepper is sampled
+        assert rollout.runner.stepper is sampled
         rollout.generate(prompts, max_new_tokens=3, do_sample=True, top_k=5, top_p=0.9)
-        assert rollout._stepper is not sampled and rollout._stepper.key.top_p_filter
+        assert rollout.runner.stepper is not sampled and rollout.runner.stepper.key.top_p_filter
 
 
 # -- per-request settings ------------------------------------------------------------------------
@@ -372,9 +361,9 @@ BAD_SAMPLING = {
     "seed_without_sampling": (dict(seed=3), "do_sample=True"),
     "top_p_without_sampling": (dict(top_p=0.9), "do_sample=True"),
     "negative_temperature": (dict(do_sample=True, temperature=-0.5), "temperature"),
-    "bad_top_k_at_zero_temperature": (dict(do_sample=True, temperature=0, top_k=-1), "top_k"),
+    "bad_top_k_at_zero_temperature": (dict(do_sample=True, temperature=0, top_k=-2), "top_k"),
     "nan_temperature": (dict(do_sample=True, temperature=float("nan")), "temperature"),
-    "negative_top_k": (dict(do_sample=True, top_k=-1), "top_k"),
+    "negative_top_k": (dict(do_sample=True, top_k=-2), "top_k"),
     "float_top_k": (dict(do_sample=True, top_k=2.0), "top_k"),
     "zero_top_p": (dict(do_sample=True, top_p=0.0), "top_p"),
     "big_top_p": (dict(do_sample=True, top_p=1.5), "top_p"),

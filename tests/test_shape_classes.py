@@ -135,7 +135,7 @@ def test_the_rollout_prices_new_classes_by_its_graphs_captures():
     from conftest import get_tiny
 
     from rollout_lab import Rollout, RolloutConfig
-    from rollout_lab.engine.prefill_graphs import PrefillGraphs
+    from rollout_lab.engine.runner.prefill_graphs import PrefillGraphs
 
     def graphs(captures: dict[str, float], max_graphs: int = 32):
         shapes = {tuple(map(int, key.split("x"))): None for key in captures}
@@ -150,7 +150,7 @@ def test_the_rollout_prices_new_classes_by_its_graphs_captures():
     ladder = ShapeClasses((64, 256, 512), (2, 4, 8, 16))
     rollout = Rollout(get_tiny("qwen2"), RolloutConfig(prefill_classes=ladder))
     assert rollout.prefill_classes([10, 20], 2) == ladder  # nothing captured yet
-    rollout._prefill_graphs = graphs({"8x256": 30000.0, "4x512": 300.0})
+    rollout.runner.prefill_graphs = graphs({"8x256": 30000.0, "4x512": 300.0})
     priced = rollout.prefill_classes([10, 20], 2)
     assert priced.captured == ((4, 512), (8, 256)) and priced.max_capture_tokens == 8192
     assert priced.first_use_ms == 300.0 / CAPTURE_PAYBACK_CALLS and priced.widths == ladder.widths
@@ -236,7 +236,7 @@ def test_engine_replays_a_larger_captured_shape_with_the_oracle_tokens(oracle):
     rollout = Rollout(model, RolloutConfig(mode="bucketed", prefill_classes=ShapeClasses((8, 16, 32), (1, 2, 4, 8)),
                                            costs=CostCoefficients(prefill_fixed_cost_ms=0.05), profile=True))
     # what the kept graphs would say: one 8x32 class captured, a capture costs a second
-    rollout._prefill_graphs = SimpleNamespace(shapes={(8, 32): None}, max_tokens=8192, num_captures=1,
+    rollout.runner.prefill_graphs = SimpleNamespace(shapes={(8, 32): None}, max_tokens=8192, num_captures=1,
                                               capture_estimate_ms=lambda: 1000.0, close=lambda: None)
     result = rollout.generate(prompts, max_new_tokens=budgets)
     shapes = [(f["batch"], f["width"]) for f in result.profile.forwards if f["kind"] == "prefill"]
@@ -248,7 +248,7 @@ def test_bad_class_settings_are_named():
     from conftest import get_tiny
 
     from rollout_lab import RolloutConfig
-    from rollout_lab.engine.prefill import prefill_bucket
+    from rollout_lab.engine.runner.prefill import prefill_bucket
 
     with pytest.raises(ValueError, match="prefill_classes must be a ShapeClasses, 'auto' or None"):
         RolloutConfig(prefill_classes=(16, 32))
@@ -297,7 +297,10 @@ def test_auto_prefill_is_classes_and_graphs_on_cuda_only(tmp_path):
     from conftest import get_tiny
 
     from rollout_lab import Rollout, RolloutConfig
-    from rollout_lab.engine.rollout import resolve_prefill_graphs
+    from rollout_lab.engine.runner.runner import resolve_prefill_graphs as resolve
+
+    def resolve_prefill_graphs(config, device):
+        return resolve(config.prefill_graphs, classes=config.prefill_classes, costs=config.costs, device=device)
 
     config = RolloutConfig()
     assert config.prefill_classes == "auto" and config.prefill_graphs == "auto"
@@ -312,17 +315,17 @@ def test_auto_prefill_is_classes_and_graphs_on_cuda_only(tmp_path):
     assert not resolve_prefill_graphs(RolloutConfig(costs=eager_file), cuda)
     assert resolve_prefill_graphs(RolloutConfig(costs=graph_file), cuda)
     rollout = Rollout(get_tiny("qwen2"))
-    assert rollout.prefill_graphs is False and rollout.prefill_classes([5, 300], 64) is None
+    assert rollout.runner.captures_prefill is False and rollout.prefill_classes([5, 300], 64) is None
     fixed = ShapeClasses((16, 64))
     assert Rollout(get_tiny("qwen2"), RolloutConfig(prefill_classes=fixed)).prefill_classes([5], 4) is fixed
     rollout.device = cuda  # what a CUDA rollout would plan at (no GPU needed to ask)
     assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64)
     # captured with the whole model compiled: no 1-row class, which would compile the model again
-    rollout.prefill_graphs, rollout.compiled = True, True
+    rollout.runner.captures_prefill, rollout.runner.compiled = True, True
     assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64, smallest_rows=2)
     # layer by layer (CUDA's default) a 1-row class costs one layer's trace: one prompt runs alone
     for compiled in ("layers", False):
-        rollout.compiled = compiled
+        rollout.runner.compiled = compiled
         assert rollout.prefill_classes([5, 300], 64) == ShapeClasses.covering(300, 64), compiled
 
 
@@ -381,7 +384,7 @@ def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
     with Rollout(model, RolloutConfig(prefill_graphs=True, compile=compile, **common)) as rollout:
         graph = rollout.generate(prompts, max_new_tokens=budgets)
         again = rollout.generate(prompts, max_new_tokens=budgets)
-        graphs = rollout._prefill_graphs
+        graphs = rollout.runner.prefill_graphs
         assert graphs.num_captures >= 2 and graphs.num_replays > graphs.num_captures
         info = rollout.prefill_graph_info  # each class's capture, its compile included
         assert len(info["class_capture_ms"]) == info["num_captures"] == graphs.num_captures
@@ -391,16 +394,16 @@ def test_cuda_prefill_graphs_equal_eager(family, compile, oracle):
         head = model.get_output_embeddings()
         model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
         assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
-        assert rollout._prefill_graphs is graphs and graphs.num_captures == captures  # copied in, not recaptured
+        assert rollout.runner.prefill_graphs is graphs and graphs.num_captures == captures  # copied in, not recaptured
         head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())  # another layout
         assert rollout.generate(prompts, max_new_tokens=budgets).sequences == graph.sequences
-        assert rollout._prefill_graphs is not graphs
+        assert rollout.runner.prefill_graphs is not graphs
     assert graph.profile.prefill_backend == "graph" and graphs.compiled == compile
     assert graph.sequences == eager.sequences == expected
     capped = Rollout(model, RolloutConfig(prefill_graphs=True, max_prefill_graphs=1, compile=compile, **common))
     assert capped.generate(prompts, max_new_tokens=budgets).sequences == expected
-    assert capped._prefill_graphs.num_captures == 1 and capped._prefill_graphs.num_eager > 0
+    assert capped.runner.prefill_graphs.num_captures == 1 and capped.runner.prefill_graphs.num_eager > 0
     # past the cap the compiled layers run (their symbolic sizes serve any class), the model otherwise
-    expected_eager = capped._prefill_graphs.forward if compile == "layers" else model
-    assert capped._prefill_graphs.eager is expected_eager
+    expected_eager = capped.runner.prefill_graphs.forward if compile == "layers" else model
+    assert capped.runner.prefill_graphs.eager is expected_eager
     capped.close()

@@ -1,4 +1,4 @@
-"""Span attention (engine.span_attention): the kernel against its torch reference and the masked
+"""Span attention (engine.kernels.span): the kernel against its torch reference and the masked
 SDPA, and the engine with ``decode_attention="span"`` against the one-request oracle.
 
 On CPU the engine runs the torch reference, which checks the span bookkeeping (admission, refill,
@@ -18,9 +18,9 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.attention import gqa_decode_attention
-from rollout_lab.engine.span_attention import num_splits, span_attention, span_attention_reference
-from rollout_lab.engine.steppers import resolve_compile, resolve_spans
+from rollout_lab.engine.kernels.attention import gqa_decode_attention
+from rollout_lab.engine.kernels.span import num_splits, span_attention, span_attention_reference
+from rollout_lab.engine.runner.steppers import resolve_compile, resolve_spans
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
@@ -144,7 +144,8 @@ def run_interpreted(script: str) -> str:
 
 INTERPRETED = textwrap.dedent("""
     import torch
-    from rollout_lab.engine.span_attention import kernel_available, span_attention, span_attention_reference
+    from rollout_lab.engine.kernels.available import kernel_available
+    from rollout_lab.engine.kernels.span import span_attention, span_attention_reference
     assert kernel_available("cpu")
     gen = torch.Generator().manual_seed(0)
     cases = [(3, 2, 4, 200, 32), (2, 2, 8, 70, 16), (5, 2, 1, 130, 16), (4, 8, 2, 90, 16), (1, 1, 1, 1, 16)]
@@ -197,7 +198,7 @@ ENGINE_INTERPRETED = textwrap.dedent("""
         config = RolloutConfig(mode="bucketed", continuous_batch_size=2, decode_attention="auto",
                                costs=CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0))
         rollout = Rollout(model, config)
-        assert rollout.spans, family  # "auto" picks the kernel when it can run
+        assert rollout.runner.spans, family  # "auto" picks the kernel when it can run
         assert rollout.generate(prompts, max_new_tokens=budgets).sequences == expected, family
     print("engine ok")
 """)
@@ -249,7 +250,7 @@ def test_cuda_compiled_span_graph_equals_eager_and_oracle(family, compile, oracl
         eager = Rollout(model, RolloutConfig(decode="eager", decode_attention="masked", **common)) \
             .generate(prompts, max_new_tokens=budgets)
         with Rollout(model, RolloutConfig(decode="graph", compile=compile, **common)) as rollout:
-            assert rollout.spans and rollout.compiled == ("layers" if compile == "auto" else compile)
+            assert rollout.runner.spans and rollout.runner.compiled == ("layers" if compile == "auto" else compile)
             graph = rollout.generate(prompts, max_new_tokens=budgets, profile=True)
             info = rollout.stepper_info
         assert graph.sequences == eager.sequences == expected, (family, slots)

@@ -8,7 +8,7 @@ import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.steppers import graph_weights, rebind_weights, resolve_decode_mode
+from rollout_lab.engine.runner.steppers import graph_weights, rebind_weights, resolve_decode_mode
 from rollout_lab.measure.models import TINY_VOCAB_SIZE, tiny_model
 from rollout_lab.planner.cost import CostCoefficients
 
@@ -35,13 +35,13 @@ def test_eager_stepper_is_kept_across_calls_and_released():
     prompts = prompts_of([9, 3, 3, 5])
     with Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT)) as rollout:
         first = rollout.generate(prompts, max_new_tokens=4).sequences
-        stepper = rollout._stepper
+        stepper = rollout.runner.stepper
         assert rollout.stepper_info["kind"] == "eager"
         again = rollout.generate(prompts, max_new_tokens=4).sequences
-        assert rollout._stepper is stepper and again == first
+        assert rollout.runner.stepper is stepper and again == first
         rollout.generate(prompts[:2], max_new_tokens=4)  # fewer slots: a new stepper
-        assert rollout._stepper is not stepper
-    assert rollout._stepper is None
+        assert rollout.runner.stepper is not stepper
+    assert rollout.runner.stepper is None
     assert rollout.generate(prompts, max_new_tokens=4).sequences == first  # usable after close
 
 
@@ -56,10 +56,10 @@ def test_a_prefill_only_call_builds_no_stepper_and_keeps_the_kept_one(mode):
         assert rollout.stepper_info["kind"] is None
         longer = rollout.generate(prompts, max_new_tokens=4).sequences
         assert first == [s[:1] for s in longer]
-        stepper = rollout._stepper
+        stepper = rollout.runner.stepper
         assert stepper is not None
         assert rollout.generate(prompts, max_new_tokens=[1, 1, 1, 1]).sequences == first
-        assert rollout._stepper is stepper
+        assert rollout.runner.stepper is stepper
         assert rollout.generate(prompts, max_new_tokens=4).sequences == longer
 
 
@@ -133,10 +133,10 @@ def test_a_call_after_a_weight_sync_runs_the_new_weights_in_the_kept_memory():
     expected = Rollout(other, RolloutConfig(mode="bucketed", costs=SPLIT)).generate(prompts, max_new_tokens=5)
     rollout = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT))
     first = rollout.generate(prompts, max_new_tokens=5)
-    rollout._graph_weights = captured = graph_weights(model)
+    rollout.runner.graph_weights = captured = graph_weights(model)
     _assign(model, other)
     assert rollout.generate(prompts, max_new_tokens=5).sequences == expected.sequences != first.sequences
-    assert rollout._graph_weights is captured
+    assert rollout.runner.graph_weights is captured
     assert [t.data_ptr() for t in (*model.parameters(), *model.buffers())] == [c.data_ptr() for c in captured]
 
 
@@ -153,17 +153,17 @@ def test_one_capture_serves_calls_and_weight_replacement_recaptures():
                 p.mul_(1.0)
         assert rollout.generate(prompts, max_new_tokens=5).sequences == first
         assert rollout.stepper_info["num_captures"] == 1
-        stepper = rollout._stepper
+        stepper = rollout.runner.stepper
         _assign(model, _cuda_model("llama", seed=1))  # new storage, same layout: copied in, not recaptured
         synced = rollout.generate(prompts, max_new_tokens=5).sequences
-        assert rollout._stepper is stepper and rollout.stepper_info["num_captures"] == 1
+        assert rollout.runner.stepper is stepper and rollout.stepper_info["num_captures"] == 1
         fresh = Rollout(_cuda_model("llama", seed=1), RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager"))
         assert synced == fresh.generate(prompts, max_new_tokens=5).sequences != first
         head = model.get_output_embeddings()  # another layout (strides): recapture
         head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())
         assert rollout.generate(prompts, max_new_tokens=5).sequences == synced
-        assert rollout._stepper is not stepper
-    assert second and rollout._stepper is None
+        assert rollout.runner.stepper is not stepper
+    assert second and rollout.runner.stepper is None
 
 
 @cuda
@@ -179,7 +179,7 @@ def test_graph_sampling_equals_eager_sampling(family):
         with Rollout(model, RolloutConfig(decode="graph", **kwargs)) as rollout:
             graph = rollout.generate(prompts, max_new_tokens=10, **gen)
             assert rollout.stepper_info["kind"] == "graph" and rollout.stepper_info["num_replays"] > 0
-            assert rollout._stepper.key.do_sample
+            assert rollout.runner.stepper.key.do_sample
         assert graph.sequences == eager.sequences, penalty
         nocb = Rollout(model, RolloutConfig(mode="nocb", costs=SPLIT, repetition_penalty=penalty)) \
             .generate(prompts, max_new_tokens=10, **gen)
@@ -190,7 +190,7 @@ def test_graph_sampling_equals_eager_sampling(family):
 def test_graph_per_request_sampling_and_min_new_tokens_equal_eager():
     """Rows of different settings (a greedy one among them) and of different min_new_tokens share one
     captured (compiled) step and draw eager's tokens, on the aligned and the paged cache."""
-    from rollout_lab.engine.sampling import SamplingParams
+    from rollout_lab.engine.sample.params import SamplingParams
 
     model = _cuda_model("qwen2")
     prompts = prompts_of([5, 12, 3, 8], seed=4)
@@ -205,12 +205,12 @@ def test_graph_per_request_sampling_and_min_new_tokens_equal_eager():
         with Rollout(model, RolloutConfig(mode=mode, costs=SPLIT, decode="graph", eos_token_id=eos,
                                           continuous_batch_size=5)) as rollout:
             graph = rollout.generate(prompts, **gen)
-            assert rollout._stepper.key.min_new_tokens and rollout._stepper.key.do_sample
+            assert rollout.runner.stepper.key.min_new_tokens and rollout.runner.stepper.key.do_sample
         assert graph.sequences == eager.sequences, mode
 
 
 def test_graph_ladder_rungs():
-    from rollout_lab.engine.steppers import graph_ladder
+    from rollout_lab.engine.runner.steppers import graph_ladder
 
     assert graph_ladder(256, 24) == (1, 2, 4, 8, *range(16, 257, 16))
     assert graph_ladder(256, 1) == (256,)
@@ -254,8 +254,8 @@ def test_graph_ladder_with_budgets_refill_and_eos_equals_eager():
 
 
 def test_width_ladder_and_windows_change_no_token(monkeypatch):
-    from rollout_lab.engine import steppers
-    from rollout_lab.engine.steppers import width_ladder
+    from rollout_lab.engine.runner import steppers
+    from rollout_lab.engine.runner.steppers import width_ladder
 
     assert width_ladder(2048, 4) == (512, 1024, 1536, 2048) and width_ladder(64, 1) == (64,)
     assert width_ladder(40, 4) == (16, 32, 40) and width_ladder(10, 4) == (10,)
@@ -290,7 +290,7 @@ def test_the_fused_graph_step_draws_eagers_tokens_and_follows_weight_updates(mod
     gen = dict(max_new_tokens=9, do_sample=True, temperature=0.9, top_k=40, seed=3)
     kwargs = dict(mode=mode, costs=SPLIT, continuous_batch_size=4)
     with Rollout(model, RolloutConfig(decode="graph", fuse_projections="auto", **kwargs)) as rollout:
-        assert rollout.fused
+        assert rollout.runner.fused
         stepper = None
         for update in range(3):
             if update == 1:
@@ -302,8 +302,8 @@ def test_the_fused_graph_step_draws_eagers_tokens_and_follows_weight_updates(mod
                 model.load_state_dict(state, assign=True)  # a weight sync into new tensors
             eager = Rollout(model, RolloutConfig(decode="eager", **kwargs)).generate(prompts, **gen)
             graph = rollout.generate(prompts, **gen)
-            stepper = stepper or rollout._stepper
-            assert rollout._stepper is stepper and rollout.stepper_info["fused"]  # refreshed, not recaptured
+            stepper = stepper or rollout.runner.stepper
+            assert rollout.runner.stepper is stepper and rollout.stepper_info["fused"]  # refreshed, not recaptured
             assert graph.sequences == eager.sequences, update
 
 
@@ -312,7 +312,7 @@ def test_the_fused_graph_step_draws_eagers_tokens_and_follows_weight_updates(mod
 def test_the_layer_wise_compiled_graph_step_draws_eagers_tokens_with_one_trace(mode):
     """compile="layers" on the captured step (fp32, inductor, fused projections by default): eager's
     tokens, sampled, on the aligned and the paged cache; and as many dynamo graphs for eight decoder
-    layers as for two (each layer is given its own cache layer, engine.compiling), not one per layer.
+    layers as for two (each layer is given its own cache layer, engine.runner.compiling), not one per layer.
     The count itself is several: one per captured row count that specialises, and the token choice's."""
     from transformers import AutoModelForCausalLM
 

@@ -10,7 +10,7 @@ import torch
 from conftest import CharTokenizer, get_tiny
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.stopping import StopStrings
+from rollout_lab.engine.sample.stopping import StopStrings
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 

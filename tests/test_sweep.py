@@ -14,7 +14,7 @@ import pytest
 from conftest import get_tiny
 
 from rollout_lab.cli.main import main as cli_main
-from rollout_lab.engine.config import MANUAL_ROUTES, MODES
+from rollout_lab.engine.api.config import MANUAL_ROUTES, MODES
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.paths import PATHS
 from rollout_lab.measure.records import (

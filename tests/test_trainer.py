@@ -184,7 +184,7 @@ def test_token_logprobs_and_their_gradient_match_plain_torch(dtype):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from rollout_lab.engine.span_attention import kernel_available
+    from rollout_lab.engine.kernels.available import kernel_available
     from rollout_lab.engine.trainer import token_logprobs
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert kernel_available(device)

@@ -19,7 +19,7 @@ from rollout_lab.workspace import write_record
 
 
 def _rl_options(p: argparse.ArgumentParser) -> None:
-    from rollout_lab.engine.config import DECODE_MODES  # torch: a bench's options, when it parses
+    from rollout_lab.engine.runner.steppers import DECODE_MODES  # torch: a bench's options, when it parses
     from rollout_lab.measure.rl import NANO_VLLM_MODEL, RL_DEFAULTS, RL_PATHS  # torch, as above
 
     d = RL_DEFAULTS  # run_rl's own defaults
@@ -205,8 +205,8 @@ def cmd_bench_long_tail(args: argparse.Namespace) -> int:
 
 
 def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
-    from rollout_lab.engine.decode import LOGPROB_MODES  # torch: a bench's options, when it parses
-    from rollout_lab.engine.config import MODES  # torch, as above
+    from rollout_lab.engine.sample.processors import LOGPROB_MODES  # torch: a bench's options, when it parses
+    from rollout_lab.engine.api.config import MODES  # torch, as above
     from rollout_lab.measure.trainer_loop import TRAIN_MODES, TRAINER_LOOP_DEFAULTS  # torch, as above
 
     d = TRAINER_LOOP_DEFAULTS  # run_trainer_loop's own defaults
@@ -369,7 +369,7 @@ def _add_bench_options(parser: argparse.ArgumentParser, *, preset: str) -> None:
 def _add_run_options(parser: argparse.ArgumentParser, defaults: dict[str, Any], *, paths: Sequence[str]) -> None:
     """--mode (where the run takes one), --seed, --reps and --paths of a bench timing several paths
     on one seeded workload (rl, grpo, long-tail); ``defaults`` are its run function's."""
-    from rollout_lab.engine.config import MODES  # torch: a bench's options, when it parses
+    from rollout_lab.engine.api.config import MODES  # torch: a bench's options, when it parses
 
     if "mode" in defaults:
         parser.add_argument("--mode", default=defaults["mode"], choices=MODES, help="our route (default %(default)s)")

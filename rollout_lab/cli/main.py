@@ -147,8 +147,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from rollout_lab.measure import \
         sweep  # torch: only the commands that run a model
-    from rollout_lab.engine.setting import model_metadata  # torch, as above
-    from rollout_lab.engine.steppers import resolve_decode_mode  # torch, as above
+    from rollout_lab.engine.model_info import model_metadata  # torch, as above
+    from rollout_lab.engine.runner.steppers import resolve_decode_mode  # torch, as above
     from rollout_lab.measure.calibrate import calibration_path  # torch, as above
     from rollout_lab.measure.paths import check_paths  # torch, as above
 
@@ -174,7 +174,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ValueError("--no-compile and --compile-layers contradict each other: give one of them")
     if args.no_compile:  # graphs capture the eager model: no compile (minutes for a large model)
         engine["compile"] = False
-    if args.compile_layers:  # each decoder layer compiled: a shorter first compile (engine.compiling)
+    if args.compile_layers:  # each decoder layer compiled: a shorter first compile (engine.runner.compiling)
         if device_type(args.device) != "cuda":
             raise ValueError(f"--compile-layers compiles the CUDA-graph decode step; --device is {args.device}")
         engine["compile"] = "layers"

@@ -83,7 +83,7 @@ def model_limits(args: argparse.Namespace) -> tuple[Any, str, int | None]:
 def read_costs_before_work(path: str, args: argparse.Namespace, config: Any, name: str) -> CostFile:
     """The cost file, checked on what is known before the model is built (name, geometry, dtype,
     device type, whether the prefill forwards are captured); the rest is checked against the built
-    model (``engine.setting.model_metadata``)."""
+    model (``engine.model_info.model_metadata``)."""
     cost_file = CostFile.read(path)
     expected = setting_metadata(geometry=ModelGeometry.from_config(config, args.dtype), dtype=args.dtype,
                                 model_name=name, device_type=device_type(args.device),

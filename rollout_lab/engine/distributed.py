@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollout_lab.engine.config import RolloutConfig, prompt_lists
+from rollout_lab.engine.api.config import RolloutConfig
+from rollout_lab.engine.api.call import prompt_lists
 from rollout_lab.engine.profile import synchronize
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.planner.checks import budgets_of
 from rollout_lab.planner.sharding import predicted_rank_costs, shard_requests
 

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from rollout_lab.engine.span_attention import kernel_available, tl, triton
+from rollout_lab.engine.kernels.available import kernel_available, tl, triton
 
 # LM-head positions per chunk: [8192, 151936] logits are 2.5 GB in bf16, 5 GB in fp32 (fp32_head, and the
 # backward's probabilities); the chunks are rows of the batch

@@ -21,9 +21,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry

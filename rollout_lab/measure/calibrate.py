@@ -48,13 +48,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.config import RolloutConfig
-from rollout_lab.engine.prefill import cache_kwarg_name, packed_backend, prefill_bucket, prefill_packed
-from rollout_lab.engine.prefill_graphs import PrefillGraphs
+from rollout_lab.engine.kv.aligned import AlignedKVCache
+from rollout_lab.engine.api.config import RolloutConfig
+from rollout_lab.engine.runner.prefill import cache_kwarg_name, packed_backend, prefill_bucket, prefill_packed
+from rollout_lab.engine.runner.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import timed_ms
-from rollout_lab.engine.rollout import Rollout
-from rollout_lab.engine.setting import model_metadata, model_name_of
+from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.model_info import model_metadata, model_name_of
 from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.provenance import git_sha, provenance
 from rollout_lab.measure.spread import sample_spread
@@ -261,7 +261,7 @@ class CalibrationGrid:
     decode_repeats: int = 5  # timed passes of the decode probe, after one warm-up pass
     statistic: str = "median"  # of the timed samples per shape; "min" resists a busy host's noise
     packed: bool = True  # also time packed forwards of the shapes with batch >= 2 (the packed route)
-    prefill_graphs: bool = False  # CUDA: time each shape as a compiled graph's replay (engine.prefill_graphs)
+    prefill_graphs: bool = False  # CUDA: time each shape as a compiled graph's replay (engine.runner.prefill_graphs)
     compile: bool = True  # CUDA: False captures the eager model (prefill graphs and decode step), as sweep --no-compile
     paged_decode: bool = False  # the decode probe also times the paged route: paged_decode_cost_ms (one more compile on CUDA)
 
@@ -498,7 +498,7 @@ def measure_decode_overhead(
 
 
 def run_metadata(model: Any, *, model_name: str | None = None) -> dict[str, Any]:
-    """The checked fields (``planner.cost.CHECKED_FIELDS``, from ``engine.setting.model_metadata``)
+    """The checked fields (``planner.cost.CHECKED_FIELDS``, from ``engine.model_info.model_metadata``)
     plus provenance, for ``model`` in the current process."""
     param = next(model.parameters())
     info = provenance(device=param.device, dtype=param.dtype)

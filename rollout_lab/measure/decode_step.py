@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS
@@ -77,7 +77,7 @@ def run_decode_step(
 
 def time_steps(rollout: Rollout, slots: int, span: int, steps: int) -> list[float]:
     """ms of each of ``steps`` decode steps over ``slots`` full rows whose span grows to ``span``."""
-    stepper = rollout._stepper
+    stepper = rollout.runner.stepper
     cache, device = stepper.cache, rollout.device
     stepper.reset()
     cache.set_front(span - steps)

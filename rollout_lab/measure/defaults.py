@@ -33,9 +33,9 @@ import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.calibrate import load_calibration
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.paths import timed_call
@@ -142,7 +142,7 @@ def run_defaults(
             build_ms, rollouts[name] = timed_ms(lambda: Rollout(model, configs[name]), device)
             engines[name] |= {"build_ms": build_ms, "costs_source": rollouts[name].costs_source,
                               "compiled_artifacts_loaded": rollouts[name].compiled_artifacts_loaded,
-                              "prefill_graphs": rollouts[name].prefill_graphs}
+                              "prefill_graphs": rollouts[name].runner.captures_prefill}
         return rollouts[name]
 
     try:

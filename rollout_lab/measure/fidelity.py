@@ -32,10 +32,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.engine.config import RolloutConfig
-from rollout_lab.engine.prefill import cache_kwarg_name, prefill_bucket
-from rollout_lab.engine.rollout import Rollout
-from rollout_lab.engine.steppers import StepperKey, graph_capacity, make_stepper
+from rollout_lab.engine.api.config import RolloutConfig
+from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
+from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.runner.steppers import StepperKey, graph_capacity, make_stepper
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS
@@ -74,16 +74,16 @@ def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     rows = len(prompts)
     longest = max(len(p) for p in prompts)
     capacity = longest + num_forced
-    if rollout.decode_mode == "graph":
+    if rollout.runner.decode_mode == "graph":
         capacity = graph_capacity(capacity)
-    paged = config.mode == "paged"  # the paged cache (engine.paged_cache): every row in its own blocks
+    paged = config.mode == "paged"  # the paged cache (engine.kv.paged): every row in its own blocks
     size = config.kv_block_size
     num_blocks = 1 + sum(-(-(len(p) + num_forced) // size) for p in prompts) if paged else 0
-    key = StepperKey(rows, capacity, 1.0, False, rollout.cache_kwarg,
-                     max_graphs=config.max_decode_graphs if rollout.decode_mode == "graph" else 1,
-                     num_widths=config.decode_widths, spans=rollout.spans, compiled=rollout.compiled,
-                     fused=rollout.fused, keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks)
-    stepper = make_stepper(model, key, decode=rollout.decode_mode)
+    key = StepperKey(rows, capacity, rollout.runner.cache_kwarg,
+                     max_graphs=config.max_decode_graphs if rollout.runner.decode_mode == "graph" else 1,
+                     num_widths=config.decode_widths, spans=rollout.runner.spans, compiled=rollout.runner.compiled,
+                     fused=rollout.runner.fused, keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks)
+    stepper = make_stepper(model, key, decode=rollout.runner.decode_mode)
     try:
         stepper.reset()
         cache, state = stepper.cache, stepper.state
@@ -98,7 +98,7 @@ def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         cache.admit(slots, layer_kv, [len(p) for p in prompts])
         device = first.device
         forced_t = torch.tensor([list(t) for t in forced], dtype=torch.long, device=device)  # [rows, steps]
-        state.admit(slots, forced_t[:, 0], [len(p) for p in prompts], None)
+        state.admit(slots, forced_t[:, 0], [len(p) for p in prompts])
         logits = [first.float()]  # [rows, vocab] per step
         for step in range(1, num_forced):
             if paged:

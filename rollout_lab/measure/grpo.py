@@ -14,7 +14,7 @@ Paths (``GRPO_PATHS``), every one sampled with the same seed:
 - ``unshared``: the same with ``share_prefill=False`` (every (prompt, sample) row prefilled);
 - ``hf_generate``: HF ``generate(..., do_sample=True, num_return_sequences=S)`` (dynamic cache);
 - ``shared_unfused``: ``shared`` with the decode step's projections unfused
-  (``fuse_projections=False``, engine.fusing), what the default fusion saves; not run unless asked.
+  (``fuse_projections=False``, engine.runner.fusing), what the default fusion saves; not run unless asked.
 
 One warm-up round (graph capture included) and ``reps`` interleaved timed rounds, every call timed
 whole with the device synchronised before and after. Then one pass per path alone on the device
@@ -32,10 +32,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rollout_lab.engine.config import MODES, RolloutConfig
-from rollout_lab.engine.prefill import left_padded
+from rollout_lab.engine.api.config import MODES, RolloutConfig
+from rollout_lab.engine.runner.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import release_memory

@@ -37,9 +37,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.rl import peak_memory_over
@@ -59,10 +59,10 @@ LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
     # the same with each turn's prefill bounded (longer prompts in chunks between steps): what the
     # bounded stall costs in throughput
     "paged_128_admit_256": dict(mode="paged", continuous_batch_size=128, admit_tokens_per_step=256),
-    # the same with the decode step's projections unfused (engine.fusing off): what the fusion saves
+    # the same with the decode step's projections unfused (engine.runner.fusing off): what the fusion saves
     "paged_128_unfused": dict(mode="paged", continuous_batch_size=128, fuse_projections=False),
     # the same with the whole model compiled as one graph (compile=True) instead of each decoder
-    # layer (engine.compiling): its step and first call against the layers'
+    # layer (engine.runner.compiling): its step and first call against the layers'
     "paged_128_compile_model": dict(mode="paged", continuous_batch_size=128, compile=True),
     "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
     "aligned_all": dict(mode="bucketed"),  # every row at once

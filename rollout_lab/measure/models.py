@@ -76,7 +76,7 @@ def tiny_model(
                 param.normal_(0.0, 0.2)
     _clear_generation_defaults(model)
     # named as load_model and the CLI name it: a cost file is checked against this name
-    # (engine.setting.model_name_of reads it back, as it reads a checkpoint's folder)
+    # (engine.model_info.model_name_of reads it back, as it reads a checkpoint's folder)
     model.config.name_or_path = f"tiny-{family}"
     return model.eval()
 

@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rollout_lab.engine.config import MODES, RolloutConfig
+from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.peers import hf_generate, hf_generate_batch
 from rollout_lab.measure.records import PEER_PATHS
 
@@ -34,9 +34,9 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "ours_one_graph": {"compile": False, "decode_attention": "masked", "decode_widths": 1,
                        "max_decode_graphs": 1},
     # "ours" with the whole model compiled as one graph instead of each decoder layer (compile=True,
-    # engine.compiling): inductor fuses across layers, at a first compile ~20x longer (CUDA only)
+    # engine.runner.compiling): inductor fuses across layers, at a first compile ~20x longer (CUDA only)
     "ours_compile_model": {"compile": True},
-    # "ours" with q/k/v and gate/up as separate matmuls (engine.fusing's fusion off): what it saves
+    # "ours" with q/k/v and gate/up as separate matmuls (engine.runner.fusing's fusion off): what it saves
     "ours_unfused": {"fuse_projections": False},
     # the same saving on the uncompiled step: seconds to build, where a compile takes minutes
     "ours_no_compile_fused": {"compile": False, "fuse_projections": True},

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.engine.prefill import left_padded
+from rollout_lab.engine.runner.prefill import left_padded
 
 
 @torch.no_grad()

@@ -68,7 +68,7 @@ def _torch_info(device: Any) -> dict[str, Any]:
     import torch  # only when the measurement used torch: the planner benchmark does not
     import transformers
 
-    from rollout_lab.engine.setting import device_name  # torch, as above
+    from rollout_lab.engine.model_info import device_name  # torch, as above
 
     info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__}
     dev = torch.device(device) if device is not None else torch.device("cpu")

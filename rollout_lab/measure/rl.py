@@ -26,10 +26,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from transformers import GenerationConfig
 
-from rollout_lab.engine.compiling import compile_counts
-from rollout_lab.engine.config import MODES, RolloutConfig
+from rollout_lab.engine.runner.compiling import compile_counts
+from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import DECODE_VARIANTS, release_memory
@@ -148,7 +148,7 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
     rollout.close()
     return {
         "samples_ms": samples, "mean_ms": statistics.fmean(samples), "first_call_ms": first_ms, "calls": calls,
-        "peak_memory_bytes": peak, "route": profiled.route, "decode": rollout.decode_mode,
+        "peak_memory_bytes": peak, "route": profiled.route, "decode": rollout.runner.decode_mode,
         "num_decode_steps": prof.num_decode_forwards, "stepper": stepper,
         "decode_ms_per_step": prof.decode_ms / max(1, prof.num_decode_forwards),
         "profile": {k: getattr(prof, k) for k in ("planning_ms", "prefill_ms", "decode_ms", "cache_ms",

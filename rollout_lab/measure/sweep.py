@@ -33,11 +33,11 @@ from typing import Any, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from rollout_lab.engine.attention import set_attn_implementation
-from rollout_lab.engine.config import MODES, RolloutConfig
-from rollout_lab.engine.rollout import Rollout
-from rollout_lab.engine.setting import device_name
-from rollout_lab.engine.steppers import resolve_decode_mode
+from rollout_lab.engine.kernels.attention import set_attn_implementation
+from rollout_lab.engine.api.config import MODES, RolloutConfig
+from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.model_info import device_name
+from rollout_lab.engine.runner.steppers import resolve_decode_mode
 from rollout_lab.measure.calibrate import load_calibration, run_metadata
 from rollout_lab.measure.models import (TINY_VOCAB_SIZE, load_model, model_config,
                                         special_token_ids, tiny_model)

@@ -35,11 +35,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from rollout_lab.engine.compiling import compile_counts
-from rollout_lab.engine.config import MODES, RolloutConfig
-from rollout_lab.engine.decode import LOGPROB_MODES
+from rollout_lab.engine.runner.compiling import compile_counts
+from rollout_lab.engine.api.config import MODES, RolloutConfig
+from rollout_lab.engine.sample.processors import LOGPROB_MODES
 from rollout_lab.engine.profile import timed_ms
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.trainer import group_advantages, policy_gradient_loss, sequence_logprobs
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.paths import timed_call

@@ -57,7 +57,7 @@ class CostCoefficients:
     # what a packed forward adds to the fixed cost: the padded forwards' fixed cost may be a graph
     # replay's while the packed forward runs eagerly (on the H200, 3B: ~20 ms over a replay's 6)
     packed_fixed_cost_ms: float = 0.0
-    # what a paged decode step (block-table attention, engine.paged_cache) adds over an aligned one;
+    # what a paged decode step (block-table attention, engine.kv.paged) adds over an aligned one;
     # 0 = not measured (a calibration with CalibrationGrid(paged_decode=True) measures it)
     paged_decode_cost_ms: float = 0.0
 
@@ -109,7 +109,7 @@ class CostCoefficients:
     def from_json(cls, path: str | os.PathLike, *, expected: Mapping[str, Any],
                   override: bool = False) -> "CostCoefficients":
         """The coefficients of a cost file whose provenance agrees with ``expected`` (the setting
-        in use: ``setting_metadata``, or ``engine.setting.model_metadata`` of a live model);
+        in use: ``setting_metadata``, or ``engine.model_info.model_metadata`` of a live model);
         ``CostFile.read`` then ``CostFile.check``."""
         return CostFile.read(path).check(expected, override=override)
 

@@ -6,12 +6,12 @@ the rows' prompt lengths, response lengths and budgets, turn by turn as the engi
 admission (the prefill giving each row its first token), then a burst of decode steps with no read
 of the tokens between them (``read_interval``), after which rows that ended retire:
 
-- ``"aligned"`` (``engine.batching``): every live row's next token goes to one shared front column,
+- ``"aligned"`` (``engine.sched.aligned``): every live row's next token goes to one shared front column,
   so a row enters only when the widest live span (and its own prompt) fits left of some front and
   every live row's remaining *budget* (and its own) fits right of it: ``max span <= capacity -
   max remaining``. The budget is what the cache must hold, whatever the row's actual length: one
   long row keeps the front far right and blocks refill until it retires.
-- ``"paged"`` (``engine.paged_batching``): each row lives in its own blocks, so a row enters as soon
+- ``"paged"`` (``engine.sched.paged``): each row lives in its own blocks, so a row enters as soon
   as a slot is free (in admissions of ``refill_rows`` at least). Without ``pool_blocks`` the pool
   is assumed to hold the live rows; with it, the engine's block accounting is replayed too: a row
   enters only while one free block per live row remains after its prompt's (the watermark), every
@@ -195,7 +195,7 @@ def _simulate_pool(
     prompts: Sequence[int], lengths: Sequence[int], budgets: Sequence[int], num_slots: int, pool: int, size: int,
     refill_rows: int, read_interval: int,
 ) -> RefillSchedule:
-    """The paged layout with its pool replayed block by block, as ``engine.paged_batching`` runs it,
+    """The paged layout with its pool replayed block by block, as ``engine.sched.paged`` runs it,
     turn by turn: one admission (the queue's longest head that fits the free slots and the
     watermark, if at least ``refill_rows`` rows), then a burst of at most ``read_interval`` steps
     and never past a live budget, for which every live row's blocks are reserved at once (one step

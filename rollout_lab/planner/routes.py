@@ -244,17 +244,19 @@ def plan_admission(
 # -- shared prefill --------------------------------------------------------------------------------
 
 def prompt_groups(
-    prompts: Sequence[Sequence[int]], *, num_samples: int, share: bool = True
+    prompts: Sequence[Sequence[int]], *, num_samples: int | Sequence[int], share: bool = True
 ) -> list[int]:
-    """Per row (request-major), the first row with the same prompt; every row its own if not ``share``."""
-    num_rows = len(prompts) * num_samples
+    """Per row (request-major: ``num_samples`` rows per request, one count for all or one per
+    request), the first row with the same prompt; every row its own if not ``share``."""
+    counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else list(num_samples)
+    num_rows = sum(counts)
     if not share:
         return list(range(num_rows))
     first: dict[tuple[int, ...], int] = {}
-    groups = []
-    for request, prompt in enumerate(prompts):
-        group = first.setdefault(tuple(prompt), request * num_samples)
-        groups.extend([group] * num_samples)
+    groups: list[int] = []
+    for prompt, count in zip(prompts, counts):
+        group = first.setdefault(tuple(prompt), len(groups))
+        groups.extend([group] * count)
     return groups
 
 

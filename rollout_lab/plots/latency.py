@@ -17,7 +17,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from rollout_lab.engine.config import MODES
+from rollout_lab.engine.api.config import MODES
 from rollout_lab.plots.style import (PALETTE, choose_scale, draw_not_measured, slanted_ticks, speed_words,
                                      subplot_grid)
 

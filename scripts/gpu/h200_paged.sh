@@ -12,9 +12,9 @@
 # Every bench writes its record after each path, so a step its limit cuts loses nothing it finished.
 # LONG_TAIL_PATHS / NANO_MODES / NANO_PATHS pick the long-tail paths, the nano-vllm routes and their
 # variants: LONG_TAIL_PATHS="paged_128 paged_128_unfused" NANO_PATHS="ours ours_unfused" time the fused
-# projections (engine.fusing, on by default) against the unfused step side by side, and
+# projections (engine.runner.fusing, on by default) against the unfused step side by side, and
 # LONG_TAIL_PATHS="paged_128 paged_128_compile_model" NANO_PATHS="ours ours_compile_model" the whole model's
-# compile against the layer-wise default (engine.compiling: one trace for every layer), first call and step;
+# compile against the layer-wise default (engine.runner.compiling: one trace for every layer), first call and step;
 # TRACE_ARGS adds options to trace_step.py (--no-fuse-projections).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then

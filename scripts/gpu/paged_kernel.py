@@ -6,7 +6,7 @@ up to 2,048).
     python scripts/gpu/paged_kernel.py --out $OUT/paged_kernel.txt                 # the H200
     TRITON_INTERPRET=1 python scripts/gpu/paged_kernel.py --tiny --out /tmp/k.txt  # a CPU check
 
-Each case times ``engine.paged_attention``'s partial kernel and merge under every (num_warps,
+Each case times ``engine.kernels.paged``'s partial kernel and merge under every (num_warps,
 num_stages) pair and three dot modes: TF32 products of upcast values ("tf32", the kernel before
 13cf8de), q·k in the cache's dtype ("qk"), and p·v too ("qk+pv": p rounded to bf16, as flash
 attention does; the op ships this since, with 4 warps and 2 stages). It
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from rollout_lab.engine.paged_attention import _paged_partial, paged_attention, paged_splits
-from rollout_lab.engine.span_attention import merge_splits, split_buffers
+from rollout_lab.engine.kernels.paged import _paged_partial, paged_attention, paged_splits
+from rollout_lab.engine.kernels.span import merge_splits, split_buffers
 
 
 def make_case(rows: int, contexts: torch.Tensor, *, heads: int, kv_heads: int, head_dim: int, block_size: int,

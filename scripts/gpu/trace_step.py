@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rollout_lab.engine.config import RolloutConfig
+from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize
-from rollout_lab.engine.rollout import Rollout
+from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.trainer import rollout_logprobs
 from rollout_lab.measure.models import load_model, special_token_ids
 from rollout_lab.measure.workloads import eos_long_tail, lengths_to_prompts, sample_lengths, uniform_workload
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     lines = [
         f"{name} {dtype} {device} {args.workload} mode={args.mode} slots={slots} prompts={args.num_prompts} "
-        f"max_new={args.max_new_tokens} logprobs={call.get('logprobs_mode')} fused={rollout.fused}: route {result.route}, "
+        f"max_new={args.max_new_tokens} logprobs={call.get('logprobs_mode')} fused={rollout.runner.fused}: route {result.route}, "
         f"{sum(map(len, result.sequences))} tokens",
         f"first call {first_s:.1f} s; traced call {wall_ms:.1f} ms; kernels {device_us / 1e3:.1f} ms summed",
         "profiled call phases (ms): " + ", ".join(

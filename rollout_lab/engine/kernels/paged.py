@@ -5,7 +5,7 @@ In a paged cache a layer's keys and values live in a pool of fixed-size blocks,
 block table: row ``i``'s logical position ``p`` lives at ``pool[block_tables[i, p // block_size],
 p % block_size]``. Row ``i`` attends to its logical positions ``[0, positions[i]]`` (inclusive: the
 token at ``positions[i]`` was written this step). Block 0 is the scratch block that dead rows point
-at; nothing in the kernel treats it specially. The kernel follows ``engine.span_attention``:
+at; nothing in the kernel treats it specially. The kernel follows ``engine.kernels.span``:
 
 - one program per (row, KV head, split): the row's live blocks ``[0, positions[i] // block_size]``
   are cut into ``num_splits`` contiguous ranges of whole blocks, and a program runs an online
@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout_lab.engine.span_attention import (BLOCK_N, kernel_available, merge_splits, num_splits, split_buffers, tl,
-                                                triton)
+from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.engine.kernels.span import BLOCK_N, merge_splits, num_splits, split_buffers
 
 BLOCK_SIZES = (16, 32, 64, 128)  # tokens per paged block the kernel supports
 OP_NAME = "rollout_lab::paged_attention"
@@ -78,7 +78,7 @@ def paged_attention_reference(
 
 
 if triton is not None:
-    from rollout_lab.engine.span_attention import _store_split
+    from rollout_lab.engine.kernels.span import _store_split
 
     @triton.jit
     def _paged_partial(

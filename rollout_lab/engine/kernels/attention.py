@@ -8,9 +8,9 @@ unrepeated cache; a ``[B, 1, 1, S]`` mask broadcasts over the group. Prefill (q_
 anything unusual go to HF's own ``sdpa`` function unchanged. A packed prefill (one row of several
 prompts, ``packed_offsets``) attends per prompt. When the decode step passes
 ``span_starts`` and ``span_front`` (``RolloutConfig(decode_attention="span")``), a decode token
-attends with ``engine.span_attention`` instead, over its row's live columns only; when it passes
-``paged_tables`` and ``paged_positions`` (the ``paged`` route, ``engine.paged_cache``), the key and
-value are a layer's block pools and it attends with ``engine.paged_attention`` through the row's
+attends with ``engine.kernels.span`` instead, over its row's live columns only; when it passes
+``paged_tables`` and ``paged_positions`` (the ``paged`` route, ``engine.kv.paged``), the key and
+value are a layer's block pools and it attends with ``engine.kernels.paged`` through the row's
 block table.
 
     use_gqa_decode_attention(model)   # registers ``rollout_gqa`` and switches the model to it
@@ -27,23 +27,43 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rollout_lab.engine.paged_attention import paged_attention
-from rollout_lab.engine.span_attention import span_attention
+from rollout_lab.engine.kernels.paged import paged_attention
+from rollout_lab.engine.kernels.span import span_attention
 
 NAME = "rollout_gqa"
 _registered = False
 
 
+# The one door to the decode kernels: each cache layout's attention over one query token, chosen by
+# the keywords the decode step passes (engine.runner.decode): the paged route's block pools read
+# through each row's block table, or the aligned cache's live span of each row. Anything else (a
+# prefill, the masked window) goes to SDPA.
+DECODE_KERNELS = {
+    "paged": (("paged_tables", "paged_positions"), paged_attention),  # key/value: [blocks, block, kv_heads, D]
+    "span": (("span_starts", "span_front"), span_attention),  # key/value: [rows, kv_heads, width, D]
+}
+
+
+def decode_layout(kwargs: dict) -> tuple[str | None, tuple]:
+    """(the cache layout whose keywords ``kwargs`` carries, their values), each popped; (None, ())
+    for none. Every layout's keywords are popped: HF's SDPA must not see them."""
+    found: tuple[str | None, tuple] = (None, ())
+    for layout, (names, _) in DECODE_KERNELS.items():
+        values = tuple(kwargs.pop(name, None) for name in names)
+        if values[0] is not None and found[0] is None:
+            found = (layout, values)
+    return found
+
+
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          is_causal=None, **kwargs):
-    starts, front = kwargs.pop("span_starts", None), kwargs.pop("span_front", None)
+    layout, args = decode_layout(kwargs)
     offsets = kwargs.pop("packed_offsets", None)
-    tables, positions = kwargs.pop("paged_tables", None), kwargs.pop("paged_positions", None)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape  # [B, H, q, D]
-    if tables is not None:  # key/value are the layer's pools [blocks, block_size, kv_heads, D]
-        scale = head_dim ** -0.5 if scaling is None else scaling
-        return paged_attention(query, key, value, tables, positions, scale), None  # [B, 1, H, D]
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    if layout == "paged":  # key/value are the layer's pools: no other attention can read them
+        return DECODE_KERNELS[layout][1](query, key, value, *args, scale), None  # [B, 1, H, D]
     if offsets is not None:  # a packed prefill: each prompt attends causally to itself only
         return packed_segments_attention(query, key, value, offsets, scaling), None
     plain = (
@@ -52,9 +72,8 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
         or kwargs.get("sliding_window") is not None
         or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))
     )
-    if not plain and starts is not None:  # each row's live span only (engine.span_attention)
-        scale = head_dim ** -0.5 if scaling is None else scaling
-        return span_attention(query, key, value, starts, front, scale), None  # [B, 1, H, D]
+    if not plain and layout is not None:  # each row's live span only (engine.kernels.span)
+        return DECODE_KERNELS[layout][1](query, key, value, *args, scale), None  # [B, 1, H, D]
     if plain or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from rollout_lab.engine.compiling import shallow_copy
+from rollout_lab.engine.runner.compiling import shallow_copy
 
 # the groups of linears that one decoder layer applies to the same input, as HF names them
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -33,95 +33,79 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.decode import holds_stops_back, seen_from_ids, select_tokens
-from rollout_lab.engine.prefill import packed_backend, prefill_bucket, prefill_packed
-from rollout_lab.engine.prefill_graphs import PrefillGraphs
+from rollout_lab.engine.sample.processors import (
+    RowPenalties,
+    counts_from_ids,
+    ids_tensor,
+    note_tokens,
+    seen_from_ids,
+    select_tokens,
+    stop_id_mask,
+)
+from rollout_lab.engine.sched.request import Request
+from rollout_lab.engine.runner.prefill import packed_backend, prefill_bucket, prefill_packed
+from rollout_lab.engine.runner.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import Profile, Timer
-from rollout_lab.engine.sampling import RowSampling
-from rollout_lab.engine.steppers import EagerStepper, StepperKey
-from rollout_lab.engine.stopping import StopStrings
+from rollout_lab.engine.sample.sampler import RowSampling
+from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.routes import plan_admission
 from rollout_lab.planner.shape_classes import ShapeClasses
 
 
-@dataclass
-class _Row:
-    request: int
-    num_generated: int
-
-
 @dataclass(frozen=True)
 class BatchSettings:
-    """What one ``generate`` call asks of the batcher (checked by ``RolloutConfig`` and ``generate``)."""
+    """What one ``generate`` call asks of the batcher beyond its requests (checked by ``RolloutConfig``
+    and the call spec)."""
 
     route: str
-    budgets: tuple[int, ...]  # max_new_tokens of each row
     num_slots: int
     capacity: int
     trim_cache: bool
-    eos_token_ids: frozenset[int]  # the ids that end a row: EOS and the call's stop_token_ids
     pad_token_id: int
-    repetition_penalty: float
     cache_kwarg: str
     sampling: RowSampling | None = None  # each row's settings; None: every row greedy
+    penalties: RowPenalties | None = None  # each row's penalties; None: no row has one
+    holds_stops_back: bool = False  # a row's min_tokens holds its stop ids back (processors.holds_stops_back)
     prefill_classes: ShapeClasses | None = None  # bucketed prefill at class shapes
-    logprobs_mode: str | None = None  # engine.decode.LOGPROB_MODES: each token's log-probability too
-    stop_strings: StopStrings | None = None  # checked on the host after every token (engine.stopping)
-    # per row: EOS, stop ids and stop strings cannot end it before it has this many tokens
-    min_new_tokens: tuple[int, ...] | None = None
+    logprobs_mode: str | None = None  # processors.LOGPROB_MODES: each token's log-probability too
     # decode steps between reads of the tokens while rows can end at EOS (RolloutConfig.eos_check_interval)
     eos_check_interval: int = 1
 
-    @property
-    def holds_stops_back(self) -> bool:
-        return holds_stops_back(self.eos_token_ids, self.min_new_tokens)
-
 
 class ContinuousBatcher:
-    """Runs one call's requests through the aligned cache; ``run()`` -> (sequences, plans)."""
+    """Runs one call's requests (``sched.request.Request``, one per row, request-major) through the
+    aligned cache; ``run()`` fills each request's tokens (and logprobs) and returns the plans."""
 
     def __init__(
-        self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], settings: BatchSettings, *,
+        self, model: torch.nn.Module, requests: Sequence[Request], settings: BatchSettings, *,
         geometry: ModelGeometry, costs: CostCoefficients, profile: Profile, timer: Timer,
-        stepper: "EagerStepper | None" = None, groups: Sequence[int] | None = None,
-        sample_keys: Sequence[int] | None = None, prefill_graphs: "PrefillGraphs | None" = None,
+        stepper: "EagerStepper | None" = None, prefill_graphs: "PrefillGraphs | None" = None,
     ):
-        self.model, self.prompts, self.settings = model, prompts, settings
+        self.model, self.requests, self.settings = model, list(requests), settings
         self.prefill_graphs = prefill_graphs  # bucketed forwards at class shapes by graph replay
         self.geometry, self.costs = geometry, costs
         self.profile, self.timer = profile, timer
-        self.lengths = [len(p) for p in prompts]
+        self.lengths = [len(r.prompt) for r in self.requests]  # what the planner plans over
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
-        # per row: the first row with the same prompt (shared prefill) and the sampling key
-        self.groups = list(range(len(prompts))) if groups is None else list(groups)
-        keys = [0] * len(prompts) if sample_keys is None else list(sample_keys)
-        self.sample_keys = torch.tensor(keys, dtype=torch.long, device=self.device)  # [rows]
-        self.min_new_tokens = None  # [rows] int64, when a row's minimum holds stop ids back
-        if settings.holds_stops_back:
-            self.min_new_tokens = torch.tensor(settings.min_new_tokens, dtype=torch.long, device=self.device)
+        # what can end a row early: its stop ids (read every eos_check_interval steps) or stop strings
+        self.can_stop = any(r.stop_ids for r in self.requests)
+        self.has_stop_strings = any(r.stop_strings is not None for r in self.requests)
         with timer.phase("cache_ms"):
             if stepper is None:
-                sampling = settings.sampling
-                stepper = EagerStepper(model, StepperKey(
-                    settings.num_slots, settings.capacity, settings.repetition_penalty,
-                    settings.repetition_penalty != 1.0, settings.cache_kwarg,
-                    do_sample=sampling is not None, max_top_k=sampling.max_top_k if sampling else 0,
-                    top_p_filter=sampling is not None and sampling.top_p_filter,
-                    min_new_tokens=settings.holds_stops_back, logprobs_mode=settings.logprobs_mode))
+                stepper = EagerStepper(model, StepperKey.for_rows(
+                    settings.num_slots, settings.capacity, settings.cache_kwarg, sampling=settings.sampling,
+                    penalties=settings.penalties, min_new_tokens=settings.holds_stops_back,
+                    logprobs_mode=settings.logprobs_mode))
             else:
                 stepper.reset()
         self.stepper, self.cache, self.state = stepper, stepper.cache, stepper.state
-        if self.min_new_tokens is not None:
-            self.state.set_stop_ids(sorted(settings.eos_token_ids))
         profile.cache_bytes = self.cache.num_bytes
         profile.num_slots = settings.num_slots
-        self.rows: list[_Row] = []  # index = slot
-        self.queue = list(range(len(prompts)))  # not yet admitted, input order
-        self.outputs: list[list[int]] = [[] for _ in prompts]
-        self.logprobs: list[list[float]] = [[] for _ in prompts]  # with settings.logprobs_mode
+        self.rows: list[Request] = []  # index = slot
+        self.queue = list(range(len(self.requests)))  # row indices not yet admitted, input order
         self.plans: list[BucketPlan] = []
         self.tails: dict[int, tuple[int, ...]] = {}  # request -> tail chunk widths (this admission)
         self._spans: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket row -> whole KV
@@ -142,9 +126,9 @@ class ContinuousBatcher:
             # With EOS ids, eos_check_interval steps at most: a row that ends inside them computes
             # the rest (not kept). Stop strings are read after every token.
             burst = 1
-            if self.settings.stop_strings is None:
-                burst = min(self.settings.budgets[row.request] - row.num_generated for row in self.rows)
-                if self.settings.eos_token_ids:
+            if not self.has_stop_strings:
+                burst = min(row.remaining for row in self.rows)
+                if self.can_stop:
                     burst = min(burst, self.settings.eos_check_interval)
             burst = self._reserve(self._cap_burst(burst))
             num_rows = len(self.rows)
@@ -172,7 +156,17 @@ class ContinuousBatcher:
                 self.profile.queued_row_steps += kept
             self._retire()
         self._read_burst()
-        return self.outputs, self.plans
+        return self.plans
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Each row's tokens, in row order."""
+        return [r.tokens for r in self.requests]
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        """Each row's tokens' log-probabilities (with ``settings.logprobs_mode``), in row order."""
+        return [r.logprobs for r in self.requests]
 
     # -- reading the tokens one burst late ------------------------------------------------------
     # When no token can end a row (no EOS or stop ids, no stop strings), which rows live, retire and
@@ -182,7 +176,7 @@ class ContinuousBatcher:
     # compacts and reserves (every host-to-device copy on that path is asynchronous:
     # ``cache.device_tensor``). Admission reads them first (a preempted row resumes with its tokens).
     def _reads_late(self) -> bool:
-        return self.settings.stop_strings is None and not self.settings.eos_token_ids
+        return not self.has_stop_strings and not self.can_stop
 
     def _send_burst(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> int:
         """Start the copy of a burst's tokens (and logprobs) to the host, read the burst before it,
@@ -210,23 +204,23 @@ class ContinuousBatcher:
         if copied is not None:
             copied.synchronize()
         for i, row in enumerate(rows):
-            self.outputs[row.request].extend(tokens[i].tolist())
+            row.tokens.extend(tokens[i].tolist())
             if logprobs is not None:
-                self.logprobs[row.request].extend(logprobs[i].tolist())
+                row.logprobs.extend(logprobs[i].tolist())
 
-    def _take_burst(self, rows: Sequence[_Row], tokens: list[list[int]], logprobs: list[list[float]] | None) -> int:
+    def _take_burst(self, rows: Sequence[Request], tokens: list[list[int]], logprobs: list[list[float]] | None) -> int:
         """Append a burst's tokens read at once; a row that ended inside it (EOS, read every
         ``eos_check_interval`` steps) keeps none after its end. The row-steps that made a row's token."""
         kept = 0
         for i, (row, row_tokens) in enumerate(zip(rows, tokens)):
             for k, token in enumerate(row_tokens):
-                self._append(row, token, None if logprobs is None else logprobs[i][k])
+                row.append(token, None if logprobs is None else logprobs[i][k])
                 kept += 1
-                if k + 1 < len(row_tokens) and self._is_done(row):
+                if k + 1 < len(row_tokens) and row.is_done:
                     break  # ended inside the interval: the steps after its EOS are not its tokens
         return kept
 
-    # What the paged cache (engine.paged_batching) does its own way: admission, reserving memory for
+    # What the paged cache (engine.sched.paged) does its own way: admission, reserving memory for
     # the next steps, and where a step writes.
     def _admit_queued(self) -> None:
         """Admit queued rows while slots are free and the cache holds them."""
@@ -254,31 +248,23 @@ class ContinuousBatcher:
     def _advance_front(self, burst: int) -> None:
         self.cache.front_int += burst  # the steps advanced the device front
 
-    def _append(self, row: _Row, token: int, logprob: float | None = None) -> None:
-        self.outputs[row.request].append(token)
-        if logprob is not None:
-            self.logprobs[row.request].append(logprob)
-        row.num_generated += 1
-
-    def _is_done(self, row: _Row) -> bool:
-        """Its budget is spent or (with EOS or stop ids) its last token ends it; with none, the
-        count alone decides (its tokens may still be on their way: ``_send_burst``)."""
-        if row.num_generated >= self.settings.budgets[row.request]:
-            return True
-        return bool(self.settings.eos_token_ids) and self.outputs[row.request][-1] in self.settings.eos_token_ids
-
     def _live_slots(self) -> list[int]:
-        """The slots of rows still generating: not done (``_is_done``), nor stopped by a stop string,
+        """The slots of rows still generating: not done (``Request.is_done``), nor stopped by a stop string,
         which is checked only on the rows still live (one batched decode of their tails) and, with
         min_new_tokens, only from their minimum on."""
-        live = [slot for slot, row in enumerate(self.rows) if not self._is_done(row)]
-        stop, minimum = self.settings.stop_strings, self.settings.min_new_tokens
-        if stop is None or not live:
+        live = [slot for slot, row in enumerate(self.rows) if not row.is_done]
+        if not self.has_stop_strings or not live:
             return live
-        requests = [self.rows[slot].request for slot in live]
-        hits = stop.hits([self.outputs[r] for r in requests],
-                         None if minimum is None else [minimum[r] for r in requests])
-        return [slot for slot, hit in zip(live, hits) if not hit]
+        by_stops: dict[int, list[int]] = {}  # rows that share stop strings are checked in one batch
+        for slot in live:
+            if self.rows[slot].stop_strings is not None:
+                by_stops.setdefault(id(self.rows[slot].stop_strings), []).append(slot)
+        stopped = set()
+        for slots in by_stops.values():
+            rows = [self.rows[slot] for slot in slots]
+            hits = rows[0].stop_strings.hits([r.tokens for r in rows], [r.min_tokens for r in rows])
+            stopped.update(slot for slot, hit in zip(slots, hits) if hit)
+        return [slot for slot in live if slot not in stopped]
 
     def _note_peak(self) -> None:
         self.profile.peak_cache_columns = max(self.profile.peak_cache_columns, self.cache.front_int)
@@ -292,7 +278,7 @@ class ContinuousBatcher:
         longest_new = most_new_steps = 0
         for count in range(1, min(free, len(self.queue)) + 1):
             longest_new = max(longest_new, self.lengths[self.queue[count - 1]])
-            most_new_steps = max(most_new_steps, self.settings.budgets[self.queue[count - 1]] - 1)
+            most_new_steps = max(most_new_steps, self.requests[self.queue[count - 1]].max_tokens - 1)
             front = self._choose_front(max(live_span, longest_new), max(live_remaining, most_new_steps))
             if front is None:
                 break
@@ -301,9 +287,9 @@ class ContinuousBatcher:
 
     def _live_needs(self) -> tuple[int, int]:
         """(widest live span, most decode columns a live row still needs)."""
-        front, budgets = self.cache.front_int, self.settings.budgets
+        front = self.cache.front_int
         span = max((front - self.cache.row_starts[slot] for slot in range(len(self.rows))), default=0)
-        remaining = max((budgets[row.request] - row.num_generated for row in self.rows), default=0)
+        remaining = max((row.remaining for row in self.rows), default=0)
         return span, remaining
 
     def _choose_front(self, span: int, remaining: int) -> int | None:
@@ -343,14 +329,14 @@ class ContinuousBatcher:
         members: dict[int, list[int]] = {}  # first admitted row of a group -> its admitted rows
         first_of: dict[int, int] = {}
         for r in requests:
-            members.setdefault(first_of.setdefault(self.groups[r], r), []).append(r)
+            members.setdefault(first_of.setdefault(self.requests[r].group, r), []).append(r)
         with self.timer.phase("planning_ms"):
             plan = plan_admission(self.settings.route, list(members), self.lengths, self.geometry, self.costs,
                                   self.settings.prefill_classes)
         self.plans.append(plan)
         self.tails = dict(plan.chunks)
         slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
-        self.rows.extend(_Row(r, 0) for r in requests)
+        self.rows.extend(self.requests[r] for r in requests)
         kind = "packed_prefill" if plan.packed else "prefill"  # a packed width is its tokens
         rows = plan.rows or tuple(len(b) for b in plan.buckets)
         for bucket, width, batch in zip(plan.buckets, plan.widths, rows):
@@ -366,7 +352,6 @@ class ContinuousBatcher:
     ) -> None:
         """Prefill ``requests`` (one per group) and fill the slots of every row in ``members``;
         ``shape``: the (rows, width) class the bucket runs at (``planner.shape_classes``)."""
-        prompts = [self.prompts[r] for r in requests]
         rows = [m for group in members for m in group]  # the rows that get a slot
         source = [i for i, group in enumerate(members) for _ in group]  # their prefilled row
         slots = [slot_of[r] for r in rows]
@@ -381,11 +366,7 @@ class ContinuousBatcher:
             if len(rows) != len(requests):
                 index = torch.tensor(source, dtype=torch.long, device=logits.device)
                 logits = logits.index_select(0, index)  # [rows, vocab]
-            seen = None
-            if self.state.seen is not None:
-                seen = self._seen_of(prompts)
-                seen = seen if index is None else seen.index_select(0, index)
-            first, first_logprobs, settings = self._first_tokens(rows, logits, seen)
+            first, first_logprobs, settings = self._first_tokens(rows, logits)
         self.profile.num_prefill_forwards += 1
         self.profile.num_prefill_rows += len(requests)
         self.profile.num_replicated_rows += len(rows) - len(requests)
@@ -396,47 +377,55 @@ class ContinuousBatcher:
             else:
                 self.cache.admit(slots, layer_kv, lengths, source_rows=source)
             self._admit_spans(slots, source)
-            self.state.admit(slots, first, lengths, seen, **settings)
+            self.state.admit(slots, first, lengths, **settings)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
-            self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
+            self.rows[slot].append(token, None if first_logprobs is None else first_logprobs[j])
 
-    def _first_tokens(self, rows: Sequence[int], logits: torch.Tensor, seen: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, list[float] | None, dict]:
+    def _first_tokens(self, rows: Sequence[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[float] | None, dict]:
         """The token of step 0 of each of ``rows`` (call rows) from its prefill's last ``logits``
-        ([rows, vocab]; ``seen``, its prompt's ids, gets the token too): ([rows] ids, their
-        logprobs or None, the rows' ``DecodeState.admit`` settings: keys, sampling, minimums)."""
-        row_index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
-        keys = self.sample_keys[row_index]
-        sampling = None if self.settings.sampling is None else self.settings.sampling.rows(row_index)
-        minimum = None if self.min_new_tokens is None else self.min_new_tokens[row_index]
+        ([rows, vocab]): ([rows] ids, their logprobs or None, the rows' ``DecodeState.admit``
+        settings: keys, sampling, penalties with the ids seen and counted (the token among them),
+        minimums and stop ids)."""
+        settings = self._row_settings([self.requests[r] for r in rows])
         first, first_logprobs = select_tokens(
-            logits, seen, self.settings.repetition_penalty, sampling=sampling,
-            sample_keys=keys, steps=torch.zeros_like(keys), logprobs_mode=self.settings.logprobs_mode,
-            min_new_tokens=minimum, stop_mask=self.state.stop_mask,
+            logits, seen=settings.get("seen"), counts=settings.get("counts"), penalties=settings.get("penalties"),
+            sampling=settings.get("sampling"), sample_keys=settings["sample_keys"],
+            steps=torch.zeros_like(settings["sample_keys"]), logprobs_mode=self.settings.logprobs_mode,
+            min_new_tokens=settings.get("min_new_tokens"), stop_mask=settings.get("stop_mask"),
         )
-        if seen is not None:
-            seen.scatter_(1, first[:, None], True)
-        return first, None if first_logprobs is None else first_logprobs.tolist(), \
-            dict(sample_keys=keys, sampling=sampling, min_new_tokens=minimum)
+        note_tokens(first, seen=settings.get("seen"), counts=settings.get("counts"))
+        return first, None if first_logprobs is None else first_logprobs.tolist(), settings
 
-    def _seen_of(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            valid[row, : len(prompt)] = True
-        return seen_from_ids(ids.to(self.device), valid.to(self.device), self.vocab_size)
+    def _row_settings(self, rows: Sequence[Request]) -> dict:
+        """The ``DecodeState.admit`` keywords of ``rows`` as the state keeps them: sampling keys,
+        settings and penalties (with the ids each has seen, its prompt and tokens so far, and its
+        tokens' counts), minimums and stop masks."""
+        index = torch.tensor([r.index for r in rows], dtype=torch.long, device=self.device)
+        out: dict = {"sample_keys": torch.tensor([r.key for r in rows], dtype=torch.long, device=self.device)}
+        if self.settings.sampling is not None:
+            out["sampling"] = self.settings.sampling.rows(index)
+        penalties = self.settings.penalties
+        if penalties is not None:
+            out["penalties"] = penalties.rows(index)
+            if penalties.track_seen:
+                out["seen"] = seen_from_ids(*ids_tensor([r.prompt + r.tokens for r in rows], self.device),
+                                            self.vocab_size)
+            if penalties.track_counts:
+                out["counts"] = counts_from_ids(*ids_tensor([r.tokens for r in rows], self.device), self.vocab_size)
+        if self.settings.holds_stops_back:
+            out["min_new_tokens"] = torch.tensor([r.min_tokens for r in rows], dtype=torch.long, device=self.device)
+            out["stop_mask"] = stop_id_mask([sorted(r.stop_ids) for r in rows], self.vocab_size, self.device)
+        return out
 
     # -- chunked prefill (planner.chunks.plan_chunked) ---------------------------------------------
     def _head_length(self, request: int) -> int:
         return self.lengths[request] - sum(self.tails.get(request, ()))
 
     def _packed_forward(self, requests: Sequence[int]) -> tuple[torch.Tensor, list, list[int]]:
-        """One packed forward over each request's head (``engine.prefill.prefill_packed``); a chunked
+        """One packed forward over each request's head (``engine.runner.prefill.prefill_packed``); a chunked
         request's tails run after it as in ``_bucket_forward``. Returns (last logits, packed
         per-layer KV, each request's token offset)."""
-        heads = [self.prompts[r][: self._head_length(r)] for r in requests]
+        heads = [self.requests[r].prompt[: self._head_length(r)] for r in requests]
         backend = packed_backend(self.model)
         self.profile.prefill_backend = backend
         logits, layer_kv, offsets = prefill_packed(self.model, heads, cache_kwarg=self.settings.cache_kwarg,
@@ -450,7 +439,7 @@ class ContinuousBatcher:
         """The bucket's forward over each request's head; a chunked request's tails run after it
         (chunk k over a cache of chunks < k), its logits replace the head's and its whole KV
         waits in ``_spans`` for ``_admit_spans``."""
-        heads = [self.prompts[r][: self._head_length(r)] for r in requests]
+        heads = [self.requests[r].prompt[: self._head_length(r)] for r in requests]
         rows, width = shape if shape is not None else (None, None)
         if self.prefill_graphs is not None and shape is not None:
             logits, layer_kv = self.prefill_graphs.run(heads, rows=rows, width=width,
@@ -475,7 +464,7 @@ class ContinuousBatcher:
                 continue
             start, chunks = len(heads[row]), []
             for width in self.tails[r]:
-                chunks.append(self.prompts[r][start : start + width])
+                chunks.append(self.requests[r].prompt[start : start + width])
                 start += width
             row_logits, kv = extend_prefill(
                 self.model, head_kv(row), chunks, cache_kwarg=self.settings.cache_kwarg,

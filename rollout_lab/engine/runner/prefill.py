@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.attention import rollout_attention
+from rollout_lab.engine.kernels.attention import rollout_attention
 
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -86,7 +86,7 @@ PACKED_BACKENDS = ("segments", "masked")
 
 
 def packed_backend(model: torch.nn.Module) -> str:
-    """How a packed prefill attends: "segments" (``engine.attention``: causal SDPA per prompt, no
+    """How a packed prefill attends: "segments" (``engine.kernels.attention``: causal SDPA per prompt, no
     mask) for ``sdpa`` models, else "masked" (one forward with a block-diagonal causal mask, which
     any attention implementation that takes an additive 4-D mask runs)."""
     return "segments" if getattr(model.config, "_attn_implementation", None) == "sdpa" else "masked"

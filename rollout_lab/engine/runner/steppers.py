@@ -15,16 +15,16 @@ Attention reads a window of the first ``width`` columns, the smallest of ``width
 capacity cut in ``num_widths`` even parts) that covers the front: early in a call, while the front
 is far from the capacity, a step reads a fraction of the cache. Eager and graph steps use the same
 windows, so they compute the same thing; the graph ladder is row counts x widths. With span
-attention (``key.spans``, ``engine.span_attention``) each row reads only its live columns, so there
+attention (``key.spans``, ``engine.kernels.span``) each row reads only its live columns, so there
 is one window, the capacity, and the ladder is row counts only; so with the paged cache
-(``key.paged``, ``engine.paged_cache``), where each row reads its own blocks.
+(``key.paged``, ``engine.kv.paged``), where each row reads its own blocks.
 
-With ``key.compiled`` the graph stepper runs the compiled model (``engine.compiling``: whole, or
+With ``key.compiled`` the graph stepper runs the compiled model (``engine.runner.compiling``: whole, or
 ``"layers"`` one decoder layer at a time) inside each captured step: inductor fuses the norms,
 rotary and activations, and symbolic sizes (a symbol per size, no 1-row rung) let one compile serve
 every rung. Every shape runs once before any capture, so compiling never happens while a graph
 records; ``build_ms`` is that first-call cost, paid once per stepper. With ``key.fused`` the step
-runs ``engine.fusing``'s copy of the model, whose q/k/v and gate/up projections are one matmul each
+runs ``engine.runner.fusing``'s copy of the model, whose q/k/v and gate/up projections are one matmul each
 (compiled or not); ``sync_weights()`` refreshes its stacked weights from the model.
 
     stepper = make_stepper(model, settings, decode="auto")   # graph on CUDA, eager elsewhere
@@ -42,14 +42,14 @@ from typing import Any, Sequence
 
 import torch
 
-from rollout_lab.engine.cache import AlignedKVCache
-from rollout_lab.engine.compiling import compile_forward, compile_select, decoder_layers, tracing
-from rollout_lab.engine.config import DECODE_ATTENTIONS, DECODE_MODES
-from rollout_lab.engine.decode import DecodeState, decode_step
-from rollout_lab.engine.fusing import FUSE_MEMORY_FRACTION, FusedProjections, fused_nbytes
-from rollout_lab.engine.paged_cache import PagedKVCache
-from rollout_lab.engine.sampling import RowSampling
-from rollout_lab.engine.span_attention import kernel_available
+from rollout_lab.engine.kv.aligned import AlignedKVCache
+from rollout_lab.engine.runner.compiling import compile_forward, compile_select, decoder_layers, tracing
+from rollout_lab.engine.runner.decode import DecodeState, decode_step
+from rollout_lab.engine.runner.fusing import FUSE_MEMORY_FRACTION, FusedProjections, fused_nbytes
+from rollout_lab.engine.kv.paged import PagedKVCache
+from rollout_lab.engine.sample.processors import RowPenalties
+from rollout_lab.engine.sample.sampler import RowSampling
+from rollout_lab.engine.kernels.available import kernel_available
 
 GRAPH_CAPACITY_STEP = 64  # graph capacities are rounded up so that nearby shapes share a capture
 
@@ -59,6 +59,11 @@ def graph_supported(device: torch.device | str) -> bool:
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available()
 
+
+DECODE_MODES = ("auto", "eager", "graph")  # "auto": graph replay on CUDA, eager elsewhere
+# decode attention: "span" reads each row's live columns (engine.kernels.span), "masked" the
+# window with a mask; "auto": span where its kernel runs (CUDA with Triton), masked elsewhere
+DECODE_ATTENTIONS = ("auto", "span", "masked")
 
 def resolve_decode_mode(decode: str, device: torch.device | str) -> str:
     if decode not in DECODE_MODES:
@@ -73,7 +78,7 @@ def resolve_decode_mode(decode: str, device: torch.device | str) -> str:
 def resolve_spans(choice: str, model: torch.nn.Module, device: torch.device | str) -> bool:
     """Whether decode attends over live spans: "span" always (on a CPU without Triton that runs the
     torch reference, the same numbers with no saving), "auto" where the kernel runs and the model
-    uses ``sdpa`` (the implementation ``engine.attention`` replaces)."""
+    uses ``sdpa`` (the implementation ``engine.kernels.attention`` replaces)."""
     if choice not in DECODE_ATTENTIONS:
         raise ValueError(f"decode_attention must be one of {list(DECODE_ATTENTIONS)}, got {choice!r}")
     if choice == "auto":
@@ -83,7 +88,7 @@ def resolve_spans(choice: str, model: torch.nn.Module, device: torch.device | st
 
 
 def resolve_compile(choice: bool | str, decode_mode: str, model: torch.nn.Module) -> bool | str:
-    """How the captured step is compiled: "layers" layer by layer (engine.compiling) for "auto"
+    """How the captured step is compiled: "layers" layer by layer (engine.runner.compiling) for "auto"
     wherever graphs run and the model has a decoder-layer list, else True (the whole model); False
     for the eager step, which never is. "auto" takes the layers because their one trace serves every
     layer: Qwen2.5-3B's first call 7.8 s against 164 s for the whole model, its step 0.7-1.9% slower
@@ -105,7 +110,7 @@ def resolve_compile(choice: bool | str, decode_mode: str, model: torch.nn.Module
 
 
 def resolve_fuse(choice: bool | str, decode_mode: str, model: torch.nn.Module) -> bool:
-    """Whether the decode step runs fused projections (``engine.fusing``): "auto" for the
+    """Whether the decode step runs fused projections (``engine.runner.fusing``): "auto" for the
     graph-captured step when the model has groups to fuse and their stacked copy is at most
     ``FUSE_MEMORY_FRACTION`` of the device's memory; True wherever the model has groups to fuse."""
     if choice is False:
@@ -162,28 +167,30 @@ def rebind_weights(model: torch.nn.Module, captured: Sequence[torch.Tensor]) -> 
 
 @dataclass(frozen=True)
 class StepperKey:
-    """What a captured decode step bakes in. Each row's temperature, top-k, top-p, seed and
-    min_new_tokens are buffers the step reads (``DecodeState``); the key holds only which code runs:
-    sampling at all, the top-k width and the top-p filter (``RowSampling``'s static fields: they
-    only count when ``do_sample``), and holding stop ids back (``min_new_tokens``)."""
+    """What a captured decode step bakes in. Each row's sampling settings, penalties, seed,
+    min_new_tokens and stop ids are buffers the step reads (``DecodeState``); the key holds only which
+    code runs: sampling at all, the top-k width, the top-p and min-p filters (``RowSampling``'s static
+    fields: they only count when ``do_sample``), which penalties (``RowPenalties``'s static fields)
+    and holding stop ids back (``min_new_tokens``)."""
 
     num_slots: int
     capacity: int
-    repetition_penalty: float
-    track_seen: bool
     cache_kwarg: str
     do_sample: bool = False
     max_top_k: int = 0  # sampling.top_k_width of the rows' largest top-k (0: no top-k)
     top_p_filter: bool = False
+    min_p_filter: bool = False
+    track_seen: bool = False  # a row has a repetition penalty: the ids of its prompt and output are kept
+    track_counts: bool = False  # a row has a presence or frequency penalty: its output's counts are kept
     min_new_tokens: bool = False  # rows hold EOS and stop ids back until their min_new_tokens
     max_graphs: int = 1  # row counts captured (graph decode only)
     num_widths: int = 1  # masked attention: windows over the capacity
     spans: bool = False  # span attention: each row's live columns (the window is then the capacity)
     compiled: bool | str = False  # compile the forward inside the captured step: True, "layers" (graph decode only)
-    fused: bool = False  # q/k/v and gate/up as one matmul each (engine.fusing)
+    fused: bool = False  # q/k/v and gate/up as one matmul each (engine.runner.fusing)
     keep_logits: bool = False  # the step leaves its logits in state.logits (teacher-forced checks)
     logprobs_mode: str | None = None  # the step leaves each token's log-probability in state.logprobs
-    # the paged cache (engine.paged_cache): blocks of block_size tokens, num_blocks in the pool (block 0
+    # the paged cache (engine.kv.paged): blocks of block_size tokens, num_blocks in the pool (block 0
     # scratch); capacity is then the most tokens one row holds (its table's blocks x block_size)
     block_size: int | None = None
     num_blocks: int = 0
@@ -191,6 +198,18 @@ class StepperKey:
     @property
     def paged(self) -> bool:
         return self.block_size is not None
+
+    @classmethod
+    def for_rows(cls, num_slots: int, capacity: int, cache_kwarg: str, *, sampling: RowSampling | None,
+                 penalties: RowPenalties | None, **fields: Any) -> "StepperKey":
+        """The key of a step over rows of these ``sampling`` settings and ``penalties`` (their
+        static fields: which filters and which penalty state it runs); ``fields``: the rest."""
+        return cls(num_slots, capacity, cache_kwarg, do_sample=sampling is not None,
+                   max_top_k=sampling.max_top_k if sampling else 0,
+                   top_p_filter=sampling is not None and sampling.top_p_filter,
+                   min_p_filter=sampling is not None and sampling.min_p_filter,
+                   track_seen=penalties is not None and penalties.track_seen,
+                   track_counts=penalties is not None and penalties.track_counts, **fields)
 
 
 
@@ -209,17 +228,19 @@ class EagerStepper:
                                                 max_blocks_per_row=-(-key.capacity // key.block_size))
         else:
             self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
-        sampling = RowSampling.zeros(key.num_slots, device, max_top_k=key.max_top_k,
-                                     top_p_filter=key.top_p_filter) if key.do_sample else None
-        self.state = DecodeState(key.num_slots, vocab, track_seen=key.track_seen, device=device,
-                                 keep_logits=key.keep_logits, logprobs_mode=key.logprobs_mode,
-                                 sampling=sampling, min_new_tokens=key.min_new_tokens)
+        sampling = RowSampling.zeros(key.num_slots, device, max_top_k=key.max_top_k, top_p_filter=key.top_p_filter,
+                                     min_p_filter=key.min_p_filter) if key.do_sample else None
+        penalties = RowPenalties.zeros(key.num_slots, device, track_seen=key.track_seen,
+                                       track_counts=key.track_counts) if key.track_seen or key.track_counts else None
+        self.state = DecodeState(key.num_slots, vocab, device=device, keep_logits=key.keep_logits,
+                                 logprobs_mode=key.logprobs_mode, sampling=sampling, penalties=penalties,
+                                 min_new_tokens=key.min_new_tokens)
         # attention windows, ascending; span and paged attention read live tokens whatever the window
         self.widths = (key.capacity,) if key.spans or key.paged else width_ladder(key.capacity, key.num_widths)
-        # the fused projections' copy of the model (engine.fusing), which the step then runs
+        # the fused projections' copy of the model (engine.runner.fusing), which the step then runs
         self.fusion = FusedProjections(model) if key.fused else None
         self.forward = None if self.fusion is None else self.fusion.model  # None: the model itself
-        self.select = None  # decode.select_tokens, unless compiled
+        self.select = None  # processors.select_tokens, unless compiled
         self.num_captures = 0
         self.num_replays = 0
         self.build_ms = 0.0  # compile + capture when the stepper was made
@@ -247,7 +268,7 @@ class EagerStepper:
     def _run(self, num_rows: int, width: int) -> torch.Tensor:
         return decode_step(
             self.model, self.cache, self.state, num_rows,
-            repetition_penalty=self.key.repetition_penalty, cache_kwarg=self.key.cache_kwarg,
+            cache_kwarg=self.key.cache_kwarg,
             width=width, spans=self.key.spans, forward=self.forward, select=self.select,
         )
 
@@ -287,7 +308,7 @@ class GraphStepper(EagerStepper):
         return super().fits(model, key) and weights_signature(model) == self.signature
 
     def _capture(self, num_warmups: int) -> None:
-        with tracing():  # the warm-ups trace the compiled step (engine.compiling)
+        with tracing():  # the warm-ups trace the compiled step (engine.runner.compiling)
             self._capture_ladder(num_warmups)
 
     def _capture_ladder(self, num_warmups: int) -> None:

@@ -51,6 +51,9 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 
+from rollout_lab.engine.sample.processors import select_tokens
+from rollout_lab.engine.sample.sampler import token_salts
+
 COMPILE_MODES = ("model", "layers")
 
 
@@ -139,7 +142,7 @@ class _LayerCall(torch.nn.Module):
 
 
 def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
-    """``decode.select_tokens`` compiled with symbolic sizes: the penalty, the sampling filters, the
+    """``processors.select_tokens`` compiled with symbolic sizes: the penalty, the sampling filters, the
     seeded Gumbel noise and the argmax fused over the logits, instead of one kernel per op over
     ``[rows, vocab]`` int64 and float64 temporaries. For the CUDA-graph step only: Triton's int64
     arithmetic wraps as eager's does, so the draws equal eager's (``tests/test_compiling.py``);
@@ -151,9 +154,6 @@ def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
     ``[rows, vocab]`` passes, each written to memory, 52-69 us apiece at 128 rows of Qwen2.5-0.5B
     on an H100 (``data/diagnostics/trace_long_tail_h100_037603b.txt``). One graph fuses them into
     the argmax's first stage."""
-    from rollout_lab.engine.decode import select_tokens  # decode imports the caches; this module stays below them
-    from rollout_lab.engine.sampling import token_salts
-
     fx_config.use_duck_shape = False
     compiled = torch.compile(select_tokens, dynamic=True, backend=backend)
 

@@ -15,7 +15,7 @@ what a decode step reads: ``block_tables`` ``[slots, max_blocks]`` int32 and ``s
 ``slot_mapping`` from the rows' positions in place (``prepare_step``), so the step captures in a
 CUDA graph and replays while rows move through their blocks. ``hf_cache(num_rows)`` gives the
 transformers ``Cache`` whose layers write one token per row there and hand the whole pool to the
-attention (``engine.paged_attention``, selected by the ``paged_tables``/``paged_positions`` keywords
+attention (``engine.kernels.paged``, selected by the ``paged_tables``/``paged_positions`` keywords
 the decode step passes).
 
 Admission copies a prefill's KV into a row's blocks (``admit``: a left-padded bucket; ``admit_packed``:
@@ -33,8 +33,8 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from rollout_lab.engine.cache import device_tensor
-from rollout_lab.engine.span_attention import kernel_available, tl, triton
+from rollout_lab.engine.kv.aligned import device_tensor
+from rollout_lab.engine.kernels.available import kernel_available, tl, triton
 from rollout_lab.planner.cost import ModelGeometry
 from rollout_lab.planner.occupancy import blocks_for
 
@@ -112,7 +112,7 @@ def paged_write(key_pool: torch.Tensor, value_pool: torch.Tensor, keys: torch.Te
     An op of its own, declared to mutate the pools: traced by ``torch.compile`` as an in-place
     ``index_copy_`` on a view of the pool, the write was functionalised into a copy of the whole pool
     per layer and step (the compiled Qwen2.5-0.5B step took 25 ms on the H200); as an opaque mutating
-    op it writes the rows' tokens only. Where the Triton kernels run (``span_attention.kernel_available``)
+    op it writes the rows' tokens only. Where the Triton kernels run (``kernels.available.kernel_available``)
     one launch writes both pools (``_paged_write_kernel``: a program per row), where two ``index_copy_``
     launches did (a few microseconds each, per layer and step, about the time of the copy itself)."""
     rows = keys.shape[0]

@@ -99,7 +99,7 @@ class AlignedKVCache:
         self.capacity = capacity
         self.num_slots = num_slots
         self.row_starts = [0] * num_slots  # first valid column of each slot (host)
-        # the same on the device, for span attention (engine.span_attention); a dead slot holds
+        # the same on the device, for span attention (engine.kernels.span); a dead slot holds
         # ``capacity`` (past any front: it attends to the front column only)
         self.starts = torch.full((num_slots,), capacity, dtype=torch.int32, device=device)
         self._views: dict[tuple[int, int], Cache] = {}

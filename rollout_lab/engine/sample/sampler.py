@@ -10,8 +10,8 @@ generated so far, 0 for the token chosen from the prefill logits) token v gets t
 and the token is ``argmax(filtered_logits / temperature - log(-log(u)))`` (Gumbel-max: an exact
 draw from softmax(filtered_logits / temperature)). It is all elementwise int64 / float ops of a
 static shape, with no generator objects and no host syncs, so the CUDA-graph-captured decode step
-can run it. Filtering follows HF's order: repetition penalty, temperature, top-k, top-p; ties at
-a top-k / top-p threshold are kept (the threshold is a value, not a sorted position). Every row has
+can run it. Filtering follows vLLM's order: penalties (``engine.sample.processors``), temperature, min-p,
+top-k, top-p; ties at a top-k / top-p threshold are kept (the threshold is a value, not a sorted position). Every row has
 its own settings (``RowSampling``: [rows] tensors), so rows of different temperatures, top-k and
 top-p share one step; a row of temperature 0 takes the argmax.
 
@@ -22,13 +22,12 @@ top-p share one step; a row of temperature 0 takes the argmax.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from rollout_lab.planner.checks import as_int
+from rollout_lab.engine.sample.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -102,54 +101,6 @@ def gumbel_noise(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int, salts
     return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
-MIN_TEMPERATURE = 1e-5  # logits of |x| <= ~1e30 stay finite in fp32 after dividing by it
-
-
-def check_seed(seed: object, *, name: str = "seed") -> int | None:
-    """``seed`` when it is None or a Python int in [0, 2**64); else a ValueError naming it. A numpy or
-    tensor int is refused by name: the seed is used as given, and a numpy int overflows the 64-bit
-    key arithmetic."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        hint = " (pass int(seed))" if as_int(seed) is not None else ""
-        raise ValueError(f"{name} must be an int in [0, 2**64) or None, got {seed!r}{hint}")
-    return seed
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling: temperature (0 = greedy, vLLM's rule: top-k and top-p then have
-    nothing to filter), top-k (0 = off), top-p (1.0 = off), and optionally its own ``seed``.
-
-    A request's own seed keys its draws as request 0 of a call with that seed
-    (``sample_key(seed, 0, sample)``), so it draws the same tokens wherever it sits in a batch;
-    without one it is keyed by the call's seed and its index (``sample_key(seed, request, sample)``)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature={t!r} is below {MIN_TEMPERATURE}: the logits divided by it overflow "
-                             "fp32; for its limit use greedy decoding (temperature=0)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
-        check_seed(self.seed)
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-
 def top_k_width(top_k: int) -> int:
     """The top-k a step computes for rows of at most ``top_k``: the next power of two (0 stays 0),
     so calls of nearby top-k share a captured step. Any width >= a row's k gives the same threshold
@@ -161,43 +112,50 @@ def top_k_width(top_k: int) -> int:
 class RowSampling:
     """Each row's sampling settings as ``[rows]`` tensors, and the filters a step runs for them.
 
-    ``max_top_k`` (a ``top_k_width``; 0: no top-k) and ``top_p_filter`` are static: a captured step
-    bakes them in. The tensors are buffers it reads, so rows of different settings share one graph,
-    and a row whose settings turn a filter off (k = 0, p = 1) is left as that filter would leave it."""
+    ``max_top_k`` (a ``top_k_width``; 0: no top-k), ``top_p_filter`` and ``min_p_filter`` are
+    static: a captured step bakes them in. The tensors are buffers it reads, so rows of different
+    settings share one graph, and a row whose settings turn a filter off (k = 0, p = 1, min-p 0) is
+    left as that filter would leave it."""
 
     temperature: torch.Tensor  # [rows] float32; 0: a greedy row (argmax, unfiltered)
     top_k: torch.Tensor  # [rows] int64; 0: off
     top_p: torch.Tensor  # [rows] float32; 1: off
+    min_p: torch.Tensor  # [rows] float32; 0: off
     max_top_k: int = 0
     top_p_filter: bool = False
+    min_p_filter: bool = False
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> "RowSampling":
-        """One row per item of ``params``; a greedy row's top-k and top-p are off."""
+        """One row per item of ``params``; a greedy row's top-k, top-p and min-p are off."""
         top_k = [0 if p.is_greedy else p.top_k for p in params]
         top_p = [1.0 if p.is_greedy else p.top_p for p in params]
+        min_p = [0.0 if p.is_greedy else p.min_p for p in params]
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
                    torch.tensor(top_k, dtype=torch.long, device=device),
                    torch.tensor(top_p, dtype=torch.float32, device=device),
-                   max_top_k=top_k_width(max(top_k, default=0)), top_p_filter=any(p < 1 for p in top_p))
+                   torch.tensor(min_p, dtype=torch.float32, device=device),
+                   max_top_k=top_k_width(max(top_k, default=0)), top_p_filter=any(p < 1 for p in top_p),
+                   min_p_filter=any(p > 0 for p in min_p))
 
     @classmethod
     def zeros(cls, num_rows: int, device: torch.device | str, *, max_top_k: int,
-              top_p_filter: bool) -> "RowSampling":
+              top_p_filter: bool, min_p_filter: bool = False) -> "RowSampling":
         """Buffers for ``num_rows`` slots (``DecodeState``): greedy rows until rows are admitted."""
         return cls(torch.zeros(num_rows, dtype=torch.float32, device=device),
                    torch.zeros(num_rows, dtype=torch.long, device=device),
                    torch.ones(num_rows, dtype=torch.float32, device=device),
-                   max_top_k=max_top_k, top_p_filter=top_p_filter)
+                   torch.zeros(num_rows, dtype=torch.float32, device=device),
+                   max_top_k=max_top_k, top_p_filter=top_p_filter, min_p_filter=min_p_filter)
 
     def rows(self, index: torch.Tensor | slice) -> "RowSampling":
         """The rows at ``index`` (a slice gives views of these tensors, an index tensor a copy)."""
         return dataclasses.replace(self, temperature=self.temperature[index], top_k=self.top_k[index],
-                                   top_p=self.top_p[index])
+                                   top_p=self.top_p[index], min_p=self.min_p[index])
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.temperature, self.top_k, self.top_p]
+        return [self.temperature, self.top_k, self.top_p, self.min_p]
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -206,11 +164,16 @@ class RowSampling:
 
 
 def filter_logits(scores: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
-    """fp32 scores / each row's temperature, then its top-k and top-p as -inf; a greedy row's scores
-    as they came. Static shapes, no host sync, no branch on a tensor's values."""
+    """fp32 scores / each row's temperature, then its min-p, top-k and top-p as -inf (vLLM's
+    order); a greedy row's scores as they came. Static shapes, no host sync, no branch on a tensor's
+    values."""
     greedy = sampling.greedy[:, None]  # [rows, 1]
     filtered = scores / torch.where(greedy, 1.0, sampling.temperature[:, None])
     vocab = scores.shape[-1]
+    if sampling.min_p_filter:  # below min_p x the likeliest id's probability; min_p 0 keeps every id
+        probs = torch.softmax(filtered, dim=-1)  # [rows, vocab]
+        floor = sampling.min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [rows, 1]
+        filtered = filtered.masked_fill(probs < floor, float("-inf"))
     if sampling.max_top_k:
         width = min(sampling.max_top_k, vocab)
         top = torch.topk(filtered, width, dim=-1).values  # [rows, width], descending

@@ -1,6 +1,6 @@
 """Continuous batching over the paged cache: rows never wait for a shared front.
 
-The ``paged`` route (``engine.paged_cache``). Every loop turn, before a decode step:
+The ``paged`` route (``engine.kv.paged``). Every loop turn, before a decode step:
 
 - **admission**: queued rows enter free slots, in input order, as long as the pool keeps one free block
   per live row after their prompts' blocks (a watermark, so the live rows can grow). A turn admits
@@ -38,9 +38,10 @@ from typing import Sequence
 
 import torch
 
-from rollout_lab.engine.batching import ContinuousBatcher, _Row, extend_prefill
-from rollout_lab.engine.paged_cache import PagedKVCache
-from rollout_lab.engine.prefill import prefill_bucket
+from rollout_lab.engine.sched.aligned import ContinuousBatcher, extend_prefill
+from rollout_lab.engine.sched.request import Request
+from rollout_lab.engine.kv.paged import PagedKVCache
+from rollout_lab.engine.runner.prefill import prefill_bucket
 from rollout_lab.planner.bucket_dp import BucketPlan
 
 
@@ -58,7 +59,7 @@ class _Prefilling:
 
 
 class PagedBatcher(ContinuousBatcher):
-    """Runs one call's rows through the paged cache; ``run()`` -> (sequences, plans)."""
+    """Runs one call's requests through the paged cache; ``run()`` fills their tokens, returns the plans."""
 
     def __init__(self, *args, refill_rows: int = 1, admit_tokens: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -106,16 +107,16 @@ class PagedBatcher(ContinuousBatcher):
         live = sum(self._cached_tokens(row) for row in self.rows)
         self.profile.peak_live_tokens = max(self.profile.peak_live_tokens, live)
 
-    def _cached_tokens(self, row: _Row) -> int:
+    def _cached_tokens(self, row: Request) -> int:
         """Tokens of ``row`` in its blocks: its prompt and every generated token but the last (the
         next step's input)."""
-        return self.lengths[row.request] + row.num_generated - 1
+        return self.lengths[row.index] + row.num_generated - 1
 
     # -- admission --------------------------------------------------------------------------
     def _entry_tokens(self, request: int) -> int:
         """Positions a queued row needs on entry: its prompt (and, resuming, its tokens but the
         last) plus the first decode step's."""
-        return self.lengths[request] + max(1, len(self.outputs[request]))
+        return self.lengths[request] + max(1, len(self.requests[request].tokens))
 
     def _splits(self, request: int) -> bool:
         """Whether entering ``request`` is prefilled across turns: more than ``admit_tokens`` tokens."""
@@ -188,8 +189,8 @@ class PagedBatcher(ContinuousBatcher):
     # -- prefill across turns -----------------------------------------------------------------
     def _prefill_ids(self, request: int) -> list[int]:
         """What entering ``request`` prefills: its prompt, and a preempted row's tokens but the last."""
-        prompt = list(self.prompts[request])
-        return prompt + self.outputs[request][:-1] if request in self.resuming else prompt
+        row = self.requests[request]
+        return row.prompt + row.tokens[:-1] if request in self.resuming else list(row.prompt)
 
     def _start_prefilling(self, spent: int) -> bool:
         """With nothing prefilling and the turn's tokens untouched, a long prompt at the head of the
@@ -234,10 +235,11 @@ class PagedBatcher(ContinuousBatcher):
         (the watermark kept unless nothing is live); whether it entered."""
         pending, allocator = self.prefilling, self.cache.allocator
         resuming = pending.request in self.resuming
-        group = self.groups[pending.request]
+        group = self.requests[pending.request].group
         members, budget = [], allocator.num_free
         for request in [pending.request, *self.queue]:
-            if request != pending.request and (resuming or self.groups[request] != group or request in self.resuming):
+            if request != pending.request and (resuming or self.requests[request].group != group
+                                               or request in self.resuming):
                 break
             need = allocator.blocks_for(self._entry_tokens(request))
             floor = len(self.rows) + len(members) + 1 if self.rows or members else 0
@@ -260,21 +262,18 @@ class PagedBatcher(ContinuousBatcher):
             self._place_resumed([pending.request], slots, pending.kv)
             return True
         self._mark_admitted(members)
-        self.rows.extend(_Row(r, 0) for r in members)
+        self.rows.extend(self.requests[r] for r in members)
         length = self.lengths[pending.request]
         with self.timer.phase("prefill_ms"):
             logits = pending.logits.index_select(0, torch.zeros(len(members), dtype=torch.long, device=self.device))
-            seen = None
-            if self.state.seen is not None:
-                seen = self._seen_of([self.prompts[pending.request]]).expand(len(members), -1).clone()
-            first, first_logprobs, settings = self._first_tokens(members, logits, seen)
+            first, first_logprobs, settings = self._first_tokens(members, logits)
         self.profile.num_prefill_rows += 1
         self.profile.num_replicated_rows += len(members) - 1
         with self.timer.phase("cache_ms"):
             self.cache.admit(slots, pending.kv, [length] * len(members), source_rows=[0] * len(members))
-            self.state.admit(slots, first, [length] * len(members), seen, **settings)
+            self.state.admit(slots, first, [length] * len(members), **settings)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
-            self._append(self.rows[slot], token, None if first_logprobs is None else first_logprobs[j])
+            self.rows[slot].append(token, None if first_logprobs is None else first_logprobs[j])
         self._note_peak()
         self._retire()
         return True
@@ -307,23 +306,20 @@ class PagedBatcher(ContinuousBatcher):
 
     def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv) -> None:
         """Preempted rows whose prefill ``layer_kv`` (left-padded, one row each) ran enter ``slots``
-        (their blocks grown): positions, the ids seen, the sampling step and settings continue."""
+        (their blocks grown): positions, the ids seen and counted, the sampling step and settings
+        continue."""
         ids = [self._prefill_ids(r) for r in requests]
-        seen = None
-        if self.state.seen is not None:
-            with self.timer.phase("prefill_ms"):
-                seen = self._seen_of([list(self.prompts[r]) + self.outputs[r] for r in requests])
+        rows = [self.requests[r] for r in requests]
+        with self.timer.phase("prefill_ms"):
+            settings = self._row_settings(rows)
         self.profile.num_prefill_rows += len(requests)
         with self.timer.phase("cache_ms"):
             self.cache.admit(slots, layer_kv, [len(i) for i in ids])
-            last = torch.tensor([self.outputs[r][-1] for r in requests], dtype=torch.long, device=self.device)
-            index = torch.tensor(list(requests), dtype=torch.long, device=self.device)
-            sampling = None if self.settings.sampling is None else self.settings.sampling.rows(index)
-            minimum = None if self.min_new_tokens is None else self.min_new_tokens[index]
-            self.state.admit(slots, last, [len(i) for i in ids], seen, sample_keys=self.sample_keys[index],
-                             steps=[len(self.outputs[r]) for r in requests], sampling=sampling,
-                             min_new_tokens=minimum)
-        self.rows.extend(_Row(r, len(self.outputs[r])) for r in requests)
+            last = torch.tensor([row.tokens[-1] for row in rows], dtype=torch.long, device=self.device)
+            self.state.admit(slots, last, [len(i) for i in ids], steps=[len(row.tokens) for row in rows], **settings)
+        for row in rows:
+            row.num_generated = len(row.tokens)
+        self.rows.extend(rows)
         self.resuming.difference_update(requests)
         self._mark_admitted(requests)
 
@@ -354,8 +350,8 @@ class PagedBatcher(ContinuousBatcher):
 
     def _preempt(self) -> None:
         """The most recently admitted live row gives its blocks back and waits at the head of the queue."""
-        slot = max(range(len(self.rows)), key=lambda s: self.admitted_order[self.rows[s].request])
-        request = self.rows[slot].request
+        slot = max(range(len(self.rows)), key=lambda s: self.admitted_order[self.rows[s].index])
+        request = self.rows[slot].index
         self.resuming.add(request)
         self.queue.insert(0, request)
         self.profile.num_preemptions += 1

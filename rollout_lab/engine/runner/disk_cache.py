@@ -5,7 +5,7 @@ artifacts of its CUDA graphs, so that the next process starts where this one end
 provenance matches the model as it runs (``planner.cost.CostFile.check``: model geometry, dtype,
 device name, attention implementation, torch and transformers releases, TF32, captured prefill).
 Found, its coefficients price the first call. Not found, the first calls start from the reference's
-prefill coefficients with CB decode priced below nocb's (``engine.rollout.captured_decode_prior``:
+prefill coefficients with CB decode priced below nocb's (``engine.api.rollout.captured_decode_prior``:
 the captured step is the fast one here, the reverse of the reference's gap). Either way the rollout then refines them from its own timed forwards
 (``planner.fit.OnlineCalibrator``, as ``online_recalibration=True`` does, without exploring other
 routes) and saves the refit here after each call. Elsewhere (a CPU) "auto" is the reference's

@@ -1,6 +1,6 @@
 """Decode attention over each row's live span: a split-K Triton kernel, and its torch reference.
 
-In the aligned cache (``engine.cache``) row ``i`` holds its tokens at the contiguous columns
+In the aligned cache (``engine.kv.aligned``) row ``i`` holds its tokens at the contiguous columns
 ``[start_i, front]`` (the prompt, what it generated, and the token written this step); everything
 else in its slot is masked. A masked SDPA over the window reads every row × every column of the
 window, so a step costs slots × capacity whatever the rows hold. This kernel reads only
@@ -28,29 +28,13 @@ runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the CPU tests
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference and the masked SDPA remain
-    triton = tl = None
+from rollout_lab.engine.kernels.available import kernel_available, tl, triton
 
 BLOCK_N = 64  # key columns per inner step
 MAX_SPLITS = 32
 OP_NAME = "rollout_lab::span_attention"
-
-
-def kernel_available(device: torch.device | str) -> bool:
-    """Whether ``span_attention`` runs its kernel for tensors on ``device``."""
-    if triton is None:
-        return False
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def num_splits(rows: int, kv_heads: int, width: int, device: torch.device | str) -> int:

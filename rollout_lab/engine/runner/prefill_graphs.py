@@ -18,7 +18,7 @@ class is captured once, on first use, into a CUDA graph that later buckets of th
   forwards run the compiled layers (nano-vllm's shape on the H100: 1.1 s of its 9 s call went to the
   eager prefill of 8 large buckets, ~0.6 s of it unfused elementwise kernels);
 - ``compiled=True`` captures ``torch.compile(model, dynamic=True)`` instead of the model
-  (``compiled="layers"``: each decoder layer compiled, ``engine.compiling``). A replay
+  (``compiled="layers"``: each decoder layer compiled, ``engine.runner.compiling``). A replay
   removes the launches but not the GPU time of ~1,000 small unfused kernels: on the H200 a 1×16
   replay of Qwen2.5-3B took 6.9 ms against ~1.5 ms of weight streaming, as the uncompiled decode
   step did (5.8 ms, 3.5 ms compiled). Symbolic sizes let one compile serve the classes.
@@ -37,8 +37,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from rollout_lab.engine.compiling import compile_forward, tracing
-from rollout_lab.engine.prefill import check_class_shape, class_batch, prefill_bucket
+from rollout_lab.engine.runner.compiling import compile_forward, tracing
+from rollout_lab.engine.runner.prefill import check_class_shape, class_batch, prefill_bucket
 
 
 MAX_GRAPH_TOKENS = 8192  # rows x width of the largest class captured (module docstring)
