@@ -209,6 +209,28 @@ def test_graph_per_request_sampling_and_min_new_tokens_equal_eager():
         assert graph.sequences == eager.sequences, mode
 
 
+@cuda
+def test_graph_vllm_sampling_fields_per_request_equal_eager():
+    """vLLM's per-request fields (penalties of both signs, min-p, n, max/min_tokens, stop ids) in one
+    captured (compiled) step: eager's tokens on the aligned and the paged cache."""
+    from rollout_lab.engine.sample.params import SamplingParams
+
+    model = _cuda_model("qwen2")
+    prompts = prompts_of([5, 12, 3, 8], seed=6)
+    params = [SamplingParams(0.0, presence_penalty=1.5, frequency_penalty=0.5, n=2),
+              SamplingParams(0.9, 40, min_p=0.05, frequency_penalty=-0.75, seed=3, n=3, max_tokens=9),
+              SamplingParams(1.3, top_p=0.9, repetition_penalty=1.5, seed=8, min_tokens=4, stop_token_ids=[7, 9]),
+              SamplingParams(0.7, min_p=0.2, seed=11, max_tokens=5)]
+    gen = dict(sampling=params, seed=5, max_new_tokens=16)
+    eager = Rollout(model, RolloutConfig(mode="bucketed", costs=SPLIT, decode="eager")).generate(prompts, **gen)
+    for mode in ("bucketed", "paged"):
+        with Rollout(model, RolloutConfig(mode=mode, costs=SPLIT, decode="graph", continuous_batch_size=5)) as rollout:
+            graph = rollout.generate(prompts, **gen)
+            key = rollout.runner.stepper.key
+            assert key.track_seen and key.track_counts and key.min_p_filter and key.min_new_tokens
+        assert graph.sequences == eager.sequences, mode
+
+
 def test_graph_ladder_rungs():
     from rollout_lab.engine.runner.steppers import graph_ladder
 
