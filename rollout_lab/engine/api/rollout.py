@@ -1,4 +1,6 @@
-"""The rollout engine: five routes over a Hugging Face causal LM that give the same tokens.
+"""``Rollout``, the engine's facade: a call is checked once (``api.call.check_call``), routed, its
+cache sized (``kv.sizing``), its rows scheduled (``sched``) on the kept model runner (``runner``),
+and learned from. Every route gives the same tokens.
 
     from rollout_lab import Rollout, RolloutConfig
     result = Rollout(model, RolloutConfig(mode="auto", eos_token_id=2)).generate(
@@ -14,7 +16,8 @@ packed into one row) -- these four decode by continuous batching over the right-
 Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
 counter-based hash of (``seed``, request, sample, step) (``engine.sample.sampler``), so every
 route, slot count and refill order gives the same tokens; ``sampling=[SamplingParams(...), ...]``
-gives each request its own settings and seed, read per row inside one decode step.
+gives each request its own settings (vLLM's fields: samples, budget, minimum, penalties, min-p,
+stops, seed), read per row inside one decode step.
 ``num_samples`` rows per request share one prefill (``planner.routes.prompt_groups``). nocb runs HF
 ``generate`` with our sampler as a logits processor (then HF's greedy argmax), so it gives the same
 tokens too.
@@ -229,22 +232,25 @@ class Rollout:
         generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
         any of them without ``do_sample=True`` is an error, not a silent greedy run;
         ``temperature=0`` is greedy (vLLM's rule). ``sampling`` instead gives each request its own:
-        a list of one ``engine.sample.sampler.SamplingParams(temperature, top_k, top_p, seed)`` per request
-        (temperature 0: greedy; a request's own seed makes its tokens those of a call of it alone
-        with that seed; ``seed=`` keys the others). ``profile``
-        overrides ``config.profile`` for this call (None keeps it).
+        a list of one ``rollout_lab.SamplingParams`` per request, vLLM's fields (``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``seed``, ``n``, ``max_tokens``, ``min_tokens``, ``stop``,
+        ``stop_token_ids``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``);
+        a field left None takes the call's argument (``num_samples``, ``max_new_tokens``, ...), and
+        the call-wide temperature/top_k/top_p must then stay at their defaults. Temperature 0 is
+        greedy; a request's own seed makes its tokens those of a call of it alone with that seed;
+        ``seed=`` keys the others. ``profile`` overrides ``config.profile`` for this call (None keeps it).
 
         ``return_logprobs=True`` adds ``result.logprobs``: per sequence, each token's log-probability,
         computed inside the decode step (a logsumexp and a gather). ``logprobs_mode`` "raw" (the
         default) is the fp32 log-softmax of the model's logits; "processed" is the distribution the
-        token was drawn from (after the penalty, then temperature and top-k/top-p when sampling).
+        token was drawn from (after the penalties, then temperature, min-p, top-k and top-p when sampling).
         "trainer" is ``engine.trainer.sequence_logprobs`` of the padded batch (prompts left-padded,
         responses right-padded: ``engine.trainer.padded_batch``), one teacher-forced forward after the
         decode, in eval mode under no_grad: bit-identical to a trainer's call of it on that batch in
         the same dtype ("trainer_fp32": with ``fp32_head=True``), at the cost of that forward.
 
         ``generation_config`` (a ``transformers.GenerationConfig``) sets those keywords, and the
-        repetition penalty and EOS/PAD ids for this call (``config.from_generation_config``); a
+        repetition penalty and EOS/PAD ids for this call (``call.from_generation_config``); a
         setting it carries that rollout_lab does not support is an error.
         """
         call = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_samples=num_samples,
@@ -448,7 +454,7 @@ class Rollout:
         plan = choose_shared_route(
             [lengths[g] for g in sizes], list(sizes.values()),
             max_new_tokens=[budgets[g] for g in sizes], continuous_batch_size=slots,
-            geometry=self.geometry, coeffs=self.costs,
+            geometry=self.geometry, costs=self.costs,
             nocb_allowed=free_layout and uniform_stops, response_lengths=self.length_prior.current(),
             chunk_long_prompts=True, classes=self.prefill_classes(lengths, min(n, slots or n)),
             paged_allowed=paged_allowed, paged_pool_blocks=pool, kv_block_size=cfg.kv_block_size,
