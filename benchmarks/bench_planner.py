@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, skip n = 65536")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "data" / "benchmarks" / "planner"), help="output path stem")
     args = parser.parse_args()
-    geometry, coeffs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
     rows = []
     for n, max_len in CASES:
         if args.quick and n > 4096:
@@ -47,12 +47,12 @@ def main() -> None:
         rng = random.Random(n * 7 + max_len)
         lengths = [rng.randint(1, max_len) for _ in range(n)] if max_len > 0 else [300] * n
         repeats = 200 if n <= 256 else (20 if n <= 4096 else 5)
-        fast = time_call(lambda: plan_buckets(lengths, geometry, coeffs), repeats)
+        fast = time_call(lambda: plan_buckets(lengths, geometry, costs), repeats)
         row = {"n": n, "max_len": max_len, "repeats": repeats,
-               "num_buckets": plan_buckets(lengths, geometry, coeffs).num_buckets,
+               "num_buckets": plan_buckets(lengths, geometry, costs).num_buckets,
                "median_ms": statistics.median(fast), "min_ms": min(fast), "samples_ms": fast}
         if n <= 4096:
-            slow = time_call(lambda: plan_buckets_quadratic(lengths, geometry, coeffs), 3 if n > 256 else repeats // 4)
+            slow = time_call(lambda: plan_buckets_quadratic(lengths, geometry, costs), 3 if n > 256 else repeats // 4)
             row["quadratic_median_ms"] = statistics.median(slow)
         rows.append(row)
         quad = f"{row.get('quadratic_median_ms', float('nan')):9.2f}"

@@ -32,15 +32,15 @@ def main() -> None:
     ws = Workspace.resolve(args.out_dir)
     geometry = ModelGeometry.qwen25_3b(args.element_bytes)
     # the costs must have been measured on Qwen2.5-3B geometry (--override-costs: use them anyway)
-    coeffs = CostCoefficients.from_json(args.costs, expected=setting_metadata(geometry=geometry),
-                                        override=args.override_costs) if args.costs else CostCoefficients()
-    rows = makespan_rows(WORKLOADS, WORLD_SIZES, geometry=geometry, coeffs=coeffs,
+    costs = CostCoefficients.from_json(args.costs, expected=setting_metadata(geometry=geometry),
+                                       override=args.override_costs) if args.costs else CostCoefficients()
+    rows = makespan_rows(WORKLOADS, WORLD_SIZES, geometry=geometry, costs=costs,
                          max_new_tokens=args.max_new_tokens,
                          continuous_batch_size=args.continuous_batch_size)
     write_csv(rows, ws.tables / "makespans.csv", columns=COLUMNS)
     write_json_atomic(ws.tables / "makespans.json", {
         "provenance": provenance(config=dict(
-            geometry=geometry.__dict__, coefficients=coeffs.to_dict(),
+            geometry=geometry.__dict__, coefficients=costs.to_dict(),
             max_new_tokens=args.max_new_tokens, continuous_batch_size=args.continuous_batch_size,
         )),
         "rows": rows,

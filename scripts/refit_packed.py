@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         p.error(str(err))
     result.save(args.out)
-    before, after = result.metadata["refit"]["previous"], result.coeffs
+    before, after = result.metadata["refit"]["previous"], result.costs
     worst = max(abs(r["rel_error"]) for r in result.packed)
     print(f"packed: fixed {before.get('packed_fixed_cost_ms', 0.0):.3f} -> {after.packed_fixed_cost_ms:.3f} ms, "
           f"per prompt {before['packed_prompt_cost_ms']:.3f} -> {after.packed_prompt_cost_ms:.3f} ms; "

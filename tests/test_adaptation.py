@@ -35,29 +35,29 @@ def test_split_prompt():
 
 
 def test_plan_chunked_keeps_plan_buckets_contract():
-    coeffs = CostCoefficients(prefill_max_tokens=LIMIT)
+    costs = CostCoefficients(prefill_max_tokens=LIMIT)
     with pytest.raises(ValueError, match="plan_chunked"):
-        plan_buckets([40, 3], GEO, coeffs)
+        plan_buckets([40, 3], GEO, costs)
     with pytest.raises(ValueError, match="prefill_max_tokens"):
-        choose_route([40, 3], max_new_tokens=4, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+        choose_route([40, 3], max_new_tokens=4, continuous_batch_size=None, geometry=GEO, costs=costs)
     within = [5, 3, 12, 9]
-    assert plan_chunked(within, GEO, coeffs) == plan_buckets(within, GEO, coeffs)
+    assert plan_chunked(within, GEO, costs) == plan_buckets(within, GEO, costs)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_plan_chunked_is_the_dp_over_heads(seed):
     rng = random.Random(seed)
-    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.01, 1.0, 25.0]), prefill_max_tokens=LIMIT)
+    costs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.01, 1.0, 25.0]), prefill_max_tokens=LIMIT)
     lengths = [rng.choice([rng.randint(1, LIMIT), rng.randint(1, 5 * LIMIT)]) for _ in range(rng.randint(1, 9))]
-    plan = plan_chunked(lengths, GEO, coeffs)
+    plan = plan_chunked(lengths, GEO, costs)
     heads = [split_prompt(n, LIMIT)[0] for n in lengths]
-    assert plan.buckets == plan_buckets(heads, GEO, coeffs).buckets
+    assert plan.buckets == plan_buckets(heads, GEO, costs).buckets
     assert sorted(itertools.chain(*plan.buckets)) == list(range(len(lengths)))
     assert dict(plan.chunks) == {i: split_prompt(n, LIMIT)[1:] for i, n in enumerate(lengths) if n > LIMIT}
     for bucket, width in zip(plan.buckets, plan.widths):
         assert len(bucket) * width <= LIMIT
     assert plan.num_forwards == plan.num_buckets + sum(len(t) for _, t in plan.chunks)
-    route = choose_route(lengths, max_new_tokens=3, continuous_batch_size=None, geometry=GEO, coeffs=coeffs,
+    route = choose_route(lengths, max_new_tokens=3, continuous_batch_size=None, geometry=GEO, costs=costs,
                          chunk_long_prompts=True)
     if max(lengths) > LIMIT:
         assert route.route == "bucketed" and route.nocb_cost_ms is None
@@ -126,7 +126,7 @@ def test_expected_decode_steps_edges():
 
 def test_prior_moves_the_route_choice():
     lengths = [512] + [16] * 31  # the worked example
-    kw = dict(max_new_tokens=512, continuous_batch_size=None, geometry=GEO, coeffs=CostCoefficients())
+    kw = dict(max_new_tokens=512, continuous_batch_size=None, geometry=GEO, costs=CostCoefficients())
     assert choose_route(lengths, **kw).route == "nocb"  # 10 ms x 511 steps of CB overhead
     short = choose_route(lengths, response_lengths=[3, 5, 8, 12], **kw)
     assert short.route == "bucketed" and short.cb_cost_ms < choose_route(lengths, **kw).cb_cost_ms
@@ -228,9 +228,9 @@ def scripted_clock(monkeypatch):
     geometry = ModelGeometry.from_config(get_tiny("qwen2").config, "float32")
     real_observe = OnlineCalibrator.observe
 
-    def observe(self, records, coeffs, **kwargs):
+    def observe(self, records, costs, **kwargs):
         scripted = [dict(r, ms=sum(predicted_ms([r], geometry, TRUTH))) for r in records]
-        return real_observe(self, scripted, coeffs, **kwargs)
+        return real_observe(self, scripted, costs, **kwargs)
 
     monkeypatch.setattr(OnlineCalibrator, "observe", observe)
     return geometry

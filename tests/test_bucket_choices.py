@@ -24,9 +24,9 @@ from rollout_lab.workspace import write_csv
 GEO = geometry_for("qwen2.5-3b", "float32")
 
 
-def brute_force_k(lengths, coeffs, k):
+def brute_force_k(lengths, costs, k):
     """Cheapest exactly-k contiguous split of the sorted lengths, or None."""
-    srt, n, limit = sorted(lengths), len(lengths), coeffs.prefill_max_tokens
+    srt, n, limit = sorted(lengths), len(lengths), costs.prefill_max_tokens
     best = None
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds, total = [0, *cuts, n], 0.0
@@ -34,7 +34,7 @@ def brute_force_k(lengths, coeffs, k):
             if limit is not None and (j - i) * srt[j - 1] > limit:
                 total = None
                 break
-            total += prefill_cost_ms(j - i, srt[j - 1], GEO, coeffs)
+            total += prefill_cost_ms(j - i, srt[j - 1], GEO, costs)
         if total is not None and (best is None or total < best):
             best = total
     return best
@@ -43,20 +43,20 @@ def brute_force_k(lengths, coeffs, k):
 @pytest.mark.parametrize("seed", range(60))
 def test_k_bucket_dp_equals_brute_force(seed):
     rng = random.Random(seed)
-    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.0, 5.0, 25.0, 400.0]),
-                              prefill_max_tokens=rng.choice([None, 256, 1024]))
+    costs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.0, 5.0, 25.0, 400.0]),
+                             prefill_max_tokens=rng.choice([None, 256, 1024]))
     n = rng.randint(1, 8)
     lengths = [rng.randint(1, 200) for _ in range(n)]
-    plans = plans_by_num_buckets(lengths, GEO, coeffs, n + 2)
+    plans = plans_by_num_buckets(lengths, GEO, costs, n + 2)
     assert plans[n:] == [None, None]
     for k in range(1, n + 1):
-        expected, plan = brute_force_k(lengths, coeffs, k), plans[k - 1]
+        expected, plan = brute_force_k(lengths, costs, k), plans[k - 1]
         assert (expected is None) == (plan is None), (lengths, k)
         if plan is not None:
             assert plan.num_buckets == k
             assert math.isclose(plan.cost_ms, expected, rel_tol=1e-9)
             assert sorted(i for b in plan.buckets for i in b) == list(range(n))
-    optimum = plan_buckets(lengths, GEO, coeffs)
+    optimum = plan_buckets(lengths, GEO, costs)
     assert math.isclose(min(p.cost_ms for p in plans if p), optimum.cost_ms, rel_tol=1e-9)
 
 
@@ -93,24 +93,24 @@ def test_distributions_resolve():
 
 
 def test_tables_and_route_map(tmp_path):
-    coeffs = CostCoefficients()
+    costs = CostCoefficients()
     dists = resolve_distributions([{"kind": "real", "dataset": "gsm8k"}, {"kind": "seed", "name": "spread"}],
                                   batch_size=24, seeds=[0])
-    rows = num_buckets_rows(dists, GEO, coeffs, max_num_buckets=8)
+    rows = num_buckets_rows(dists, GEO, costs, max_num_buckets=8)
     assert sum(r["is_dp_choice"] for r in rows) == 2
     assert all(0 <= r["padding_share"] <= 1 for r in rows)
-    sweep = fixed_cost_rows(dists, GEO, coeffs, fixed_costs_ms=[0.0, 1.0, 100.0, 1e4])
+    sweep = fixed_cost_rows(dists, GEO, costs, fixed_costs_ms=[0.0, 1.0, 100.0, 1e4])
     for label in ("gsm8k", "spread"):
         ks = [r["num_buckets"] for r in sweep if r["distribution"] == label]
         assert ks == sorted(ks, reverse=True) and ks[-1] == 1
-    summary = summary_rows(dists, GEO, coeffs, max_new_tokens=16)
+    summary = summary_rows(dists, GEO, costs, max_new_tokens=16)
     assert all(r["dp_cost_ms"] <= r["one_bucket_cost_ms"] for r in summary)
     lengths = dists[0].lengths
-    m = route_map("gsm8k", lengths, GEO, coeffs, max_lengths=[16, 128, 1024, 2048], budgets=[1, 16, 512])
+    m = route_map("gsm8k", lengths, GEO, costs, max_lengths=[16, 128, 1024, 2048], budgets=[1, 16, 512])
     for r, budget in enumerate(m.budgets):
         for c, scale in enumerate(m.scales):
             expected = choose_route(scale_lengths(lengths, scale), max_new_tokens=budget,
-                                    continuous_batch_size=None, geometry=GEO, coeffs=coeffs).route
+                                    continuous_batch_size=None, geometry=GEO, costs=costs).route
             assert m.routes[r][c] == expected
     assert m.max_lengths == (16, 128, 1024, 2048)
     path = write_csv(m.rows(), tmp_path / "t" / "route.csv")

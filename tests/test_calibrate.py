@@ -52,14 +52,14 @@ def test_nnls_exact_nonnegative_solution_and_zero_column():
         nnls(a, np.ones(2))
 
 
-def _synthetic(coeffs, copy_fixed_ms, noise, seed):
+def _synthetic(costs, copy_fixed_ms, noise, seed):
     shapes = CalibrationGrid().shapes()
     rng = np.random.default_rng(seed)
-    fwd_fixed = coeffs.prefill_fixed_cost_ms - copy_fixed_ms
-    forward = [(fwd_fixed + coeffs.prefill_token_cost_ms * b * w
-                + coeffs.prefill_attention_cost_ms * attention_gflops(b, w, QWEN3B_BF16))
+    fwd_fixed = costs.prefill_fixed_cost_ms - copy_fixed_ms
+    forward = [(fwd_fixed + costs.prefill_token_cost_ms * b * w
+                + costs.prefill_attention_cost_ms * attention_gflops(b, w, QWEN3B_BF16))
                * (1 + noise * rng.standard_normal()) for b, w in shapes]
-    copy = [(copy_fixed_ms + coeffs.prefill_kv_cost_ms * kv_mib(b, w, QWEN3B_BF16))
+    copy = [(copy_fixed_ms + costs.prefill_kv_cost_ms * kv_mib(b, w, QWEN3B_BF16))
             * (1 + noise * rng.standard_normal()) for b, w in shapes]
     return shapes, forward, copy
 
@@ -68,12 +68,12 @@ def _synthetic(coeffs, copy_fixed_ms, noise, seed):
 def test_synthetic_coefficients_are_recovered(seed):
     true = CostCoefficients(20.0, 0.004, 0.02, 0.05, 3.0)
     shapes, forward, copy = _synthetic(true, copy_fixed_ms=1.0, noise=0.02, seed=seed)
-    coeffs, fit, r2 = fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=3.0)
-    assert coeffs.prefill_fixed_cost_ms == pytest.approx(20.0, rel=0.05)
-    assert coeffs.prefill_token_cost_ms == pytest.approx(0.004, rel=0.1)
-    assert coeffs.prefill_attention_cost_ms == pytest.approx(0.02, rel=0.2)
-    assert coeffs.prefill_kv_cost_ms == pytest.approx(0.05, rel=0.1)
-    assert coeffs.continuous_decode_cost_ms == 3.0
+    costs, fit, r2 = fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=3.0)
+    assert costs.prefill_fixed_cost_ms == pytest.approx(20.0, rel=0.05)
+    assert costs.prefill_token_cost_ms == pytest.approx(0.004, rel=0.1)
+    assert costs.prefill_attention_cost_ms == pytest.approx(0.02, rel=0.2)
+    assert costs.prefill_kv_cost_ms == pytest.approx(0.05, rel=0.1)
+    assert costs.continuous_decode_cost_ms == 3.0
     assert r2 > 0.99 and max(abs(r["rel_error"]) for r in fit) < 0.1
     assert {"batch", "width", "measured_ms", "predicted_ms", "rel_error"} <= set(fit[0])
 
@@ -81,10 +81,10 @@ def test_synthetic_coefficients_are_recovered(seed):
 def test_noise_free_fit_is_exact_and_negative_decode_overhead_clips():
     true = CostCoefficients(12.0, 0.01, 0.5, 0.2, 0.0)
     shapes, forward, copy = _synthetic(true, copy_fixed_ms=0.5, noise=0.0, seed=0)
-    coeffs, fit, r2 = fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=-4.0)
-    assert coeffs.prefill_fixed_cost_ms == pytest.approx(12.0, rel=1e-6)
-    assert coeffs.prefill_attention_cost_ms == pytest.approx(0.5, rel=1e-6)
-    assert coeffs.continuous_decode_cost_ms == 0.0
+    costs, fit, r2 = fit_coefficients(shapes, forward, copy, QWEN3B_BF16, continuous_decode_cost_ms=-4.0)
+    assert costs.prefill_fixed_cost_ms == pytest.approx(12.0, rel=1e-6)
+    assert costs.prefill_attention_cost_ms == pytest.approx(0.5, rel=1e-6)
+    assert costs.continuous_decode_cost_ms == 0.0
     assert r2 == pytest.approx(1.0) and max(abs(r["rel_error"]) for r in fit) < 1e-6
 
 
@@ -114,7 +114,7 @@ def calibrated(tiny, tmp_path_factory):
 
 def test_tiny_calibration_end_to_end(calibrated):
     result, path = calibrated
-    c = result.coeffs
+    c = result.costs
     assert all(np.isfinite(v) and v >= 0 for k, v in c.to_dict().items() if k != "prefill_max_tokens")
     # the packed route: every shape with >= 2 prompts timed, and its per-prompt cost fitted
     multi = [(b, w) for b, w in CalibrationGrid.tiny().shapes() if b >= 2]
@@ -130,16 +130,16 @@ def test_tiny_calibration_end_to_end(calibrated):
         assert field in meta, field
     assert meta["dtype"] == "float32" and meta["attn_implementation"] == "sdpa"
     read = CostFile.read(path)  # the parser alone, before any check
-    assert read.coeffs == c and read.metadata["fit"]["shapes"][0]["measured_ms"] > 0
+    assert read.costs == c and read.metadata["fit"]["shapes"][0]["measured_ms"] > 0
     again = CalibrationResult.load(path)
-    assert again.coeffs == c and again.fit == result.fit and again.r2 == pytest.approx(result.r2)
+    assert again.costs == c and again.fit == result.fit and again.r2 == pytest.approx(result.r2)
     assert again.packed == result.packed
 
 
 def test_load_accepts_the_same_run(calibrated, tiny):
     result, path = calibrated
-    assert load_calibration(path, model=tiny) == result.coeffs
-    assert load_calibration(path, model=tiny, model_name="tiny-qwen2") == result.coeffs
+    assert load_calibration(path, model=tiny) == result.costs
+    assert load_calibration(path, model=tiny, model_name="tiny-qwen2") == result.costs
 
 
 def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
@@ -156,17 +156,17 @@ def test_load_refuses_a_mismatch_naming_fields(calibrated, tiny, tmp_path):
         load_calibration(path, model=tiny_model("qwen2", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="model_name"):
         load_calibration(path, model=tiny, model_name="qwen2.5-3b")
-    assert load_calibration(other, model=tiny, override=True) == result.coeffs
+    assert load_calibration(other, model=tiny, override=True) == result.costs
     data["metadata"] = {}
     other.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="has no provenance metadata"):
         load_calibration(other, model=tiny)
-    assert load_calibration(other, model=tiny, override=True) == result.coeffs
+    assert load_calibration(other, model=tiny, override=True) == result.costs
 
 
 def test_load_refuses_a_calibration_of_the_other_prefill_mode(calibrated, tiny, tmp_path):
     result, path = calibrated  # the tiny grid timed eager prefill forwards
-    assert load_calibration(path, model=tiny, prefill_graphs=False) == result.coeffs
+    assert load_calibration(path, model=tiny, prefill_graphs=False) == result.costs
     with pytest.raises(ValueError, match=r"prefill_graphs: file has False, this setting has True.*calibrate --prefill-graphs"):
         load_calibration(path, model=tiny, prefill_graphs=True)
     data = json.loads(path.read_text())
@@ -178,15 +178,15 @@ def test_load_refuses_a_calibration_of_the_other_prefill_mode(calibrated, tiny, 
     data["metadata"]["grid"]["prefill_graphs"] = True
     captured = tmp_path / "captured.json"
     captured.write_text(json.dumps(data))
-    assert load_calibration(captured, model=tiny, prefill_graphs=True) == result.coeffs
+    assert load_calibration(captured, model=tiny, prefill_graphs=True) == result.costs
     with pytest.raises(ValueError, match="prefill_graphs: file has True, this setting has False"):
         load_calibration(captured, model=tiny, prefill_graphs=False)
-    assert load_calibration(captured, model=tiny, prefill_graphs=False, override=True) == result.coeffs
-    assert load_calibration(captured, model=tiny) == result.coeffs  # a setting that does not say is not checked
+    assert load_calibration(captured, model=tiny, prefill_graphs=False, override=True) == result.costs
+    assert load_calibration(captured, model=tiny) == result.costs  # a setting that does not say is not checked
     del data["metadata"]["grid"]
     bare = tmp_path / "bare.json"  # no grid (not written by calibrate): nothing to check it against
     bare.write_text(json.dumps(data))
-    assert load_calibration(bare, model=tiny, prefill_graphs=True) == result.coeffs
+    assert load_calibration(bare, model=tiny, prefill_graphs=True) == result.costs
 
 
 def test_calibrate_rejects_a_dtype_that_is_not_the_models(tiny):
@@ -235,10 +235,10 @@ def test_tiny_calibration_with_the_paged_probe(tiny):
     grid = dataclasses.replace(CalibrationGrid.tiny(), paged_decode=True, packed=False, repeats=1, decode_repeats=2)
     result = calibrate(tiny, grid=grid, model_name="tiny-qwen2", progress=False)
     assert all(r["paged_ms_per_step"] > 0 and "paged_5" in r["samples_ms"] for r in result.decode)
-    assert result.coeffs.paged_decode_cost_ms == paged_decode_cost(result.decode)
+    assert result.costs.paged_decode_cost_ms == paged_decode_cost(result.decode)
     assert result.metadata["grid"]["paged_decode"] is True
     plain = calibrate(tiny, grid=dataclasses.replace(grid, paged_decode=False), model_name="tiny-qwen2", progress=False)
-    assert plain.coeffs.paged_decode_cost_ms == 0.0 and all("paged_ms_per_step" not in r for r in plain.decode)
+    assert plain.costs.paged_decode_cost_ms == 0.0 and all("paged_ms_per_step" not in r for r in plain.decode)
     with pytest.raises(ValueError, match="CalibrationGrid.paged_decode must be True or False, got 1"):
         CalibrationGrid(paged_decode=1)
 
@@ -249,8 +249,8 @@ def test_auto_adds_the_paged_steps_surplus():
     geometry = ModelGeometry.qwen25_3b()
     common = dict(max_new_tokens=100, geometry=geometry, continuous_batch_size=4, paged_allowed=True,
                   response_lengths={5: 0.9, 100: 0.1})
-    free = choose_route([10] * 40, coeffs=CostCoefficients(), **common)
-    dear = choose_route([10] * 40, coeffs=CostCoefficients(paged_decode_cost_ms=50.0), **common)
+    free = choose_route([10] * 40, costs=CostCoefficients(), **common)
+    dear = choose_route([10] * 40, costs=CostCoefficients(paged_decode_cost_ms=50.0), **common)
     assert free.route == "paged" and dear.route != "paged" and dear.paged_cost_ms > free.paged_cost_ms
     data = CostCoefficients().to_dict()
     del data["paged_decode_cost_ms"]
@@ -262,15 +262,15 @@ def test_fit_packed_costs_recovers_known_costs(fixed):
     from rollout_lab.measure.calibrate import fit_packed_costs
     from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms
 
-    geometry, coeffs = ModelGeometry.qwen25_3b(2), CostCoefficients()
+    geometry, costs = ModelGeometry.qwen25_3b(2), CostCoefficients()
     truth = CostCoefficients(packed_prompt_cost_ms=0.8, packed_fixed_cost_ms=fixed)
     packed = [{"prompts": b, "width": w, "measured_ms": packed_prefill_cost_ms([w] * b, geometry, truth)}
               for b, w in [(2, 16), (8, 64), (32, 128)]]
-    got_fixed, per_prompt, records = fit_packed_costs(packed, geometry, coeffs)
+    got_fixed, per_prompt, records = fit_packed_costs(packed, geometry, costs)
     assert got_fixed == pytest.approx(fixed, abs=1e-6) and per_prompt == pytest.approx(0.8)
     assert all(abs(r["rel_error"]) < 1e-9 for r in records)
     cheaper = [dict(r, measured_ms=r["measured_ms"] - 100.0) for r in packed]  # faster than shared terms
-    assert fit_packed_costs(cheaper, geometry, coeffs)[:2] == (0.0, 0.0)  # clipped at zero
+    assert fit_packed_costs(cheaper, geometry, costs)[:2] == (0.0, 0.0)  # clipped at zero
 
 
 def test_the_packed_fixed_cost_prices_every_packed_forward():
@@ -424,7 +424,7 @@ def test_refit_packed_fits_a_saved_calibration_again(tmp_path, capsys):
     script.main([str(src), "--out", str(tmp_path / "new.json")])
     assert "fixed 0.000 -> 20.000 ms, per prompt 2.200 -> 0.800 ms" in capsys.readouterr().out
     new = CostFile.read(tmp_path / "new.json")
-    assert new.coeffs.packed_fixed_cost_ms == pytest.approx(20.0) and new.coeffs.packed_prompt_cost_ms == pytest.approx(0.8)
+    assert new.costs.packed_fixed_cost_ms == pytest.approx(20.0) and new.costs.packed_prompt_cost_ms == pytest.approx(0.8)
     assert new.metadata["refit"]["previous"]["packed_prompt_cost_ms"] == 2.2 and new.metadata["fit"]["packed"]
     with pytest.raises(SystemExit):  # never overwritten
         script.main([str(src), "--out", str(tmp_path / "new.json")])

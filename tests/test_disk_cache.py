@@ -24,15 +24,15 @@ def cache(tmp_path, monkeypatch):
 def test_a_saved_setting_is_found_by_its_provenance_only(cache):
     meta = model_metadata(get_tiny("qwen2"), prefill_graphs=True)
     assert cache_dir() == cache and cached_cost_file(meta) is None
-    coeffs = dataclasses.replace(CostCoefficients(), prefill_fixed_cost_ms=3.25)
-    path = save_costs(coeffs, meta, source="test")
+    costs = dataclasses.replace(CostCoefficients(), prefill_fixed_cost_ms=3.25)
+    path = save_costs(costs, meta, source="test")
     assert path == cost_cache_path(meta) and path.parent == cache
-    assert cached_cost_file(meta).coeffs == coeffs
+    assert cached_cost_file(meta).costs == costs
     assert cached_cost_file({**meta, "dtype": "bfloat16"}) is None  # another dtype
     assert cached_cost_file({**meta, "prefill_graphs": False}) is None  # priced captured forwards
     major, minor, *_ = torch.__version__.split(".")
     patched = {**meta, "torch": f"{major}.{minor}.99"}  # a patch release apart: the same file serves
-    assert cached_cost_file(patched).coeffs == coeffs and cost_cache_path(patched) != path
+    assert cached_cost_file(patched).costs == costs and cost_cache_path(patched) != path
     (cache / "broken.json").write_text("{not json")
     with pytest.warns(UserWarning, match="skipping an unreadable cached cost file"):
         assert cached_cost_file({**meta, "dtype": "float16"}) is None
@@ -70,7 +70,7 @@ def test_auto_learning_saves_the_refit_for_the_next_process(cache):
         rollout.generate(prompts, max_new_tokens=6)
     assert rollout.costs != CostCoefficients()  # refitted from its own forwards
     found = cached_cost_file(meta)
-    assert found is not None and found.coeffs == rollout.costs
+    assert found is not None and found.costs == rollout.costs
     assert found.metadata["source"].startswith("online refit")
     assert not rollout.online.errors[-1]["explored"]  # the default never detours to measure another route
 
@@ -130,16 +130,16 @@ def test_a_calibration_without_a_decode_probe_prices_a_captured_decode_by_the_pr
     CB). A captured decode takes the prior's terms instead; an eager one, or a probed file, as written."""
     from rollout_lab.engine.api.costs import captured_decode_prior, with_unmeasured_decode
 
-    file_coeffs = CostCoefficients(prefill_fixed_cost_ms=8.5, continuous_decode_cost_ms=0.0, nocb_decode_cost_ms=0.0)
+    file_costs = CostCoefficients(prefill_fixed_cost_ms=8.5, continuous_decode_cost_ms=0.0, nocb_decode_cost_ms=0.0)
     unprobed = {"grid": {"decode_batches": [], "prefill_graphs": True}}
-    coeffs, note = with_unmeasured_decode(file_coeffs, unprobed, "graph")
+    costs, note = with_unmeasured_decode(file_costs, unprobed, "graph")
     prior = captured_decode_prior()
-    assert (coeffs.continuous_decode_cost_ms, coeffs.nocb_decode_cost_ms) == (
+    assert (costs.continuous_decode_cost_ms, costs.nocb_decode_cost_ms) == (
         prior.continuous_decode_cost_ms, prior.nocb_decode_cost_ms)
-    assert coeffs.prefill_fixed_cost_ms == 8.5 and "measured no decode" in note  # the prefill terms stay the file's
+    assert costs.prefill_fixed_cost_ms == 8.5 and "measured no decode" in note  # the prefill terms stay the file's
     for metadata, mode in ((unprobed, "eager"), ({"grid": {"decode_batches": [8, 32]}}, "graph"), ({}, "graph")):
-        assert with_unmeasured_decode(file_coeffs, metadata, mode) == (file_coeffs, "")
+        assert with_unmeasured_decode(file_costs, metadata, mode) == (file_costs, "")
     lengths = [n for n in range(20, 12, -1) for _ in range(4)]  # the seed's short_similar
     model = get_tiny("qwen2")
-    assert Rollout(model, RolloutConfig(costs=file_coeffs)).route_for(lengths, [16] * 32) == "nocb"
-    assert Rollout(model, RolloutConfig(costs=coeffs)).route_for(lengths, [16] * 32) != "nocb"
+    assert Rollout(model, RolloutConfig(costs=file_costs)).route_for(lengths, [16] * 32) == "nocb"
+    assert Rollout(model, RolloutConfig(costs=costs)).route_for(lengths, [16] * 32) != "nocb"

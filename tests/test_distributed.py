@@ -123,7 +123,7 @@ def test_rank_cost_is_autos_choose_route():
     shards = shard_requests(lengths, 3, GEO, COSTS, max_new_tokens=8)
     for shard, cost in zip(shards, predicted_rank_costs(shards, lengths, GEO, COSTS, max_new_tokens=8)):
         plan = choose_route([lengths[i] for i in shard], max_new_tokens=8, continuous_batch_size=None,
-                            geometry=GEO, coeffs=COSTS)
+                            geometry=GEO, costs=COSTS)
         assert cost == pytest.approx(min(c for c in (plan.nocb_cost_ms, plan.cb_cost_ms) if c is not None))
 
 
@@ -250,24 +250,24 @@ def test_per_request_budgets_are_priced_per_rank():
     """Each rank's cost is Auto's with that rank's own budgets; balanced stays no worse than the
     baselines, and splits the long budgets rather than stacking them."""
     rng = random.Random(7)
-    coeffs = CostCoefficients(continuous_decode_cost_ms=1.0)
+    costs = CostCoefficients(continuous_decode_cost_ms=1.0)
     for _ in range(10):
         n = rng.randint(4, 24)
         lengths = random_lengths(rng, n)
         budgets = [rng.choice([4, 64, 512]) for _ in range(n)]
         for slots in (None, 3):
             kw = dict(max_new_tokens=budgets, continuous_batch_size=slots)
-            shards = shard_requests(lengths, 2, GEO, coeffs, **kw)
-            for shard, cost in zip(shards, predicted_rank_costs(shards, lengths, GEO, coeffs, **kw)):
+            shards = shard_requests(lengths, 2, GEO, costs, **kw)
+            for shard, cost in zip(shards, predicted_rank_costs(shards, lengths, GEO, costs, **kw)):
                 plan = choose_route([lengths[i] for i in shard], max_new_tokens=[budgets[i] for i in shard],
-                                    continuous_batch_size=slots, geometry=GEO, coeffs=coeffs) if shard else None
+                                    continuous_batch_size=slots, geometry=GEO, costs=costs) if shard else None
                 assert cost == (0.0 if plan is None else plan.nocb_cost_ms if plan.route == "nocb" else plan.cb_cost_ms)
-            spans = {m: predicted_makespan(shard_requests(lengths, 2, GEO, coeffs, method=m, **kw), lengths, GEO,
-                                           coeffs, **kw) for m in METHODS}
+            spans = {m: predicted_makespan(shard_requests(lengths, 2, GEO, costs, method=m, **kw), lengths, GEO,
+                                           costs, **kw) for m in METHODS}
             assert spans["balanced"] <= min(spans.values()) * (1 + 1e-12), spans
     # two 512-token requests among short ones, one slot per rank: they must not share a rank
     lengths, budgets = [16] * 8, [512, 512] + [4] * 6
-    shards = shard_requests(lengths, 2, GEO, coeffs, max_new_tokens=budgets, continuous_batch_size=1)
+    shards = shard_requests(lengths, 2, GEO, costs, max_new_tokens=budgets, continuous_batch_size=1)
     assert sorted(sum(budgets[i] == 512 for i in shard) for shard in shards) == [1, 1]
     with pytest.raises(ValueError, match="3 budgets for 8 requests"):
-        shard_requests(lengths, 2, GEO, coeffs, max_new_tokens=[1, 2, 3])
+        shard_requests(lengths, 2, GEO, costs, max_new_tokens=[1, 2, 3])

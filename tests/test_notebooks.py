@@ -381,11 +381,11 @@ def test_01_cost_file_feeds_02_and_03(executed):
     from rollout_lab.planner.cost import CostCoefficients, CostFile
 
     cost_file = out / "data" / "calibration" / "tiny-qwen2_float32_cpu.json"
-    coeffs = CostFile.read(cost_file).coeffs
-    assert coeffs == CostCoefficients.from_dict(json.loads(cost_file.read_text())["coefficients"])
+    costs = CostFile.read(cost_file).costs
+    assert costs == CostCoefficients.from_dict(json.loads(cost_file.read_text())["coefficients"])
     # the runner gave 03 that calibration (01 and 03 ran together, no cost_file of 03's own)
     sweep = json.loads((out / "data" / "results" / "sweep_tiny-qwen2_float32_cpu.json").read_text())
-    assert sweep["config"]["costs"] == coeffs.to_dict() and sweep["config"]["costs_source"] == str(cost_file)
+    assert sweep["config"]["costs"] == costs.to_dict() and sweep["config"]["costs_source"] == str(cost_file)
 
 
 def test_calibration_of_names_what_01_writes_or_renders(tmp_path):

@@ -87,7 +87,7 @@ def test_response_quantiles_follow_the_prior():
 
 def test_auto_takes_paged_when_refill_would_wait():
     geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
-    common = dict(max_new_tokens=100, geometry=geometry, coeffs=costs, paged_allowed=True)
+    common = dict(max_new_tokens=100, geometry=geometry, costs=costs, paged_allowed=True)
     prior = {5: 0.9, 100: 0.1}  # most rows end early, a tenth run the whole budget
     plan = choose_route([10] * 40, continuous_batch_size=4, response_lengths=prior, **common)
     assert plan.route == "paged" and plan.paged_cost_ms < plan.cb_cost_ms
@@ -153,7 +153,7 @@ def test_pool_replay_preempts_and_refuses_a_pool_below_one_row():
 
 def test_auto_prices_preemption_and_leaves_out_a_pool_below_one_row():
     geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
-    common = dict(max_new_tokens=100, geometry=geometry, coeffs=costs, paged_allowed=True, continuous_batch_size=4,
+    common = dict(max_new_tokens=100, geometry=geometry, costs=costs, paged_allowed=True, continuous_batch_size=4,
                   response_lengths={5: 0.9, 100: 0.1}, kv_block_size=16)
     roomy = choose_route([10] * 40, **common)
     held = choose_route([10] * 40, paged_pool_blocks=4 * 7, **common)  # four rows at their worst case
@@ -180,7 +180,7 @@ def test_shared_prompts_refill_counts_rows_not_prompts():
     """8 prompts x 8 samples on 16 slots refill: the decode is priced over the 64 rows (paged a
     candidate), as the same rows given one by one, while the prefill plan stays over the 8 prompts."""
     geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
-    common = dict(max_new_tokens=100, geometry=geometry, coeffs=costs, paged_allowed=True, continuous_batch_size=16,
+    common = dict(max_new_tokens=100, geometry=geometry, costs=costs, paged_allowed=True, continuous_batch_size=16,
                   response_lengths={5: 0.9, 100: 0.1})
     shared = choose_shared_route([10] * 8, [8] * 8, **common)
     rows = choose_route([10] * 64, **common)

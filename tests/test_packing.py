@@ -27,12 +27,12 @@ def _prompts(lengths, seed=0):
 # ---------------------------------------------------------------- planner
 
 def test_packed_price_is_one_fixed_cost_plus_each_prompt_alone():
-    coeffs = CostCoefficients(packed_prompt_cost_ms=0.7)
+    costs = CostCoefficients(packed_prompt_cost_ms=0.7)
     lengths = [512, 16, 16, 100]
-    alone = sum(prefill_cost_ms(1, n, GEO, coeffs) - coeffs.prefill_fixed_cost_ms for n in lengths)
-    assert packed_prefill_cost_ms(lengths, GEO, coeffs) == pytest.approx(
-        coeffs.prefill_fixed_cost_ms + alone + 0.7 * 4)
-    assert packed_prefill_cost_ms([], GEO, coeffs) == 0.0
+    alone = sum(prefill_cost_ms(1, n, GEO, costs) - costs.prefill_fixed_cost_ms for n in lengths)
+    assert packed_prefill_cost_ms(lengths, GEO, costs) == pytest.approx(
+        costs.prefill_fixed_cost_ms + alone + 0.7 * 4)
+    assert packed_prefill_cost_ms([], GEO, costs) == 0.0
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -49,25 +49,25 @@ def test_first_fit_packs_within_the_limit_and_near_the_bound(seed):
 
 
 def test_plan_packed_chunks_prompts_over_the_limit():
-    coeffs = CostCoefficients(prefill_max_tokens=32, packed_prompt_cost_ms=0.0)
-    plan = plan_packed([40, 5, 3, 70, 16], GEO, coeffs)
+    costs = CostCoefficients(prefill_max_tokens=32, packed_prompt_cost_ms=0.0)
+    plan = plan_packed([40, 5, 3, 70, 16], GEO, costs)
     assert plan.packed and dict(plan.chunks) == {0: (32,), 3: (32, 32)}
     assert all(w <= 32 for w in plan.widths) and plan.num_padded_tokens == sum([40, 5, 3, 70, 16])
     with pytest.raises(ValueError, match="length at index 1 must be a positive int, got 0"):
-        plan_packed([3, 0], GEO, coeffs)
+        plan_packed([3, 0], GEO, costs)
 
 
 def test_route_choice_with_and_without_a_packed_price():
     lengths = [512] + [16] * 31
     uncalibrated = choose_route(lengths, max_new_tokens=16, continuous_batch_size=None, geometry=GEO,
-                                coeffs=CostCoefficients())
+                                costs=CostCoefficients())
     assert uncalibrated.packed_cost_ms is None and uncalibrated.route == "bucketed"
     cheap = choose_route(lengths, max_new_tokens=16, continuous_batch_size=None, geometry=GEO,
-                         coeffs=CostCoefficients(packed_prompt_cost_ms=0.1))
+                         costs=CostCoefficients(packed_prompt_cost_ms=0.1))
     assert cheap.route == "packed" and cheap.packed_cost_ms < cheap.cb_cost_ms
     assert cheap.buckets == (tuple(range(32)),)
     dear = choose_route(lengths, max_new_tokens=16, continuous_batch_size=None, geometry=GEO,
-                        coeffs=CostCoefficients(packed_prompt_cost_ms=50.0))
+                        costs=CostCoefficients(packed_prompt_cost_ms=50.0))
     assert dear.route == "bucketed" and dear.packed_cost_ms > dear.cb_cost_ms
 
 

@@ -9,10 +9,10 @@ from rollout_lab.planner.routes import choose_route, plan_admission
 GEO = ModelGeometry(36, 16, 2, 128, 4)  # Qwen2.5-3B, fp32
 
 
-def exhaustive(lengths, coeffs):
+def exhaustive(lengths, costs):
     """Every contiguous cut pattern of the sorted lengths: (min cost, fewest buckets at that cost)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    n, limit = len(order), coeffs.prefill_max_tokens
+    n, limit = len(order), costs.prefill_max_tokens
     results = []
     for mask in range(2 ** (n - 1)):
         cuts = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
@@ -22,16 +22,16 @@ def exhaustive(lengths, coeffs):
             if limit is not None and (j - i) * width > limit:
                 total = None
                 break
-            total += prefill_cost_ms(j - i, width, GEO, coeffs)
+            total += prefill_cost_ms(j - i, width, GEO, costs)
         if total is not None:
             results.append((total, len(cuts) - 1))
     best = min(cost for cost, _ in results)
-    scale = prefill_cost_ms(n, max(lengths), GEO, coeffs)
+    scale = prefill_cost_ms(n, max(lengths), GEO, costs)
     fewest = min(k for cost, k in results if cost <= best + 1e-11 * scale)
     return best, fewest
 
 
-def random_coeffs(rng):
+def random_costs(rng):
     return CostCoefficients(
         prefill_fixed_cost_ms=rng.choice([0.0, 0.3, 5.0, 25.0, 400.0]),
         prefill_token_cost_ms=rng.choice([0.0, 0.01, 0.1]),
@@ -41,43 +41,43 @@ def random_coeffs(rng):
     )
 
 
-def recomputed_cost(plan, lengths, coeffs):
+def recomputed_cost(plan, lengths, costs):
     total = 0.0
     for bucket, width in zip(plan.buckets, plan.widths):
         assert width == max(lengths[i] for i in bucket)
-        total += prefill_cost_ms(len(bucket), width, GEO, coeffs)
+        total += prefill_cost_ms(len(bucket), width, GEO, costs)
     return total
 
 
 @pytest.mark.parametrize("seed", range(300))
 def test_dp_equals_exhaustive_enumeration(seed):
     rng = random.Random(seed)
-    coeffs = random_coeffs(rng)
+    costs = random_costs(rng)
     n = rng.randint(1, 10)
-    cap = coeffs.prefill_max_tokens or 600
+    cap = costs.prefill_max_tokens or 600
     lengths = [rng.choice([rng.randint(1, 16), rng.randint(1, min(cap, 600))]) for _ in range(n)]
-    best, fewest = exhaustive(lengths, coeffs)
+    best, fewest = exhaustive(lengths, costs)
     for planner in (plan_buckets, plan_buckets_quadratic):
-        plan = planner(lengths, GEO, coeffs)
+        plan = planner(lengths, GEO, costs)
         assert plan.cost_ms == pytest.approx(best, rel=1e-9, abs=1e-9)
         assert plan.num_buckets == fewest
-        assert plan.cost_ms == pytest.approx(recomputed_cost(plan, lengths, coeffs), rel=1e-12)
+        assert plan.cost_ms == pytest.approx(recomputed_cost(plan, lengths, costs), rel=1e-12)
         assert sorted(i for b in plan.buckets for i in b) == list(range(n))
-        limit = coeffs.prefill_max_tokens
+        limit = costs.prefill_max_tokens
         assert all(limit is None or len(b) * w <= limit for b, w in zip(plan.buckets, plan.widths))
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_fast_dp_equals_quadratic_oracle(seed):
     rng = random.Random(1000 + seed)
-    coeffs = random_coeffs(rng)
+    costs = random_costs(rng)
     n = rng.choice([50, 200, 700])
-    hi = min(rng.choice([16, 512, 8192]), coeffs.prefill_max_tokens or 8192)
+    hi = min(rng.choice([16, 512, 8192]), costs.prefill_max_tokens or 8192)
     lengths = [rng.randint(1, hi) for _ in range(n)]
     if seed % 4 == 0:
         lengths = [rng.choice([4, 16, hi]) for _ in range(n)]  # many exact ties
-    fast = plan_buckets(lengths, GEO, coeffs)
-    slow = plan_buckets_quadratic(lengths, GEO, coeffs)
+    fast = plan_buckets(lengths, GEO, costs)
+    slow = plan_buckets_quadratic(lengths, GEO, costs)
     assert fast.cost_ms == pytest.approx(slow.cost_ms, rel=1e-9)
     assert fast.num_buckets == slow.num_buckets
 
@@ -101,12 +101,12 @@ def test_fixed_cost_extremes():
 
 
 def test_token_limit_forces_splits():
-    coeffs = CostCoefficients(prefill_fixed_cost_ms=1e6, prefill_max_tokens=64)
-    plan = plan_buckets([16] * 10, GEO, coeffs)
+    costs = CostCoefficients(prefill_fixed_cost_ms=1e6, prefill_max_tokens=64)
+    plan = plan_buckets([16] * 10, GEO, costs)
     # at most 4 rows of 16 per forward: three buckets ([4, 4, 2] and [4, 3, 3] cost the same)
     assert plan.num_buckets == 3 and sum(len(b) for b in plan.buckets) == 10
     assert all(len(b) * w <= 64 for b, w in zip(plan.buckets, plan.widths))
-    assert plan.cost_ms == pytest.approx(3 * 1e6 + 10 * (prefill_cost_ms(1, 16, GEO, coeffs) - 1e6))
+    assert plan.cost_ms == pytest.approx(3 * 1e6 + 10 * (prefill_cost_ms(1, 16, GEO, costs) - 1e6))
 
 
 def test_empty_and_bad_input():
@@ -119,35 +119,35 @@ def test_empty_and_bad_input():
 
 
 def test_choose_route_rules():
-    coeffs = CostCoefficients()
+    costs = CostCoefficients()
     long_tail = [512] + [16] * 31
-    plan = choose_route(long_tail, max_new_tokens=16, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    plan = choose_route(long_tail, max_new_tokens=16, continuous_batch_size=None, geometry=GEO, costs=costs)
     assert plan.route == "bucketed" and plan.nocb_cost_ms > plan.cb_cost_ms
     assert plan.cb_cost_ms == pytest.approx(154.43 + 150, abs=0.01)
     similar = [20, 19, 18, 17] * 8
-    plan = choose_route(similar, max_new_tokens=16, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    plan = choose_route(similar, max_new_tokens=16, continuous_batch_size=None, geometry=GEO, costs=costs)
     assert plan.route == "nocb" and plan.buckets == (tuple(range(32)),)
-    assert plan.nocb_cost_ms == pytest.approx(prefill_cost_ms(32, 20, GEO, coeffs, include_kv=False))
+    assert plan.nocb_cost_ms == pytest.approx(prefill_cost_ms(32, 20, GEO, costs, include_kv=False))
     # not eligible: too many requests for the slots, explicit cache settings, or over the token limit
     for kwargs in ({"continuous_batch_size": 8}, {"nocb_allowed": False}):
         args = {"continuous_batch_size": None, **kwargs}
-        plan = choose_route(similar, max_new_tokens=16, geometry=GEO, coeffs=coeffs, **args)
+        plan = choose_route(similar, max_new_tokens=16, geometry=GEO, costs=costs, **args)
         assert plan.route == "bucketed" and plan.nocb_cost_ms is None
     small_limit = CostCoefficients(prefill_max_tokens=600)
-    plan = choose_route(similar, max_new_tokens=1, continuous_batch_size=None, geometry=GEO, coeffs=small_limit)
+    plan = choose_route(similar, max_new_tokens=1, continuous_batch_size=None, geometry=GEO, costs=small_limit)
     assert plan.route == "bucketed" and plan.nocb_cost_ms is None
 
 
 def test_lower_bound_never_changes_the_choice():
     rng = random.Random(7)
     for _ in range(200):
-        coeffs = random_coeffs(rng)
-        coeffs = CostCoefficients(**{**coeffs.to_dict(), "prefill_max_tokens": None,
-                                     "continuous_decode_cost_ms": rng.choice([0.0, 1.0, 10.0])})
+        costs = random_costs(rng)
+        costs = CostCoefficients(**{**costs.to_dict(), "prefill_max_tokens": None,
+                                    "continuous_decode_cost_ms": rng.choice([0.0, 1.0, 10.0])})
         lengths = [rng.randint(1, rng.choice([8, 64, 512])) for _ in range(rng.randint(1, 40))]
         new = rng.randint(1, 64)
-        plan = choose_route(lengths, max_new_tokens=new, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
-        cb = plan_buckets(lengths, GEO, coeffs).cost_ms + coeffs.continuous_decode_cost_ms * (new - 1)
+        plan = choose_route(lengths, max_new_tokens=new, continuous_batch_size=None, geometry=GEO, costs=costs)
+        cb = plan_buckets(lengths, GEO, costs).cost_ms + costs.continuous_decode_cost_ms * (new - 1)
         assert plan.route == ("nocb" if plan.nocb_cost_ms <= cb else "bucketed")
         assert plan.cb_cost_ms <= cb * (1 + 1e-12)
 
@@ -155,10 +155,10 @@ def test_lower_bound_never_changes_the_choice():
 def test_nocb_decode_cost_moves_the_choice():
     similar = [20, 19, 18, 17] * 8
     base = dict(max_new_tokens=16, continuous_batch_size=None, geometry=GEO)
-    assert choose_route(similar, coeffs=CostCoefficients(), **base).route == "nocb"
+    assert choose_route(similar, costs=CostCoefficients(), **base).route == "nocb"
     # a fast graph decode (1 ms/step) against HF's eager loop (25 ms/step): CB wins
     fast_cb = CostCoefficients(continuous_decode_cost_ms=1.0, nocb_decode_cost_ms=25.0)
-    plan = choose_route(similar, coeffs=fast_cb, **base)
+    plan = choose_route(similar, costs=fast_cb, **base)
     assert plan.route == "bucketed"
     assert plan.nocb_cost_ms == pytest.approx(prefill_cost_ms(32, 20, GEO, fast_cb, include_kv=False) + 25.0 * 15)
 
@@ -170,7 +170,7 @@ def test_nocb_decode_cost_moves_the_choice():
 def test_choose_route_bad_settings(kwargs, match):
     args = {"max_new_tokens": 4, "continuous_batch_size": None, **kwargs}
     with pytest.raises(ValueError, match=match):
-        choose_route([3, 4], geometry=GEO, coeffs=CostCoefficients(), **args)
+        choose_route([3, 4], geometry=GEO, costs=CostCoefficients(), **args)
 
 
 # ---------------------------------------------------------------- per-request budgets
@@ -209,20 +209,20 @@ def test_budget_decode_steps_bounds_a_step_by_step_schedule():
 
 def test_choose_route_prices_per_request_budgets():
     lengths = [64] * 8
-    coeffs = CostCoefficients(continuous_decode_cost_ms=1.0, nocb_decode_cost_ms=3.0)
-    same = choose_route(lengths, max_new_tokens=100, continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+    costs = CostCoefficients(continuous_decode_cost_ms=1.0, nocb_decode_cost_ms=3.0)
+    same = choose_route(lengths, max_new_tokens=100, continuous_batch_size=None, geometry=GEO, costs=costs)
     assert choose_route(lengths, max_new_tokens=[100] * 8, continuous_batch_size=None, geometry=GEO,
-                        coeffs=coeffs) == same
+                        costs=costs) == same
     mixed = choose_route(lengths, max_new_tokens=[100] + [2] * 7, continuous_batch_size=None, geometry=GEO,
-                         coeffs=coeffs)
+                         costs=costs)
     assert mixed.nocb_cost_ms == pytest.approx(same.nocb_cost_ms)  # nocb runs every row to the largest
     # with 2 slots CB decodes the schedule: 99 steps on one slot, 7 x 1 on the other
     refill = choose_route(lengths, max_new_tokens=[100] + [2] * 7, continuous_batch_size=2, geometry=GEO,
-                          coeffs=coeffs)
+                          costs=costs)
     assert refill.nocb_cost_ms is None
-    assert refill.cb_cost_ms == pytest.approx(plan_buckets(lengths, GEO, coeffs).cost_ms + 99 * 1.0)
+    assert refill.cb_cost_ms == pytest.approx(plan_buckets(lengths, GEO, costs).cost_ms + 99 * 1.0)
     with pytest.raises(ValueError, match="3 budgets for 8 requests"):
-        choose_route(lengths, max_new_tokens=[1, 2, 3], continuous_batch_size=None, geometry=GEO, coeffs=coeffs)
+        choose_route(lengths, max_new_tokens=[1, 2, 3], continuous_batch_size=None, geometry=GEO, costs=costs)
 
 
 def test_plan_admission_by_route():

@@ -30,7 +30,7 @@ from rollout_lab.plots.latency import plot_breakdown, plot_e2e, plot_throughput_
 from rollout_lab.plots.style import output_tag, save_figure, slug
 
 GEO = geometry_for("qwen2.5-3b")
-COEFFS = CostCoefficients()
+COSTS = CostCoefficients()
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +55,7 @@ def test_output_tag_names_model_dtype_and_device_kind():
 
 
 def test_bucket_figures_save(tmp_path, dists):
-    items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COEFFS)) for d in dists]
+    items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COSTS)) for d in dists]
     written = save_figure(plot_bucket_grid(items), tmp_path, "grid")
     assert [p.suffix for p in written] == [".png", ".svg"] and all(p.stat().st_size > 0 for p in written)
     fig = plot_buckets(*items[0][1:], title="long_tail")
@@ -63,21 +63,21 @@ def test_bucket_figures_save(tmp_path, dists):
 
 
 def test_svg_is_the_same_on_every_save(tmp_path, dists):
-    items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COEFFS)) for d in dists[:2]]
+    items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COSTS)) for d in dists[:2]]
     first = save_figure(plot_bucket_grid(items), tmp_path / "a", "grid")[1].read_bytes()
     second = save_figure(plot_bucket_grid(items), tmp_path / "b", "grid")[1].read_bytes()
     assert first == second and matplotlib.rcParams["svg.hashsalt"] is None  # the user's setting untouched
 
 
 def test_curve_sweep_and_route_figures(dists):
-    rows = num_buckets_rows(dists, GEO, COEFFS, max_num_buckets=5)
+    rows = num_buckets_rows(dists, GEO, COSTS, max_num_buckets=5)
     assert len(plot_num_buckets_curves(rows).axes) == 2
-    sweep = fixed_cost_rows(dists, GEO, COEFFS, fixed_costs_ms=[0.1, 10, 1000])
+    sweep = fixed_cost_rows(dists, GEO, COSTS, fixed_costs_ms=[0.1, 10, 1000])
     plot_fixed_cost_sweep(sweep)
     plot_bucket_map_vs_fixed_cost("gsm8k", dists[1].lengths, sweep)
     with pytest.raises(ValueError, match="no fixed-cost rows"):
         plot_bucket_map_vs_fixed_cost("nope", [1], sweep)
-    maps = [route_map(d.label, d.lengths, GEO, COEFFS, max_lengths=[16, 256, 2048], budgets=[1, 64, 1024])
+    maps = [route_map(d.label, d.lengths, GEO, COSTS, max_lengths=[16, 256, 2048], budgets=[1, 64, 1024])
             for d in dists]
     plot_route_maps(maps)
 
@@ -136,13 +136,13 @@ def test_figures_say_not_measured_instead_of_drawing_empty_axes():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_explorer_static_view_every_kind(kind):
-    fig = show(coeffs=COEFFS, geometry=GEO, settings=Settings(kind=kind, batch_size=12))
+    fig = show(costs=COSTS, geometry=GEO, settings=Settings(kind=kind, batch_size=12))
     assert len(fig.axes) >= 3
 
 
 def test_explorer_widget_builds_without_frontend():
     pytest.importorskip("ipywidgets")
-    widget = explorer_widget(Settings(), GEO, COEFFS)
+    widget = explorer_widget(Settings(), GEO, COSTS)
     sliders = [c for box in widget.children[0].children for c in box.children]
     assert len(sliders) == 15  # 6 coefficients (packed included) + 9 settings
     sliders[0].value = 100.0  # a redraw must not raise

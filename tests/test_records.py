@@ -97,7 +97,7 @@ def test_each_bucket_plan_a_sweep_ran_is_the_planners_under_the_records_own_cost
     ``plan_buckets_classed``'s for the workload's lengths under the coefficients the record holds: a
     plan or a cost edited by hand, or a planner that no longer plans as it did, fails here."""
     record = load(path)
-    engine, coeffs = record["config"]["engine"], CostCoefficients.from_dict(record["config"]["costs"])
+    engine, costs = record["config"]["engine"], CostCoefficients.from_dict(record["config"]["costs"])
     geometry = ModelGeometry(**record["provenance"]["geometry"])
     classes = ShapeClasses(tuple(engine["prefill_classes"]["widths"]), tuple(engine["prefill_classes"]["rows"]))
     checked = 0
@@ -105,7 +105,7 @@ def test_each_bucket_plan_a_sweep_ran_is_the_planners_under_the_records_own_cost
         ran = entry["paths"].get("bucketed")
         if ran is None or ran.get("skipped"):
             continue
-        plan = plan_buckets_classed(entry["lengths"], geometry, coeffs, classes)
+        plan = plan_buckets_classed(entry["lengths"], geometry, costs, classes)
         assert [[len(b), w] for b, w in zip(plan.buckets, plan.widths)] == ran["buckets"], workload
         checked += 1
     assert checked, f"{path.name}: no bucketed run to check"
@@ -226,7 +226,7 @@ def test_every_committed_cost_file_loads_with_its_measured_numbers(path):
     later is migrated into the file, never left to break it), and what it reads is the file's own."""
     cost_file = CostFile.read(path)
     saved = load(path)["coefficients"]
-    assert {k: v for k, v in cost_file.coeffs.to_dict().items() if k in saved} == saved
+    assert {k: v for k, v in cost_file.costs.to_dict().items() if k in saved} == saved
 
 
 @pytest.mark.parametrize("path", CALIBRATIONS, ids=lambda p: p.name)

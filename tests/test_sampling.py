@@ -335,21 +335,21 @@ def test_requests_without_a_seed_of_their_own_take_the_calls():
 # -- route choice --------------------------------------------------------------------------------
 def test_shared_route_counts_rows_for_nocb_and_unique_prompts_for_cb():
     geometry = ModelGeometry.qwen25_3b()
-    coeffs = CostCoefficients()
+    costs = CostCoefficients()
     lengths = [40, 60, 80, 100]
     plan = choose_shared_route(lengths, [8] * 4, max_new_tokens=16, continuous_batch_size=None,
-                               geometry=geometry, coeffs=coeffs)
+                               geometry=geometry, costs=costs)
     rows = choose_shared_route([n for n in lengths for _ in range(8)], [1] * 32, max_new_tokens=16,
-                               continuous_batch_size=None, geometry=geometry, coeffs=coeffs)
+                               continuous_batch_size=None, geometry=geometry, costs=costs)
     assert plan.nocb_cost_ms == pytest.approx(rows.nocb_cost_ms)  # n x samples rows either way
     assert plan.cb_cost_ms < rows.cb_cost_ms  # CB prefills 4 rows, not 32
     priced = CostCoefficients(prefill_replicate_cost_ms=0.5)
     costly = choose_shared_route(lengths, [8] * 4, max_new_tokens=16, continuous_batch_size=None,
-                                 geometry=geometry, coeffs=priced)
+                                 geometry=geometry, costs=priced)
     extra = replication_cost_ms(lengths, [8] * 4, geometry, priced)
     assert extra > 0 and costly.cb_cost_ms == pytest.approx(plan.cb_cost_ms + extra)
     over = choose_shared_route(lengths, [8] * 4, max_new_tokens=16, continuous_batch_size=16,
-                               geometry=geometry, coeffs=coeffs)
+                               geometry=geometry, costs=costs)
     assert over.route == "bucketed" and over.nocb_cost_ms is None  # 32 rows > 16 slots
     assert prompt_groups([[1, 2], [3], [1, 2]], num_samples=2) == [0, 0, 2, 2, 0, 0]
     assert prompt_groups([[1, 2], [1, 2]], num_samples=1, share=False) == [0, 1]

@@ -29,13 +29,13 @@ def set_partitions(items):
         yield [[first]] + part
 
 
-def brute_force(lengths, coeffs, classes):
+def brute_force(lengths, costs, classes):
     best = float("inf")
     for part in set_partitions(list(range(len(lengths)))):
         shapes = [(classes.rows_for(len(b)), classes.width_for(max(lengths[i] for i in b))) for b in part]
-        if coeffs.prefill_max_tokens is not None and any(r * w > coeffs.prefill_max_tokens for r, w in shapes):
+        if costs.prefill_max_tokens is not None and any(r * w > costs.prefill_max_tokens for r, w in shapes):
             continue
-        best = min(best, sum(classed_cost_ms(len(b), max(lengths[i] for i in b), GEO, coeffs, classes) for b in part))
+        best = min(best, sum(classed_cost_ms(len(b), max(lengths[i] for i in b), GEO, costs, classes) for b in part))
     return best
 
 
@@ -60,11 +60,11 @@ def test_classed_dp_equals_brute_force(seed):
     lengths = [rng.choice([rng.randint(1, 40), rng.randint(1, 600)]) for _ in range(n)]
     classes = ShapeClasses(tuple(sorted(rng.sample([8, 16, 32, 64, 100, 128, 256, 512, 640], 4))),
                            rng.choice([(), (1, 2, 4, 8), (2, 3, 5)]))
-    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.5, 5.0, 25.0]),
-                              prefill_max_tokens=rng.choice([None, 4096]))
-    plan = plan_buckets_classed(lengths, GEO, coeffs, classes)
+    costs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.5, 5.0, 25.0]),
+                             prefill_max_tokens=rng.choice([None, 4096]))
+    plan = plan_buckets_classed(lengths, GEO, costs, classes)
     assert sorted(i for b in plan.buckets for i in b) == list(range(n))
-    assert plan.cost_ms == pytest.approx(brute_force(lengths, coeffs, classes), rel=1e-9)
+    assert plan.cost_ms == pytest.approx(brute_force(lengths, costs, classes), rel=1e-9)
     for bucket, width, rows in zip(plan.buckets, plan.widths, plan.rows):
         assert width == classes.width_for(max(lengths[i] for i in bucket))
         assert rows == classes.rows_for(len(bucket))
@@ -81,16 +81,16 @@ def test_classed_dp_with_captured_shapes_equals_brute_force(seed):
     ladder = ShapeClasses(tuple(sorted(rng.sample([8, 16, 32, 64, 100, 128, 256, 512, 640], 4))),
                           rng.choice([(), (1, 2, 4, 8), (2, 3, 5)]))
     shapes = [(r, w) for r in (ladder.rows or (1, 2, 3, 4, 5, 6, 7)) for w in ladder.widths]
-    coeffs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.5, 5.0, 25.0]),
-                              prefill_max_tokens=rng.choice([None, 4096]))
+    costs = CostCoefficients(prefill_fixed_cost_ms=rng.choice([0.5, 5.0, 25.0]),
+                             prefill_max_tokens=rng.choice([None, 4096]))
     classes = ladder.priced_captures(frozenset(rng.sample(shapes, rng.randint(1, min(6, len(shapes))))),
                                      rng.choice([1.0, 40.0, 4000.0]), max_tokens=rng.choice([None, 2048]))
-    plan = plan_buckets_classed(lengths, GEO, coeffs, classes)
+    plan = plan_buckets_classed(lengths, GEO, costs, classes)
     assert sorted(i for b in plan.buckets for i in b) == list(range(n))
-    assert plan.cost_ms == pytest.approx(brute_force(lengths, coeffs, classes), rel=1e-9)
+    assert plan.cost_ms == pytest.approx(brute_force(lengths, costs, classes), rel=1e-9)
     for bucket, width, rows in zip(plan.buckets, plan.widths, plan.rows):
         longest = max(lengths[i] for i in bucket)
-        assert (rows, width) == class_shape(len(bucket), longest, GEO, coeffs, classes)[:2]
+        assert (rows, width) == class_shape(len(bucket), longest, GEO, costs, classes)[:2]
         assert rows >= len(bucket) and width >= longest
         assert (rows, width) in classes.captured or (rows, width) == (ladder.rows_for(len(bucket)), ladder.width_for(longest))
 
@@ -162,9 +162,9 @@ def test_classes_change_the_plan():
     from rollout_lab.planner.bucket_dp import plan_buckets
 
     lengths = [1000, 300] + [20] * 30
-    coeffs = CostCoefficients()
-    plain = plan_buckets(lengths, GEO, coeffs)
-    classed = plan_buckets_classed(lengths, GEO, coeffs, ShapeClasses((64, 1024)))
+    costs = CostCoefficients()
+    plain = plan_buckets(lengths, GEO, costs)
+    classed = plan_buckets_classed(lengths, GEO, costs, ShapeClasses((64, 1024)))
     assert classed.widths[-1] == 1024 and all(w in (64, 1024) for w in classed.widths)
     assert plain != classed
     assert classed.num_padded_tokens >= sum(lengths)
@@ -334,8 +334,8 @@ def test_smallest_rows_two_drops_the_one_row_rung_and_runs_one_prompt_as_two_row
     assert classes.rows == (2, 4, 8, 16, 24, 32) and classes.widths == ShapeClasses.covering(300, 20).widths
     assert classes.rows_for(1) == 2 and classes.rows_for(3) == 4
     assert ShapeClasses.ladder(64, 1, smallest_rows=2).rows == (2,)
-    geometry, coeffs = ModelGeometry.qwen25_3b(), CostCoefficients()
-    plan = plan_buckets_classed([300], geometry, coeffs, classes)  # one prompt, priced and run at 2 rows
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    plan = plan_buckets_classed([300], geometry, costs, classes)  # one prompt, priced and run at 2 rows
     assert plan.rows == (2,) and plan.widths == (512,)
     with pytest.raises(ValueError, match="smallest_rows must be 1 or 2, got 0"):
         ShapeClasses.ladder(64, 8, smallest_rows=0)

@@ -57,32 +57,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "plan one batch at a time")
     geometry = geometry_for(args.model or args.preset, args.dtype)
     kind = None if args.device is None else device_type(args.device)
-    coeffs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
+    costs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
     if args.costs:  # plan has no model: the preset (or config.json), dtype and device say what it would be
         expected = setting_metadata(geometry=geometry, dtype=args.dtype, model_name=model_name(args.model or args.preset),
                                     device_type=kind)
-        coeffs = CostFile.read(args.costs).check(expected, override=args.override_costs)
+        costs = CostFile.read(args.costs).check(expected, override=args.override_costs)
         costs_line = (f"costs: {args.costs} (" + ("provenance not checked: --override-costs" if args.override_costs
                       else f"checked: {', '.join(expected)}; pass --device to check the device too"
                       if args.device is None else f"checked: {', '.join(expected)}") + ")")
-    plan = plan_buckets(lengths, geometry, coeffs)
-    packing = plan_packed(lengths, geometry, coeffs)
+    plan = plan_buckets(lengths, geometry, costs)
+    packing = plan_packed(lengths, geometry, costs)
     route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
                          continuous_batch_size=args.continuous_batch_size,
-                         geometry=geometry, coeffs=coeffs, paged_allowed=True,
+                         geometry=geometry, costs=costs, paged_allowed=True,
                          response_lengths=args.response_lengths)
     print(f"{len(lengths)} prompts, {args.model or args.preset} {args.dtype} geometry")
     print(costs_line)
     print(f"{'bucket':>6} {'rows':>6} {'width':>6} {'padded':>7} {'est ms':>9}")
     for k, (bucket, width) in enumerate(zip(plan.buckets, plan.widths)):
         pad = len(bucket) * width - sum(lengths[i] for i in bucket)
-        print(f"{k:>6} {len(bucket):>6} {width:>6} {pad:>7} {prefill_cost_ms(len(bucket), width, geometry, coeffs):>9.2f}")
-    one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
+        print(f"{k:>6} {len(bucket):>6} {width:>6} {pad:>7} {prefill_cost_ms(len(bucket), width, geometry, costs):>9.2f}")
+    one = prefill_cost_ms(len(lengths), max(lengths), geometry, costs)
     print(f"bucketed prefill {plan.cost_ms:.2f} ms in {plan.num_buckets} forwards "
           f"(one bucket: {one:.2f} ms)")
     print(f"packed prefill {packing.cost_ms:.2f} ms in {packing.num_buckets} forwards of "
           f"{', '.join(map(str, packing.widths))} tokens"
-          + ("" if coeffs.packed_prompt_cost_ms is not None else " (per-prompt cost not calibrated: priced 0)"))
+          + ("" if costs.packed_prompt_cost_ms is not None else " (per-prompt cost not calibrated: priced 0)"))
     nocb = "not eligible" if route.nocb_cost_ms is None else f"{route.nocb_cost_ms:.2f} ms"
     packed = ("not a candidate: the costs have no packed_prompt_cost_ms (calibrate to price it)"
               if route.packed_cost_ms is None else f"{route.packed_cost_ms:.2f} ms")
@@ -133,7 +133,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         result = calibrate(model, grid=grid, model_name=name, progress=not args.no_progress,
                            threads=args.threads or MEASUREMENT_THREADS)
         result.save(out)
-    c = result.coeffs
+    c = result.costs
     print(f"{name} {args.dtype} on {result.metadata.get('device_name')}: {len(result.fit)} shapes, "
           f"R^2 {result.r2:.4f}, worst relative error {result.worst_rel_error:.1%}")
     print(f"  fixed {c.prefill_fixed_cost_ms:.4g} ms, token {c.prefill_token_cost_ms:.4g} ms, "
@@ -198,7 +198,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                     costs_source=str(cost_path) if cost_file else "engine defaults")
     if args.resume:  # the saved record's settings, before the model is built
         kept = sweep.check_resume(out, config=sweep.sweep_settings(
-            **settings, costs=None if cost_file is None else cost_file.coeffs), model=model_spec(args),
+            **settings, costs=None if cost_file is None else cost_file.costs), model=model_spec(args),
             dtype=args.dtype, device=args.device, lengths_by_name=lengths)
         print(f"resuming {pair_paths(out)[0]}: keeps {', '.join(kept) or 'no workload'}" if pair_paths(out)[0].is_file()
               else f"nothing to resume at {pair_paths(out)[0]}: every workload runs")

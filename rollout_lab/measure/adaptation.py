@@ -166,7 +166,7 @@ def eos_prior_rows(
 
 def scripted_eos_rows(
     *, lengths: Sequence[int], budgets: Sequence[int], mean_response: float, geometry: ModelGeometry,
-    coeffs: CostCoefficients, num_rounds: int = 200, seed: int = 0,
+    costs: CostCoefficients, num_rounds: int = 200, seed: int = 0,
 ) -> list[dict[str, Any]]:
     """A scripted (geometric) response-length distribution priced by the cost model itself: each
     round draws lengths, the route is chosen from the previous round's lengths (EOS-aware) or from
@@ -183,13 +183,13 @@ def scripted_eos_rows(
             responses = draw()
             steps = max(responses) - 1
             realised = {
-                "nocb": nocb_cost_ms(lengths, geometry, coeffs, decode_steps=steps),
-                "bucketed": plan_buckets(lengths, geometry, coeffs).cost_ms
-                + cb_decode_cost_ms(budget, coeffs, decode_steps=steps),
+                "nocb": nocb_cost_ms(lengths, geometry, costs, decode_steps=steps),
+                "bucketed": plan_buckets(lengths, geometry, costs).cost_ms
+                + cb_decode_cost_ms(budget, costs, decode_steps=steps),
             }
             for name, prior in (("reference", None), ("eos_aware", previous)):
                 route = choose_route(lengths, max_new_tokens=budget, continuous_batch_size=None,
-                                     geometry=geometry, coeffs=coeffs, response_lengths=prior).route
+                                     geometry=geometry, costs=costs, response_lengths=prior).route
                 chosen[name].add(route)
                 paid[name] += realised[route]
             paid["best"] += min(realised.values())

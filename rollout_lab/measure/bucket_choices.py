@@ -7,7 +7,7 @@ functions over prompt lengths (plus ``write_csv``). The distributions they run o
     from rollout_lab.planner.bucket_dp import plan_buckets_k
     from rollout_lab.measure.workloads import resolve_distribution
     label, lengths = resolve_distribution({"kind": "real", "dataset": "gsm8k"}, batch_size=32, seed=0)
-    plan = plan_buckets_k(lengths, geometry, coeffs, 3)   # the best plan with exactly 3 buckets
+    plan = plan_buckets_k(lengths, geometry, costs, 3)   # the best plan with exactly 3 buckets
 
 """
 from __future__ import annotations
@@ -42,14 +42,14 @@ def _samples(distributions: Sequence[Distribution]) -> Iterator[tuple[Distributi
 
 
 def num_buckets_rows(
-    distributions: Sequence[Distribution], geometry: ModelGeometry, coeffs: CostCoefficients,
+    distributions: Sequence[Distribution], geometry: ModelGeometry, costs: CostCoefficients,
     *, max_num_buckets: int,
 ) -> list[dict[str, Any]]:
     """Per distribution, seed and k: cost, padded tokens and padding share of the best k-bucket plan."""
     rows = []
     for dist, seed, lengths in _samples(distributions):
-        optimum = plan_buckets(lengths, geometry, coeffs)
-        plans = plans_by_num_buckets(lengths, geometry, coeffs, max_num_buckets)
+        optimum = plan_buckets(lengths, geometry, costs)
+        plans = plans_by_num_buckets(lengths, geometry, costs, max_num_buckets)
         one = plans[0]
         for k, plan in enumerate(plans, start=1):
             if plan is None:
@@ -66,7 +66,7 @@ def num_buckets_rows(
 
 
 def fixed_cost_rows(
-    distributions: Sequence[Distribution], geometry: ModelGeometry, coeffs: CostCoefficients,
+    distributions: Sequence[Distribution], geometry: ModelGeometry, costs: CostCoefficients,
     *, fixed_costs_ms: Sequence[float],
 ) -> list[dict[str, Any]]:
     """The DP's choice (first seed) as ``prefill_fixed_cost_ms`` moves; widths as 'w1;w2;...'."""
@@ -74,7 +74,7 @@ def fixed_cost_rows(
     for dist in distributions:
         lengths = dist.lengths
         for fixed in fixed_costs_ms:
-            swept = replace(coeffs, prefill_fixed_cost_ms=float(fixed))
+            swept = replace(costs, prefill_fixed_cost_ms=float(fixed))
             plan = plan_buckets(lengths, geometry, swept)
             rows.append({
                 "distribution": dist.label, "fixed_cost_ms": float(fixed),
@@ -88,16 +88,16 @@ def fixed_cost_rows(
 
 
 def summary_rows(
-    distributions: Sequence[Distribution], geometry: ModelGeometry, coeffs: CostCoefficients,
+    distributions: Sequence[Distribution], geometry: ModelGeometry, costs: CostCoefficients,
     *, max_new_tokens: int,
 ) -> list[dict[str, Any]]:
     """One row per distribution and seed: one bucket against the DP, and the route Auto takes."""
     rows = []
     for dist, seed, lengths in _samples(distributions):
-        plan = plan_buckets(lengths, geometry, coeffs)
-        one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
+        plan = plan_buckets(lengths, geometry, costs)
+        one = prefill_cost_ms(len(lengths), max(lengths), geometry, costs)
         route = choose_route(lengths, max_new_tokens=max_new_tokens, continuous_batch_size=None,
-                             geometry=geometry, coeffs=coeffs)
+                             geometry=geometry, costs=costs)
         rows.append({
             "distribution": dist.label, "kind": dist.kind, "seed": seed, "num_prompts": len(lengths),
             "min_len": min(lengths), "median_len": float(np.median(lengths)), "max_len": max(lengths),
@@ -107,7 +107,7 @@ def summary_rows(
             "one_bucket_cost_ms": one, "dp_cost_ms": plan.cost_ms, "dp_speedup": one / plan.cost_ms,
             "max_new_tokens": max_new_tokens, "route": route.route,
             "nocb_cost_ms": route.nocb_cost_ms,
-            "cb_cost_ms": plan.cost_ms + cb_decode_cost_ms(max_new_tokens, coeffs),
+            "cb_cost_ms": plan.cost_ms + cb_decode_cost_ms(max_new_tokens, costs),
         })
     return rows
 
@@ -124,10 +124,10 @@ def plan_comparison_rows(
     for dist, seed, lengths in _samples(distributions):
         row: dict[str, Any] = {"distribution": dist.label, "kind": dist.kind, "seed": seed, "num_prompts": len(lengths)}
         plans = {}
-        for name, coeffs in (("reference", reference), ("calibrated", calibrated)):
-            plan = plans[name] = plan_buckets(lengths, geometry, coeffs)
+        for name, costs in (("reference", reference), ("calibrated", calibrated)):
+            plan = plans[name] = plan_buckets(lengths, geometry, costs)
             route = choose_route(lengths, max_new_tokens=max_new_tokens, continuous_batch_size=None,
-                                 geometry=geometry, coeffs=coeffs)
+                                 geometry=geometry, costs=costs)
             row |= {f"{name}_num_buckets": plan.num_buckets, f"{name}_widths": ";".join(map(str, plan.widths)),
                     f"{name}_padding_share": plan_padding_share(lengths, plan), f"{name}_route": route.route}
         on_device = sum(prefill_cost_ms(len(bucket), width, geometry, calibrated)
@@ -159,7 +159,7 @@ class RouteMap:
 
 
 def route_map(
-    label: str, lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients,
+    label: str, lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients,
     *, max_lengths: Sequence[int], budgets: Sequence[int],
 ) -> RouteMap:
     """Rescale the lengths so the longest is each of ``max_lengths``; choose a route for each budget.
@@ -170,14 +170,14 @@ def route_map(
     longest = max(lengths)
     scales = [int(m) / longest for m in max_lengths]
     columns = [scale_lengths(lengths, s) for s in scales]
-    limit = coeffs.prefill_max_tokens
+    limit = costs.prefill_max_tokens
     # the DP's cost does not depend on the budget: plan each column once
-    nocb_cols = [nocb_cost_ms(c, geometry, coeffs) if limit is None or len(c) * max(c) <= limit else math.inf
+    nocb_cols = [nocb_cost_ms(c, geometry, costs) if limit is None or len(c) * max(c) <= limit else math.inf
                  for c in columns]
-    dp_cols = [plan_buckets(c, geometry, coeffs).cost_ms for c in columns]
+    dp_cols = [plan_buckets(c, geometry, costs).cost_ms for c in columns]
     nocb, cb, routes = [], [], []
     for budget in budgets:
-        decode = cb_decode_cost_ms(int(budget), coeffs)
+        decode = cb_decode_cost_ms(int(budget), costs)
         row_c = tuple(d + decode for d in dp_cols)
         nocb.append(tuple(nocb_cols))
         cb.append(row_c)
@@ -193,7 +193,7 @@ PACKED_BATCH_SIZES = (32, 64, 128, 256, 512)
 
 
 def packed_crossing_rows(
-    geometry: ModelGeometry, coeffs: CostCoefficients, *, batch_sizes: Sequence[int] = PACKED_BATCH_SIZES,
+    geometry: ModelGeometry, costs: CostCoefficients, *, batch_sizes: Sequence[int] = PACKED_BATCH_SIZES,
     seeds: Sequence[int] = (0, 1, 2), classes: ShapeClasses | None = None,
 ) -> list[dict[str, Any]]:
     """Where packed and bucketed prefill cross, from the cost model, on the lognormal and bimodal
@@ -204,16 +204,16 @@ def packed_crossing_rows(
     coefficients' own ``c`` (None when they have none: not calibrated). With ``classes`` every bucket
     is priced at its class shape (``plan_buckets_classed``), as the engine plans and runs it with
     ``RolloutConfig(prefill_classes=...)``: the padding up to the class widths is in the price."""
-    zero = replace(coeffs, packed_prompt_cost_ms=0.0)
+    zero = replace(costs, packed_prompt_cost_ms=0.0)
     rows = []
     for n in batch_sizes:
         for seed in seeds:
             for kind, lengths in crossing_batches(n, seed).items():
-                bucketed = (plan_buckets(lengths, geometry, coeffs) if classes is None
-                            else plan_buckets_classed(lengths, geometry, coeffs, classes))
+                bucketed = (plan_buckets(lengths, geometry, costs) if classes is None
+                            else plan_buckets_classed(lengths, geometry, costs, classes))
                 packed = plan_packed(lengths, geometry, zero)
                 crossing = (bucketed.cost_ms - packed.cost_ms) / n
-                c = coeffs.packed_prompt_cost_ms
+                c = costs.packed_prompt_cost_ms
                 rows.append({
                     "distribution": kind, "batch_size": n, "seed": seed, "num_tokens": sum(lengths),
                     "bucketed_ms": bucketed.cost_ms, "bucketed_forwards": bucketed.num_buckets,

@@ -6,7 +6,7 @@
     from rollout_lab.measure.calibrate import calibrate, load_calibration, CalibrationGrid
     result = calibrate(model, grid=CalibrationGrid.tiny(), model_name="tiny-qwen2")
     result.r2, result.worst_rel_error; result.save(path)
-    coeffs = load_calibration(path, model=model)   # ValueError naming the fields that differ
+    costs = load_calibration(path, model=model)   # ValueError naming the fields that differ
 
 What is measured, with the engine's own code paths (warm-up passes are never timed, and the device
 is synchronised around every clock read):
@@ -70,7 +70,7 @@ from rollout_lab.workspace import Workspace, output_lock, run_tag
 class CalibrationResult:
     """Fitted coefficients, the run's metadata, and the fit per shape (JSON-ready dicts)."""
 
-    coeffs: CostCoefficients
+    costs: CostCoefficients
     metadata: dict[str, Any]
     fit: tuple[dict[str, Any], ...]  # batch, width, measured_ms, predicted_ms, rel_error, ...
     decode: tuple[dict[str, Any], ...] = field(default=())  # batch, nocb/cb ms per step, overhead
@@ -89,16 +89,16 @@ class CalibrationResult:
             "r2": self.r2, "worst_rel_error": self.worst_rel_error, "warnings": list(self.warnings),
             "shapes": list(self.fit), "decode": list(self.decode), "packed": list(self.packed),
         }
-        return self.coeffs.to_json(path, metadata=metadata)
+        return self.costs.to_json(path, metadata=metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CalibrationResult":
         """Read a saved calibration back as a result (no metadata check: for plots and reports;
         ``load_calibration`` checks it against a model)."""
         cost_file = CostFile.read(path)
-        coeffs, metadata = cost_file.coeffs, dict(cost_file.metadata)
+        costs, metadata = cost_file.costs, dict(cost_file.metadata)
         fit = metadata.pop("fit", None) or {}
-        return cls(coeffs, metadata, tuple(fit.get("shapes", ())), tuple(fit.get("decode", ())),
+        return cls(costs, metadata, tuple(fit.get("shapes", ())), tuple(fit.get("decode", ())),
                    float(fit.get("r2", float("nan"))), tuple(fit.get("packed", ())),
                    tuple(fit.get("warnings", ())))
 
@@ -184,19 +184,19 @@ def calibrate(
     metadata["grid"] = grid.to_dict()
     cb_ms, nocb_ms = decode_costs(decode)
     geometry = ModelGeometry(**metadata["geometry"])
-    coeffs, fit, r2 = fit_coefficients(
+    costs, fit, r2 = fit_coefficients(
         [(r["batch"], r["width"]) for r in prefill], [r["forward_ms"] for r in prefill],
         [r["kv_copy_ms"] for r in prefill], geometry,
         continuous_decode_cost_ms=cb_ms, nocb_decode_cost_ms=nocb_ms,
     )
     if grid.paged_decode:
-        coeffs = replace(coeffs, paged_decode_cost_ms=paged_decode_cost(decode))
+        costs = replace(costs, paged_decode_cost_ms=paged_decode_cost(decode))
     for record, measured in zip(fit, prefill):
         record.update({k: v for k, v in measured.items() if k.endswith(("_samples_ms", "_iqr_ms"))})
     packed_records: tuple[dict[str, Any], ...] = ()
     if packed:
-        coeffs, packed_records = with_packed_costs(packed, geometry, coeffs)
-    result = CalibrationResult(coeffs, metadata, fit, tuple(decode), r2, packed_records)
+        costs, packed_records = with_packed_costs(packed, geometry, costs)
+    result = CalibrationResult(costs, metadata, fit, tuple(decode), r2, packed_records)
     problems = fit_warnings(r2, result.worst_rel_error, num_shapes=len(fit), decode=decode)
     if problems:  # on the console too, not only in the record
         warnings.warn(f"calibration of {metadata['model_name']}: " + "; ".join(problems), stacklevel=2)
@@ -406,14 +406,14 @@ def measure_packed(model: Any, grid: CalibrationGrid, *, progress: bool = True) 
 
 
 def fit_packed_costs(
-    packed: list[dict[str, Any]], geometry: ModelGeometry, coeffs: CostCoefficients
+    packed: list[dict[str, Any]], geometry: ModelGeometry, costs: CostCoefficients
 ) -> tuple[float, float, tuple[dict[str, Any], ...]]:
     """``packed_fixed_cost_ms`` and ``packed_prompt_cost_ms``: with the shared coefficients fitted on
     the padded forwards, what a packed forward costs beyond them, once and per prompt (NNLS on
     relative error, both >= 0), and the per-shape fit. Two terms because the padded forwards may be
     graph replays while the packed one runs eagerly: on the H200 (3B) one per-prompt term alone
     missed the packed shapes by -71% to +55%."""
-    shared = replace(coeffs, packed_prompt_cost_ms=0.0, packed_fixed_cost_ms=0.0)
+    shared = replace(costs, packed_prompt_cost_ms=0.0, packed_fixed_cost_ms=0.0)
     base = np.array([packed_prefill_cost_ms([r["width"]] * r["prompts"], geometry, shared) for r in packed])
     measured = np.array([r["measured_ms"] for r in packed], dtype=float)
     prompts = np.array([r["prompts"] for r in packed], dtype=float)
@@ -428,11 +428,11 @@ def fit_packed_costs(
 
 
 def with_packed_costs(
-    packed: list[dict[str, Any]], geometry: ModelGeometry, coeffs: CostCoefficients
+    packed: list[dict[str, Any]], geometry: ModelGeometry, costs: CostCoefficients
 ) -> tuple[CostCoefficients, tuple[dict[str, Any], ...]]:
-    """``coeffs`` with both packed terms from ``fit_packed_costs``, and the per-shape fit."""
-    fixed, per_prompt, records = fit_packed_costs(packed, geometry, coeffs)
-    return replace(coeffs, packed_fixed_cost_ms=fixed, packed_prompt_cost_ms=per_prompt), records
+    """``costs`` with both packed terms from ``fit_packed_costs``, and the per-shape fit."""
+    fixed, per_prompt, records = fit_packed_costs(packed, geometry, costs)
+    return replace(costs, packed_fixed_cost_ms=fixed, packed_prompt_cost_ms=per_prompt), records
 
 
 def refit_packed(result: CalibrationResult) -> CalibrationResult:
@@ -442,10 +442,10 @@ def refit_packed(result: CalibrationResult) -> CalibrationResult:
     if not result.packed:
         raise ValueError("the calibration holds no packed measurements (grid.packed was off): nothing to refit")
     geometry = ModelGeometry(**result.metadata["geometry"])
-    coeffs, records = with_packed_costs(list(result.packed), geometry, result.coeffs)
+    costs, records = with_packed_costs(list(result.packed), geometry, result.costs)
     metadata = dict(result.metadata, refit={"what": "packed_fixed_cost_ms, packed_prompt_cost_ms (fit_packed_costs)",
-                                            "git_sha": git_sha(), "previous": result.coeffs.to_dict()})
-    return replace(result, coeffs=coeffs, metadata=metadata, packed=records)
+                                            "git_sha": git_sha(), "previous": result.costs.to_dict()})
+    return replace(result, costs=costs, metadata=metadata, packed=records)
 
 
 def measure_decode_overhead(

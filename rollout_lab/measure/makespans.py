@@ -26,13 +26,13 @@ def makespan_rows(
     world_sizes: Sequence[int] = WORLD_SIZES,
     *,
     geometry: ModelGeometry | None = None,
-    coeffs: CostCoefficients | None = None,
+    costs: CostCoefficients | None = None,
     max_new_tokens: int = 16,
     continuous_batch_size: int | None = None,
 ) -> list[dict]:
     """One row per (workload, world size, method); ``vs_balanced`` = makespan / balanced's."""
     geometry = geometry or ModelGeometry.qwen25_3b()
-    coeffs = coeffs or CostCoefficients()
+    costs = costs or CostCoefficients()
     kw = dict(max_new_tokens=max_new_tokens, continuous_batch_size=continuous_batch_size)
     rows = []
     for name in workloads:
@@ -41,9 +41,9 @@ def makespan_rows(
             spans = {}
             for method in METHODS:
                 start = time.perf_counter()
-                shards = shard_requests(lengths, world_size, geometry, coeffs, method=method, **kw)
+                shards = shard_requests(lengths, world_size, geometry, costs, method=method, **kw)
                 elapsed_ms = (time.perf_counter() - start) * 1e3
-                spans[method] = (predicted_makespan(shards, lengths, geometry, coeffs, **kw), elapsed_ms)
+                spans[method] = (predicted_makespan(shards, lengths, geometry, costs, **kw), elapsed_ms)
             for method, (span, elapsed_ms) in spans.items():
                 rows.append(dict(
                     workload=name, num_prompts=len(lengths), world_size=world_size, method=method,

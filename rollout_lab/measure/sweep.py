@@ -385,10 +385,10 @@ def sweep_or_load(
         if results_stem is None:
             results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}")
         if resume:  # the saved record's settings, before the model is built
-            coeffs = None if cost_file is None else CostFile.read(cost_file).coeffs
+            file_costs = None if cost_file is None else CostFile.read(cost_file).costs  # unchecked: no model yet
             config = sweep_settings(paths=check_paths(paths_), repetitions=repetitions, max_new_tokens=max_new_tokens,
                                     workload_scale=workload_scale, oracle_max_tokens=oracle_max_tokens,
-                                    engine=engine, costs=coeffs, costs_source=cost_file or "engine defaults")
+                                    engine=engine, costs=file_costs, costs_source=cost_file or "engine defaults")
             check_resume(results_stem, config=config, model=model, dtype=dtype, device=device, lengths_by_name=lengths)
         net, name = load_model(model, dtype=dtype, device=device)
         costs = None

@@ -64,8 +64,8 @@ class BucketPlan:
         return sum(r * w for r, w in zip(rows, self.widths)) + tails
 
 
-def validate_lengths(lengths: Sequence[int], coeffs: CostCoefficients | None = None) -> list[int]:
-    """Positive ints, each within ``prefill_max_tokens`` (no limit when ``coeffs`` is None);
+def validate_lengths(lengths: Sequence[int], costs: CostCoefficients | None = None) -> list[int]:
+    """Positive ints, each within ``prefill_max_tokens`` (no limit when ``costs`` is None);
     the error names the index and value."""
     out = []
     for index, length in enumerate(lengths):
@@ -74,7 +74,7 @@ def validate_lengths(lengths: Sequence[int], coeffs: CostCoefficients | None = N
         length = int(length)
         if length < 1:
             raise ValueError(f"length at index {index} must be a positive int, got {length!r}")
-        limit = None if coeffs is None else coeffs.prefill_max_tokens
+        limit = None if costs is None else costs.prefill_max_tokens
         if limit is not None and length > limit:
             raise ValueError(
                 f"prompt at index {index} has length {length}, over prefill_max_tokens={limit}; "
@@ -84,20 +84,20 @@ def validate_lengths(lengths: Sequence[int], coeffs: CostCoefficients | None = N
     return out
 
 
-def _sorted_problem(lengths, geometry, coeffs):
+def _sorted_problem(lengths, geometry, costs):
     """The DP's inputs: sort order, sorted widths, per-row costs f, fixed cost (with the
     tie-break), and the token window's starts."""
-    lengths = validate_lengths(lengths, coeffs)
+    lengths = validate_lengths(lengths, costs)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     widths = [lengths[i] for i in order]
     per_row = {}
     for w in widths:
         if w not in per_row:
-            per_row[w] = per_row_cost_ms(w, geometry, coeffs)
+            per_row[w] = per_row_cost_ms(w, geometry, costs)
     f = [per_row[w] for w in widths]
     if not f:
         return order, widths, f, 0.0, []
-    return order, widths, f, _fixed_with_tie_break(coeffs, f), _window_starts(widths, coeffs.prefill_max_tokens)
+    return order, widths, f, _fixed_with_tie_break(costs, f), _window_starts(widths, costs.prefill_max_tokens)
 
 
 def _window_starts(widths: list[int], limit: int | None) -> list[int]:
@@ -107,12 +107,12 @@ def _window_starts(widths: list[int], limit: int | None) -> list[int]:
     return [max(0, j + 1 - limit // w) for j, w in enumerate(widths)]
 
 
-def _fixed_with_tie_break(coeffs: CostCoefficients, f: list[float]) -> float:
-    fixed = coeffs.prefill_fixed_cost_ms
+def _fixed_with_tie_break(costs: CostCoefficients, f: list[float]) -> float:
+    fixed = costs.prefill_fixed_cost_ms
     return fixed + TIE_REL * (1e-6 + fixed + len(f) * f[-1])
 
 
-def _assemble(order, widths, cut, geometry, coeffs) -> BucketPlan:
+def _assemble(order, widths, cut, geometry, costs) -> BucketPlan:
     n = len(order)
     bounds = []
     j = n
@@ -123,15 +123,15 @@ def _assemble(order, widths, cut, geometry, coeffs) -> BucketPlan:
     bounds.reverse()
     buckets = tuple(tuple(order[i:j]) for i, j in bounds)
     bucket_widths = tuple(widths[j - 1] for _, j in bounds)
-    cost = sum(prefill_cost_ms(len(b), w, geometry, coeffs) for b, w in zip(buckets, bucket_widths))
+    cost = sum(prefill_cost_ms(len(b), w, geometry, costs) for b, w in zip(buckets, bucket_widths))
     return BucketPlan(buckets, bucket_widths, cost)
 
 
 def plan_buckets(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients
 ) -> BucketPlan:
     """Exactly optimal contiguous bucketing of the sorted lengths (convex-hull trick, ~O(n))."""
-    order, widths, f, fixed, lo = _sorted_problem(lengths, geometry, coeffs)
+    order, widths, f, fixed, lo = _sorted_problem(lengths, geometry, costs)
     n = len(order)
     if n == 0:
         return BucketPlan((), (), 0.0)
@@ -173,14 +173,14 @@ def plan_buckets(
         i = hull[0]
         best[j] = best[i] + fixed + (j - i) * x
         cut[j] = i
-    return _assemble(order, widths, cut, geometry, coeffs)
+    return _assemble(order, widths, cut, geometry, costs)
 
 
 def plan_buckets_quadratic(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients
 ) -> BucketPlan:
     """The plain O(n^2) time, O(n) space DP; the oracle for ``plan_buckets``."""
-    order, widths, f, fixed, lo = _sorted_problem(lengths, geometry, coeffs)
+    order, widths, f, fixed, lo = _sorted_problem(lengths, geometry, costs)
     n = len(order)
     if n == 0:
         return BucketPlan((), (), 0.0)
@@ -192,20 +192,20 @@ def plan_buckets_quadratic(
             cost = best[i] + fixed + (j - i) * x
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    return _assemble(order, widths, cut, geometry, coeffs)
+    return _assemble(order, widths, cut, geometry, costs)
 
 
 # ---------------------------------------------------------------- k-bucket DP
 
 def plans_by_num_buckets(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, max_num_buckets: int
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, max_num_buckets: int
 ) -> list[BucketPlan | None]:
     """The cheapest plan with exactly k buckets, for k = 1..max_num_buckets (None: infeasible).
 
     Layered DP over the sorted lengths: best_k[j] = min_i best_{k-1}[i] + C(j - i, w_j), with each
     bucket within ``prefill_max_tokens``. O(k n^2) time, numpy over i. k is capped at n.
     """
-    lengths = validate_lengths(lengths, coeffs)
+    lengths = validate_lengths(lengths, costs)
     if max_num_buckets < 1:
         raise ValueError(f"max_num_buckets must be >= 1, got {max_num_buckets}")
     n = len(lengths)
@@ -213,8 +213,8 @@ def plans_by_num_buckets(
         return [BucketPlan((), (), 0.0)] + [None] * (max_num_buckets - 1)
     order = sorted(range(n), key=lengths.__getitem__)
     widths = np.array([lengths[i] for i in order])
-    f = np.array([per_row_cost_ms(int(w), geometry, coeffs) for w in widths])
-    limit = coeffs.prefill_max_tokens
+    f = np.array([per_row_cost_ms(int(w), geometry, costs) for w in widths])
+    limit = costs.prefill_max_tokens
     i_idx = np.arange(n)
     num_layers = min(max_num_buckets, n)
     best = np.full(n + 1, math.inf)
@@ -226,7 +226,7 @@ def plans_by_num_buckets(
         cut = np.zeros(n + 1, dtype=int)
         for j in range(1, n + 1):
             rows = j - i_idx[:j]
-            cand = best[:j] + coeffs.prefill_fixed_cost_ms + rows * f[j - 1]
+            cand = best[:j] + costs.prefill_fixed_cost_ms + rows * f[j - 1]
             if limit is not None:
                 cand = np.where(rows * widths[j - 1] <= limit, cand, math.inf)
             i = int(np.argmin(cand))
@@ -234,12 +234,12 @@ def plans_by_num_buckets(
         cuts.append(cut)
         is_feasible.append(math.isfinite(nxt[n]))
         best = nxt
-    plans = [_backtrack(order, widths, cuts[:k], geometry, coeffs) if is_feasible[k - 1] else None
+    plans = [_backtrack(order, widths, cuts[:k], geometry, costs) if is_feasible[k - 1] else None
              for k in range(1, num_layers + 1)]
     return plans + [None] * (max_num_buckets - num_layers)
 
 
-def _backtrack(order, widths, cuts, geometry, coeffs) -> BucketPlan:
+def _backtrack(order, widths, cuts, geometry, costs) -> BucketPlan:
     j, bounds = len(order), []
     for cut in reversed(cuts):
         i = int(cut[j])
@@ -248,12 +248,12 @@ def _backtrack(order, widths, cuts, geometry, coeffs) -> BucketPlan:
     bounds.reverse()
     buckets = tuple(tuple(order[i:j]) for i, j in bounds)
     bucket_widths = tuple(int(widths[j - 1]) for _, j in bounds)
-    cost = sum(prefill_cost_ms(len(b), w, geometry, coeffs) for b, w in zip(buckets, bucket_widths))
+    cost = sum(prefill_cost_ms(len(b), w, geometry, costs) for b, w in zip(buckets, bucket_widths))
     return BucketPlan(buckets, bucket_widths, cost)
 
 
 def plan_buckets_k(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, num_buckets: int
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, num_buckets: int
 ) -> BucketPlan | None:
     """The cheapest plan with exactly ``num_buckets`` contiguous buckets; None when infeasible."""
-    return plans_by_num_buckets(lengths, geometry, coeffs, num_buckets)[num_buckets - 1]
+    return plans_by_num_buckets(lengths, geometry, costs, num_buckets)[num_buckets - 1]

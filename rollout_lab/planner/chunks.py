@@ -21,33 +21,33 @@ def split_prompt(length: int, limit: int | None) -> tuple[int, ...]:
 
 
 def chunk_cost_ms(
-    width: int, offset: int, geometry: ModelGeometry, coeffs: CostCoefficients
+    width: int, offset: int, geometry: ModelGeometry, costs: CostCoefficients
 ) -> float:
     """A one-row forward of ``width`` tokens after ``offset`` cached ones: C(1, width) with the
     attention term over ``offset + width`` keys."""
-    cost = prefill_cost_ms(1, width, geometry, coeffs)
+    cost = prefill_cost_ms(1, width, geometry, costs)
     extra = attention_gflops(1, width, geometry) * offset / width  # 4 * w * o * ... / 1e9
-    return cost + coeffs.prefill_attention_cost_ms * extra
+    return cost + costs.prefill_attention_cost_ms * extra
 
 
 def plan_chunked(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients,
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients,
     classes: ShapeClasses | None = None,
 ) -> BucketPlan:
     """``plan_buckets`` with over-limit prompts chunked (module docstring): the DP buckets the
     heads with the short prompts; ``chunks`` lists each long prompt's tail widths. With
     ``classes`` the heads are bucketed at their class shapes (``plan_buckets_classed``)."""
     lengths = validate_lengths(lengths, None)
-    limit = coeffs.prefill_max_tokens
+    limit = costs.prefill_max_tokens
     splits = [split_prompt(n, limit) for n in lengths]
     heads = [s[0] for s in splits]
-    plan = plan_buckets(heads, geometry, coeffs) if classes is None else \
-        plan_buckets_classed(heads, geometry, coeffs, classes)
+    plan = plan_buckets(heads, geometry, costs) if classes is None else \
+        plan_buckets_classed(heads, geometry, costs, classes)
     chunks = tuple((i, s[1:]) for i, s in enumerate(splits) if len(s) > 1)
     cost = plan.cost_ms
     for i, tail in chunks:
         offset = splits[i][0]
         for width in tail:
-            cost += chunk_cost_ms(width, offset, geometry, coeffs)
+            cost += chunk_cost_ms(width, offset, geometry, costs)
             offset += width
     return BucketPlan(plan.buckets, plan.widths, cost, chunks, rows=plan.rows)

@@ -140,7 +140,7 @@ class CostFile:
     """
 
     path: Path
-    coeffs: CostCoefficients
+    costs: CostCoefficients
     metadata: Mapping[str, Any]
 
     @classmethod
@@ -159,10 +159,10 @@ class CostFile:
         if not isinstance(metadata, dict):
             raise ValueError(f"{where}: 'metadata' must be an object, got {metadata!r}")
         try:
-            coeffs = CostCoefficients.from_dict(coefficients)
+            costs = CostCoefficients.from_dict(coefficients)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
-        return cls(path, coeffs, metadata)
+        return cls(path, costs, metadata)
 
     def check(self, expected: Mapping[str, Any], *, override: bool = False) -> CostCoefficients:
         """The coefficients, if the file's provenance agrees with ``expected`` on every checked field
@@ -170,7 +170,7 @@ class CostFile:
         ValueError naming each differing field (a file without metadata differs in all of them).
         ``override=True`` accepts the file as it is."""
         if override:
-            return self.coeffs
+            return self.costs
         diffs = metadata_mismatches(self.metadata, expected)
         if not diffs:
             patches = patch_differences(self.metadata, expected)
@@ -179,7 +179,7 @@ class CostFile:
                     f"{k} {v[0]}" for k, v in patches.items()) + "; this setting runs " + ", ".join(
                     f"{k} {v[1]}" for k, v in patches.items()) + " (a patch release apart: used as it is)",
                     stacklevel=2)
-            return self.coeffs
+            return self.costs
         where = f"cost file {str(self.path)!r}"
         if not any(name in self.metadata for name in CHECKED_FIELDS):
             raise ValueError(f"{where} has no provenance metadata ({', '.join(sorted(diffs))} unknown), so "
@@ -322,36 +322,36 @@ def prefill_cost_ms(
     batch: int,
     width: int,
     geometry: ModelGeometry,
-    coeffs: CostCoefficients,
+    costs: CostCoefficients,
     include_kv: bool = True,
 ) -> float:
     """Estimated time of one left-padded prefill forward of ``batch`` rows of ``width`` tokens."""
     if batch <= 0:
         return 0.0
-    return coeffs.prefill_fixed_cost_ms + batch * per_row_cost_ms(
-        width, geometry, coeffs, include_kv=include_kv
+    return costs.prefill_fixed_cost_ms + batch * per_row_cost_ms(
+        width, geometry, costs, include_kv=include_kv
     )
 
 
 def packed_prefill_cost_ms(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients
 ) -> float:
     """Estimated time of one packed forward of ``lengths`` (one row of sum(lengths) tokens, each
     prompt attending to itself): fixed + packed_fixed + token * sum(L) + attention * sum attn(1, L_i)
     + kv * sum KV(1, L_i) + packed_prompt * n."""
     if not lengths:
         return 0.0
-    per_prompt = coeffs.packed_prompt_cost_ms or 0.0
-    return coeffs.prefill_fixed_cost_ms + coeffs.packed_fixed_cost_ms + sum(
-        per_row_cost_ms(length, geometry, coeffs) + per_prompt for length in lengths)
+    per_prompt = costs.packed_prompt_cost_ms or 0.0
+    return costs.prefill_fixed_cost_ms + costs.packed_fixed_cost_ms + sum(
+        per_row_cost_ms(length, geometry, costs) + per_prompt for length in lengths)
 
 
 def per_row_cost_ms(
-    width: int, geometry: ModelGeometry, coeffs: CostCoefficients, *, include_kv: bool = True
+    width: int, geometry: ModelGeometry, costs: CostCoefficients, *, include_kv: bool = True
 ) -> float:
     """The part of C(B, L) that one row of width L adds: (C(B, L) - fixed) / B."""
-    cost = coeffs.prefill_token_cost_ms * width
-    cost += coeffs.prefill_attention_cost_ms * attention_gflops(1, width, geometry)
+    cost = costs.prefill_token_cost_ms * width
+    cost += costs.prefill_attention_cost_ms * attention_gflops(1, width, geometry)
     if include_kv:
-        cost += coeffs.prefill_kv_cost_ms * kv_mib(1, width, geometry)
+        cost += costs.prefill_kv_cost_ms * kv_mib(1, width, geometry)
     return cost

@@ -141,23 +141,23 @@ def design_row(record: Mapping[str, Any], geometry: ModelGeometry) -> list[float
     return [1.0, float(batch * width), gflops, mib]
 
 
-def prefill_terms(coeffs: CostCoefficients) -> np.ndarray:
+def prefill_terms(costs: CostCoefficients) -> np.ndarray:
     """The prefill coefficients in ``design_row``'s order (``PREFILL_TERMS``)."""
-    return np.array([getattr(coeffs, name) for name in PREFILL_TERMS])
+    return np.array([getattr(costs, name) for name in PREFILL_TERMS])
 
 
 def predicted_ms(records: Iterable[Mapping[str, Any]], geometry: ModelGeometry,
-                 coeffs: CostCoefficients) -> tuple[float, float]:
-    """(prefill ms, decode ms) that ``coeffs`` predict for these forwards (the measured shapes)."""
-    weights = prefill_terms(coeffs)
+                 costs: CostCoefficients) -> tuple[float, float]:
+    """(prefill ms, decode ms) that ``costs`` predict for these forwards (the measured shapes)."""
+    weights = prefill_terms(costs)
     prefill = decode = 0.0
     for r in records:
         if r["kind"] in PREFILL_KINDS:
             prefill += float(np.dot(design_row(r, geometry), weights))
         elif r["kind"] == "decode":
-            decode += coeffs.continuous_decode_cost_ms * r["steps"]
+            decode += costs.continuous_decode_cost_ms * r["steps"]
         elif r["kind"] == "nocb_decode":
-            decode += coeffs.nocb_decode_cost_ms * r["steps"]
+            decode += costs.nocb_decode_cost_ms * r["steps"]
     return prefill, decode
 
 
@@ -210,12 +210,12 @@ class OnlineCalibrator:
         kind = DECODE_KINDS["nocb" if route == "nocb" else "bucketed"]
         return any(r["kind"] == kind for r in self.observations)
 
-    def observe(self, records: Sequence[Mapping[str, Any]], coeffs: CostCoefficients, *,
+    def observe(self, records: Sequence[Mapping[str, Any]], costs: CostCoefficients, *,
                 route: str, explored: bool, total_ms: float) -> dict[str, Any]:
-        """Note one call: its prediction error under ``coeffs`` (the ones it was planned with). A
+        """Note one call: its prediction error under ``costs`` (the ones it was planned with). A
         forward marked ``first_use`` (it captured or compiled its shape) is left out of both."""
         records = [r for r in records if r["ms"] >= 0 and not r.get("first_use")]
-        pred_prefill, pred_decode = predicted_ms(records, self.geometry, coeffs)
+        pred_prefill, pred_decode = predicted_ms(records, self.geometry, costs)
         meas_prefill, meas_decode = measured_ms(records)
         error = {
             "call": self.num_calls, "route": route, "explored": explored,
@@ -233,12 +233,12 @@ class OnlineCalibrator:
         self.num_skipped = 0
         return error
 
-    def refit(self, coeffs: CostCoefficients) -> CostCoefficients:
-        """New coefficients from the window (``coeffs`` where the window says nothing)."""
-        changes = {**self._prefill_fit(coeffs), **self._decode_fit(coeffs)}
-        return dataclasses.replace(coeffs, **changes) if changes else coeffs
+    def refit(self, costs: CostCoefficients) -> CostCoefficients:
+        """New coefficients from the window (``costs`` where the window says nothing)."""
+        changes = {**self._prefill_fit(costs), **self._decode_fit(costs)}
+        return dataclasses.replace(costs, **changes) if changes else costs
 
-    def _prefill_fit(self, coeffs: CostCoefficients) -> dict[str, float]:
+    def _prefill_fit(self, costs: CostCoefficients) -> dict[str, float]:
         rows = [r for r in self.observations if r["kind"] in PREFILL_KINDS]
         if len(rows) < MIN_PREFILL_OBSERVATIONS:
             return {}
@@ -251,7 +251,7 @@ class OnlineCalibrator:
             # the window's shapes cannot tell the terms apart (one shape, or shapes on a line): a fit
             # would put their cost on any one term and price other shapes anyhow, so the terms are
             # scaled together to the observed level and keep their shape (module docstring)
-            current = prefill_terms(coeffs)
+            current = prefill_terms(costs)
             predicted, w2 = a @ current, weights ** 2
             if not np.sum(w2 * predicted ** 2) > 0:
                 return {}
@@ -261,11 +261,11 @@ class OnlineCalibrator:
             x = nnls(a * weights[:, None], y * weights)
             kv = float(x[3])
         else:
-            kv = coeffs.prefill_kv_cost_ms
+            kv = costs.prefill_kv_cost_ms
             x = nnls(a[:, :3] * weights[:, None], (y - kv * a[:, 3]) * weights)
         return dict(zip(PREFILL_TERMS, (float(x[0]), float(x[1]), float(x[2]), kv)))
 
-    def _decode_fit(self, coeffs: CostCoefficients) -> dict[str, float]:
+    def _decode_fit(self, costs: CostCoefficients) -> dict[str, float]:
         per_step = {}
         for route, kind in DECODE_KINDS.items():
             rows = [r for r in self.observations if r["kind"] == kind]
@@ -293,7 +293,7 @@ def fit_coefficients(
     nocb_decode_cost_ms: float = 0.0,
     prefill_max_tokens: int | None = CostCoefficients.prefill_max_tokens,
 ) -> tuple[CostCoefficients, tuple[dict[str, Any], ...], float]:
-    """NNLS fit of C(B, L) to measured forwards and KV copies: (coeffs, per-shape fit, R^2).
+    """NNLS fit of C(B, L) to measured forwards and KV copies: (costs, per-shape fit, R^2).
 
     Rows are divided by the measurement, so the fit minimises relative error: the small,
     launch-bound shapes (where the fixed cost decides the DP) count as much as the large ones.
@@ -315,7 +315,7 @@ def fit_coefficients(
                                    forward * weights)
     copy_weights = 1.0 / np.maximum(copy, 1e-6 * max(copy.max(), 1e-9))
     copy_fixed, kv = nnls(np.column_stack([np.ones_like(mib), mib]) * copy_weights[:, None], copy * copy_weights)
-    coeffs = CostCoefficients(
+    costs = CostCoefficients(
         prefill_fixed_cost_ms=float(fixed + copy_fixed), prefill_token_cost_ms=float(token),
         prefill_attention_cost_ms=float(attention), prefill_kv_cost_ms=float(kv),
         continuous_decode_cost_ms=float(max(0.0, continuous_decode_cost_ms)),
@@ -327,14 +327,14 @@ def fit_coefficients(
     records = []
     for (b, w), f_ms, c_ms in zip(shapes, forward, copy):
         measured = float(f_ms + c_ms)
-        predicted = prefill_cost_ms(b, w, geometry, coeffs)
+        predicted = prefill_cost_ms(b, w, geometry, costs)
         records.append({
             "batch": b, "width": w, "measured_ms": measured, "predicted_ms": predicted,
             "rel_error": (predicted - measured) / measured,
             "forward_ms": float(f_ms), "kv_copy_ms": float(c_ms),
         })
-    return coeffs, tuple(records), r_squared([r["measured_ms"] for r in records],
-                                             [r["predicted_ms"] for r in records])
+    return costs, tuple(records), r_squared([r["measured_ms"] for r in records],
+                                            [r["predicted_ms"] for r in records])
 
 
 def r_squared(measured: Sequence[float], predicted: Sequence[float]) -> float:

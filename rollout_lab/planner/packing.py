@@ -8,7 +8,7 @@ so the plan packs first-fit decreasing: with a limit of T tokens it never needs 
 next to T (``min_forwards`` states that bound). Prompts over the limit are chunked as for the
 bucketed route (``planner.chunks``): the head is packed, the tails run after it. Pure Python.
 
-    plan = plan_packed([512, 16, 16, 700], geometry, coeffs)   # BucketPlan with packed=True
+    plan = plan_packed([512, 16, 16, 700], geometry, costs)   # BucketPlan with packed=True
 """
 from __future__ import annotations
 
@@ -45,21 +45,21 @@ def min_forwards(lengths: Sequence[int], limit: int | None) -> int:
     return 1 if limit is None else math.ceil(sum(lengths) / limit)
 
 
-def plan_packed(lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients) -> BucketPlan:
+def plan_packed(lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients) -> BucketPlan:
     """Packs of prompt indices (``buckets``), the tokens of each (``widths``), the estimated cost,
     and the tail chunks of prompts over the limit."""
     lengths = validate_lengths(lengths, None)
-    limit = coeffs.prefill_max_tokens
+    limit = costs.prefill_max_tokens
     splits = [split_prompt(n, limit) for n in lengths]
     heads = [s[0] for s in splits]
     packs = pack_first_fit(heads, limit)
     buckets = tuple(tuple(p) for p in packs)
     widths = tuple(sum(heads[i] for i in p) for p in packs)
-    cost = sum(packed_prefill_cost_ms([heads[i] for i in p], geometry, coeffs) for p in packs)
+    cost = sum(packed_prefill_cost_ms([heads[i] for i in p], geometry, costs) for p in packs)
     chunks = tuple((i, s[1:]) for i, s in enumerate(splits) if len(s) > 1)
     for i, tail in chunks:
         offset = splits[i][0]
         for width in tail:
-            cost += chunk_cost_ms(width, offset, geometry, coeffs)
+            cost += chunk_cost_ms(width, offset, geometry, costs)
             offset += width
     return BucketPlan(buckets, widths, cost, chunks, packed=True)

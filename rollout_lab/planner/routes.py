@@ -67,7 +67,7 @@ class RoutePlan:
 
 
 def nocb_cost_ms(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, *, max_new_tokens: int = 1,
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, *, max_new_tokens: int = 1,
     decode_steps: float | None = None,
 ) -> float:
     """nocb's estimate: one left-padded forward of every prompt at the longest width (no KV term),
@@ -75,18 +75,18 @@ def nocb_cost_ms(
     ``decode_steps`` (e.g. from ``expected_decode_steps``) replaces ``max_new_tokens - 1``."""
     if not lengths:
         return 0.0
-    prefill = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs, include_kv=False)
+    prefill = prefill_cost_ms(len(lengths), max(lengths), geometry, costs, include_kv=False)
     steps = max(0, max_new_tokens - 1) if decode_steps is None else decode_steps
-    return prefill + coeffs.nocb_decode_cost_ms * steps
+    return prefill + costs.nocb_decode_cost_ms * steps
 
 
 def cb_decode_cost_ms(
-    max_new_tokens: int, coeffs: CostCoefficients, *, decode_steps: float | None = None
+    max_new_tokens: int, costs: CostCoefficients, *, decode_steps: float | None = None
 ) -> float:
     """CB's decode overhead over nocb: one ``continuous_decode_cost_ms`` per remaining step
     (``decode_steps`` of them when given, else ``max_new_tokens - 1``)."""
     steps = max(0, max_new_tokens - 1) if decode_steps is None else decode_steps
-    return coeffs.continuous_decode_cost_ms * steps
+    return costs.continuous_decode_cost_ms * steps
 
 
 def choose_route(
@@ -95,7 +95,7 @@ def choose_route(
     max_new_tokens: int | Sequence[int],
     continuous_batch_size: int | None,
     geometry: ModelGeometry,
-    coeffs: CostCoefficients,
+    costs: CostCoefficients,
     nocb_allowed: bool = True,
     response_lengths: LengthPrior | None = None,
     chunk_long_prompts: bool = False,
@@ -108,7 +108,7 @@ def choose_route(
     read_interval: int = 1,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
-    nocb, then bucketed). Packed is a candidate when ``coeffs.packed_prompt_cost_ms`` is set
+    nocb, then bucketed). Packed is a candidate when ``costs.packed_prompt_cost_ms`` is set
     (a calibration measured it); its plan is ``planner.packing.plan_packed``; its decode is CB's.
     Paged is a candidate when ``paged_allowed`` and rows refill (more requests than slots): its
     prefill is the bucketed plan's, and both caches' decode steps come from a replay of their
@@ -137,7 +137,7 @@ def choose_route(
     ``rows_per_prompt`` (``choose_shared_route``): prompt i fills that many rows of the decode, so
     the decode steps, refill and the paged replay count rows while the prefill plans count prompts.
     """
-    lengths = validate_lengths(lengths, None if chunk_long_prompts else coeffs)
+    lengths = validate_lengths(lengths, None if chunk_long_prompts else costs)
     budgets = budgets_of(max_new_tokens, len(lengths))
     if continuous_batch_size is not None and (
         isinstance(continuous_batch_size, bool)
@@ -158,7 +158,7 @@ def choose_route(
         row_lengths = [x for x, k in zip(lengths, rows_per_prompt) for _ in range(k)]
         row_budgets = [b for b, k in zip(budgets, rows_per_prompt) for _ in range(k)]
     num_rows = len(row_lengths)
-    limit = coeffs.prefill_max_tokens
+    limit = costs.prefill_max_tokens
     eligible = (
         nocb_allowed
         and (continuous_batch_size is None or n <= continuous_batch_size)
@@ -182,30 +182,30 @@ def choose_route(
             paged_run = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
                                         layout="paged", pool_blocks=paged_pool_blocks, block_size=kv_block_size,
                                         refill_rows=refill_rows, read_interval=read_interval)
-            paged_decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=paged_run.steps) \
-                + coeffs.paged_decode_cost_ms * paged_run.steps \
-                + sum(prefill_cost_ms(1, width, geometry, coeffs) for width in paged_run.recompute_widths)
-    decode = cb_decode_cost_ms(longest_budget, coeffs, decode_steps=steps)
+            paged_decode = cb_decode_cost_ms(longest_budget, costs, decode_steps=paged_run.steps) \
+                + costs.paged_decode_cost_ms * paged_run.steps \
+                + sum(prefill_cost_ms(1, width, geometry, costs) for width in paged_run.recompute_widths)
+    decode = cb_decode_cost_ms(longest_budget, costs, decode_steps=steps)
     nocb = None
     if eligible:
-        nocb = nocb_cost_ms(lengths, geometry, coeffs, max_new_tokens=longest_budget, decode_steps=nocb_steps)
+        nocb = nocb_cost_ms(lengths, geometry, costs, max_new_tokens=longest_budget, decode_steps=nocb_steps)
     packed, packs = None, ()
-    if coeffs.packed_prompt_cost_ms is not None:
-        packing = plan_packed(lengths, geometry, coeffs)
+    if costs.packed_prompt_cost_ms is not None:
+        packing = plan_packed(lengths, geometry, costs)
         packed, packs = packing.cost_ms + decode, packing.buckets
     if nocb is not None:
         # cheapest conceivable CB: one fixed cost, every prompt at its own width (packed's too)
-        bound = coeffs.prefill_fixed_cost_ms + decode
-        bound += sum(per_row_cost_ms(length, geometry, coeffs) for length in lengths)
+        bound = costs.prefill_fixed_cost_ms + decode
+        bound += sum(per_row_cost_ms(length, geometry, costs) for length in lengths)
         if nocb <= bound:
             return RoutePlan("nocb", (tuple(range(n)),), nocb, bound, cb_cost_is_lower_bound=True,
                              packed_cost_ms=packed)
     if chunk_long_prompts:
-        plan = plan_chunked(lengths, geometry, coeffs, classes)
+        plan = plan_chunked(lengths, geometry, costs, classes)
     elif classes is not None:
-        plan = plan_buckets_classed(lengths, geometry, coeffs, classes)
+        plan = plan_buckets_classed(lengths, geometry, costs, classes)
     else:
-        plan = plan_buckets(lengths, geometry, coeffs)
+        plan = plan_buckets(lengths, geometry, costs)
     cb = plan.cost_ms + decode
     paged = None if paged_decode is None else plan.cost_ms + paged_decode
     if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
@@ -269,11 +269,11 @@ def group_sizes(groups: Sequence[int]) -> dict[int, int]:
 
 
 def replication_cost_ms(
-    lengths: Sequence[int], replicas: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients
+    lengths: Sequence[int], replicas: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients
 ) -> float:
     """``prefill_replicate_cost_ms`` per MiB of KV copied: (replicas - 1) rows of each length."""
     mib = sum((k - 1) * kv_mib(1, length, geometry) for length, k in zip(lengths, replicas))
-    return coeffs.prefill_replicate_cost_ms * mib
+    return costs.prefill_replicate_cost_ms * mib
 
 
 def choose_shared_route(
@@ -283,7 +283,7 @@ def choose_shared_route(
     max_new_tokens: int | Sequence[int],
     continuous_batch_size: int | None,
     geometry: ModelGeometry,
-    coeffs: CostCoefficients,
+    costs: CostCoefficients,
     nocb_allowed: bool = True,
     **route_options: Any,
 ) -> RoutePlan:
@@ -299,7 +299,7 @@ def choose_shared_route(
     ):
         raise ValueError(f"replicas must hold one int >= 1 per length ({len(lengths)}), got {list(replicas)!r}")
     budgets = budgets_of(max_new_tokens, len(lengths))
-    common = dict(continuous_batch_size=continuous_batch_size, geometry=geometry, coeffs=coeffs, **route_options)
+    common = dict(continuous_batch_size=continuous_batch_size, geometry=geometry, costs=costs, **route_options)
     if all(k == 1 for k in replicas):
         return choose_route(lengths, max_new_tokens=budgets, nocb_allowed=nocb_allowed, **common)
     rows = [length for length, k in zip(lengths, replicas) for _ in range(k)]
@@ -308,7 +308,7 @@ def choose_shared_route(
     if nocb_allowed:
         nocb = choose_route(rows, max_new_tokens=row_budgets, nocb_allowed=True, **common).nocb_cost_ms
     shared = choose_route(lengths, max_new_tokens=budgets, nocb_allowed=False, rows_per_prompt=replicas, **common)
-    copies = replication_cost_ms(lengths, replicas, geometry, coeffs)
+    copies = replication_cost_ms(lengths, replicas, geometry, costs)
     cb = shared.cb_cost_ms + copies
     packed = None if shared.packed_cost_ms is None else shared.packed_cost_ms + copies
     paged = None if shared.paged_cost_ms is None else shared.paged_cost_ms + copies

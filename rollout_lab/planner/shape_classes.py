@@ -13,7 +13,7 @@ are enough, and the O(n^2) DP over them is exact (checked against every set part
 tests). A length or row count above the ladder's top runs at its own size. Pure Python.
 
     classes = ShapeClasses.ladder(max_width=2048, max_rows=64)
-    plan = plan_buckets_classed(lengths, geometry, coeffs, classes)   # widths/rows: the class shapes
+    plan = plan_buckets_classed(lengths, geometry, costs, classes)   # widths/rows: the class shapes
 """
 from __future__ import annotations
 
@@ -138,49 +138,49 @@ class ShapeClasses:
         return len(self.widths) * max(1, len(self.rows))
 
 
-def class_shape(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostCoefficients,
+def class_shape(batch: int, longest: int, geometry: ModelGeometry, costs: CostCoefficients,
                 classes: ShapeClasses) -> tuple[int, int, float]:
     """(rows, width, ms) of a bucket of ``batch`` prompts whose longest has ``longest`` tokens: its
     class shape, priced with its first use (``ShapeClasses.first_use_cost_ms``), or a larger shape
     in ``classes.captured`` where that costs less (a replay at more rows or a wider width than the
     bucket needs, instead of a new capture)."""
     rows, width = classes.rows_for(batch), classes.width_for(longest)
-    best = (rows, width, prefill_cost_ms(rows, width, geometry, coeffs) + classes.first_use_cost_ms(rows, width))
-    limit = coeffs.prefill_max_tokens
+    best = (rows, width, prefill_cost_ms(rows, width, geometry, costs) + classes.first_use_cost_ms(rows, width))
+    limit = costs.prefill_max_tokens
     for r, w in classes.captured if classes.first_use_ms else ():  # unpriced, a class shape is the cheapest
         if r >= batch and w >= longest and (limit is None or r * w <= limit):
-            ms = prefill_cost_ms(r, w, geometry, coeffs)
+            ms = prefill_cost_ms(r, w, geometry, costs)
             if ms < best[2]:
                 best = (r, w, ms)
     return best
 
 
-def classed_cost_ms(batch: int, longest: int, geometry: ModelGeometry, coeffs: CostCoefficients,
+def classed_cost_ms(batch: int, longest: int, geometry: ModelGeometry, costs: CostCoefficients,
                     classes: ShapeClasses) -> float:
     """C of a bucket of ``batch`` prompts whose longest has ``longest`` tokens at the shape it runs
     at (``class_shape``): its class shape, a class's first use included."""
-    return class_shape(batch, longest, geometry, coeffs, classes)[2]
+    return class_shape(batch, longest, geometry, costs, classes)[2]
 
 
 def plan_buckets_classed(
-    lengths: Sequence[int], geometry: ModelGeometry, coeffs: CostCoefficients, classes: ShapeClasses
+    lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, classes: ShapeClasses
 ) -> BucketPlan:
     """The cheapest contiguous bucketing of the sorted lengths when every bucket runs (and is
     priced) at the shape ``class_shape`` gives it: its class shape with its first use, or a larger
     captured one; ``widths`` and ``rows`` hold those shapes. That cost stays monotone in the bucket's
     rows and longest prompt (a captured shape that holds a bucket holds every smaller one), so the
     contiguous DP stays exact. O(n^2 log k) for k captured shapes."""
-    lengths = validate_lengths(lengths, coeffs)
+    lengths = validate_lengths(lengths, costs)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     widths = [lengths[i] for i in order]
     n = len(widths)
     if n == 0:
         return BucketPlan((), (), 0.0, rows=())
-    limit = coeffs.prefill_max_tokens
-    per_row = {w: per_row_cost_ms(classes.width_for(w), geometry, coeffs) for w in set(widths)}
-    fixed = _fixed_with_tie_break(coeffs, [per_row[widths[-1]]])
+    limit = costs.prefill_max_tokens
+    per_row = {w: per_row_cost_ms(classes.width_for(w), geometry, costs) for w in set(widths)}
+    fixed = _fixed_with_tie_break(costs, [per_row[widths[-1]]])
     # the captured shapes a bucket may replay at instead of its class shape (none while nothing is priced)
-    captured = [(r, w, r * per_row_cost_ms(w, geometry, coeffs)) for r, w in classes.captured
+    captured = [(r, w, r * per_row_cost_ms(w, geometry, costs)) for r, w in classes.captured
                 if classes.first_use_ms and (limit is None or r * w <= limit)]
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
@@ -216,6 +216,6 @@ def plan_buckets_classed(
     buckets = tuple(tuple(order[i:j]) for i, j in bounds)
     class_rows = tuple(shape[j][0] for _, j in bounds)
     class_widths = tuple(shape[j][1] for _, j in bounds)
-    cost = sum(prefill_cost_ms(r, w, geometry, coeffs) + classes.first_use_cost_ms(r, w)
+    cost = sum(prefill_cost_ms(r, w, geometry, costs) + classes.first_use_cost_ms(r, w)
                for r, w in zip(class_rows, class_widths))
     return BucketPlan(buckets, class_widths, cost, rows=class_rows)

@@ -5,7 +5,7 @@ plan: ``min(nocb, bucketed CB)`` as ``planner.routes.choose_route`` computes it 
 prompts. Pure Python (no torch), deterministic, no I/O::
 
     from rollout_lab.planner.sharding import shard_requests, predicted_makespan
-    shards = shard_requests(lengths, 8, geometry, coeffs, max_new_tokens=16)
+    shards = shard_requests(lengths, 8, geometry, costs, max_new_tokens=16)
 
 The API is ``shard_requests``, ``predicted_rank_costs``, ``predicted_makespan`` and
 ``check_partition``. A rank is empty (``[]``, cost 0) when world_size exceeds the number of prompts.
@@ -49,7 +49,7 @@ def shard_requests(
     lengths: Sequence[int],
     world_size: int,
     geometry: ModelGeometry,
-    coeffs: CostCoefficients,
+    costs: CostCoefficients,
     *,
     max_new_tokens: int | Sequence[int] = 16,
     continuous_batch_size: int | None = None,
@@ -62,13 +62,13 @@ def shard_requests(
     not allowed with an explicit cache capacity or trimming), so the predicted costs match its plan.
     ``max_new_tokens``: one budget, or one per request.
     """
-    lengths = _validate(lengths, world_size, coeffs, method)
+    lengths = _validate(lengths, world_size, costs, method)
     budgets = budgets_of(max_new_tokens, len(lengths))
     if method == "round_robin":
         return round_robin_shards(len(lengths), world_size)
     if method == "karmarkar_karp":
         return karmarkar_karp_shards(lengths, world_size)
-    cost = RankCost(geometry, coeffs, min_budget=min(budgets, default=1),
+    cost = RankCost(geometry, costs, min_budget=min(budgets, default=1),
                     continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
     return balanced_shards(list(zip(lengths, budgets)), world_size, cost)
 
@@ -77,17 +77,17 @@ def predicted_rank_costs(
     shards: Sequence[Sequence[int]],
     lengths: Sequence[int],
     geometry: ModelGeometry,
-    coeffs: CostCoefficients,
+    costs: CostCoefficients,
     *,
     max_new_tokens: int | Sequence[int] = 16,
     continuous_batch_size: int | None = None,
     nocb_allowed: bool = True,
 ) -> list[float]:
     """Each rank's predicted Auto cost in ms (0 for an empty rank)."""
-    lengths = validate_lengths(lengths, coeffs)
+    lengths = validate_lengths(lengths, costs)
     budgets = budgets_of(max_new_tokens, len(lengths))
     check_partition(shards, len(lengths))
-    cost = RankCost(geometry, coeffs, min_budget=min(budgets, default=1),
+    cost = RankCost(geometry, costs, min_budget=min(budgets, default=1),
                     continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed)
     items = list(zip(lengths, budgets))
     return [cost(_key(shard, items)) for shard in shards]
@@ -97,7 +97,7 @@ def predicted_makespan(
     shards: Sequence[Sequence[int]],
     lengths: Sequence[int],
     geometry: ModelGeometry,
-    coeffs: CostCoefficients,
+    costs: CostCoefficients,
     *,
     max_new_tokens: int | Sequence[int] = 16,
     continuous_batch_size: int | None = None,
@@ -105,7 +105,7 @@ def predicted_makespan(
 ) -> float:
     """The slowest rank's predicted cost in ms (0 for no requests)."""
     return max(predicted_rank_costs(
-        shards, lengths, geometry, coeffs, max_new_tokens=max_new_tokens,
+        shards, lengths, geometry, costs, max_new_tokens=max_new_tokens,
         continuous_batch_size=continuous_batch_size, nocb_allowed=nocb_allowed,
     ), default=0.0)
 
@@ -125,12 +125,12 @@ def check_partition(shards: Sequence[Sequence[int]], num_requests: int) -> None:
         )
 
 
-def _validate(lengths, world_size, coeffs, method) -> list[int]:
+def _validate(lengths, world_size, costs, method) -> list[int]:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if method not in METHODS:
         raise ValueError(f"unknown sharding method {method!r}; valid methods: {', '.join(METHODS)}")
-    return validate_lengths(lengths, coeffs)
+    return validate_lengths(lengths, costs)
 
 # -- a rank's predicted cost -----------------------------------------------------------------------
 
@@ -139,12 +139,12 @@ class RankCost:
     items, with cheap bounds; ``min_budget`` (the smallest budget of any request) bounds decode."""
 
     def __init__(
-        self, geometry: ModelGeometry, coeffs: CostCoefficients, *, continuous_batch_size: int | None,
+        self, geometry: ModelGeometry, costs: CostCoefficients, *, continuous_batch_size: int | None,
         nocb_allowed: bool = True, min_budget: int = 1,
     ) -> None:
-        self.geometry, self.coeffs = geometry, coeffs
+        self.geometry, self.costs = geometry, costs
         self.nocb_allowed, self.continuous_batch_size = nocb_allowed, continuous_batch_size
-        self.decode_ms = cb_decode_cost_ms(min_budget, coeffs)
+        self.decode_ms = cb_decode_cost_ms(min_budget, costs)
         self._memo: dict[tuple[Item, ...], float] = {}
         self._row: dict[int, float] = {}
         self._row_nokv: dict[int, float] = {}
@@ -166,7 +166,7 @@ class RankCost:
         plan = choose_route(
             [length for length, _ in items], max_new_tokens=[budget for _, budget in items],
             continuous_batch_size=self.continuous_batch_size, geometry=self.geometry,
-            coeffs=self.coeffs, nocb_allowed=self.nocb_allowed,
+            costs=self.costs, nocb_allowed=self.nocb_allowed,
         )
         return plan.nocb_cost_ms if plan.route == "nocb" else plan.cb_cost_ms
 
@@ -177,14 +177,14 @@ class RankCost:
         """The prefill row cost of an item's length."""
         length = item[0]
         if length not in self._row:
-            self._row[length] = per_row_cost_ms(length, self.geometry, self.coeffs)
+            self._row[length] = per_row_cost_ms(length, self.geometry, self.costs)
         return self._row[length]
 
     def row_nokv(self, item: Item) -> float:
         length = item[0]
         if length not in self._row_nokv:
             self._row_nokv[length] = per_row_cost_ms(
-                length, self.geometry, self.coeffs, include_kv=False
+                length, self.geometry, self.costs, include_kv=False
             )
         return self._row_nokv[length]
 
@@ -192,13 +192,13 @@ class RankCost:
         """A bound <= the exact cost from the count, the longest item and the sum of row costs."""
         if count == 0:
             return 0.0
-        cb = self.coeffs.prefill_fixed_cost_ms + self.decode_ms + row_sum
+        cb = self.costs.prefill_fixed_cost_ms + self.decode_ms + row_sum
         if self._nocb_eligible(count, longest[0]):
-            return min(cb, self.coeffs.prefill_fixed_cost_ms + count * self.row_nokv(longest))
+            return min(cb, self.costs.prefill_fixed_cost_ms + count * self.row_nokv(longest))
         return cb
 
     def _nocb_eligible(self, count: int, max_length: int) -> bool:
-        limit, slots = self.coeffs.prefill_max_tokens, self.continuous_batch_size
+        limit, slots = self.costs.prefill_max_tokens, self.continuous_batch_size
         return (
             self.nocb_allowed
             and (slots is None or count <= slots)

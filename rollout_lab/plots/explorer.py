@@ -6,7 +6,7 @@ papermill, or without a widget frontend (``interactive=False``), it renders the 
 given settings as a static figure. Either way it returns that static figure, for ``save_figure``::
 
     from rollout_lab.plots.explorer import show
-    fig = show(coeffs=coeffs, geometry=geometry, interactive=True)
+    fig = show(costs=costs, geometry=geometry, interactive=True)
 
 """
 from __future__ import annotations
@@ -63,13 +63,13 @@ def settings_lengths(s: Settings) -> list[int]:
     return sample_lengths(s.kind, s.batch_size, s.seed, replace=True)
 
 
-def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoefficients) -> Figure:
+def explorer_figure(settings: Settings, geometry: ModelGeometry, costs: CostCoefficients) -> Figure:
     """Three panels: the DP's buckets, cost/padding of the best k-bucket plans, and the route estimates."""
     lengths = settings_lengths(settings)
-    plan = plan_buckets(lengths, geometry, coeffs)
+    plan = plan_buckets(lengths, geometry, costs)
     route = choose_route(lengths, max_new_tokens=settings.max_new_tokens, continuous_batch_size=None,
-                         geometry=geometry, coeffs=coeffs)
-    plans = [p for p in plans_by_num_buckets(lengths, geometry, coeffs, min(16, len(lengths))) if p]
+                         geometry=geometry, costs=costs)
+    plans = [p for p in plans_by_num_buckets(lengths, geometry, costs, min(16, len(lengths))) if p]
     fig, (ax_b, ax_k, ax_r) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [3, 2, 1.7]})
     draw_buckets(ax_b, lengths, plan, title=f"{settings.kind}, B={len(lengths)}")
     ks = [p.num_buckets for p in plans]
@@ -82,10 +82,10 @@ def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
     ax_pad.plot(ks, [plan_padding_share(lengths, p) for p in plans], color="C1", linewidth=1, label="padding share")
     ax_pad.set_ylim(0, 1)
     ax_pad.set_ylabel("padded share", color="C1")
-    nocb = nocb_cost_ms(lengths, geometry, coeffs) if route.nocb_cost_ms is not None else None
-    decode = cb_decode_cost_ms(settings.max_new_tokens, coeffs)
+    nocb = nocb_cost_ms(lengths, geometry, costs) if route.nocb_cost_ms is not None else None
+    decode = cb_decode_cost_ms(settings.max_new_tokens, costs)
     cb = plan.cost_ms + decode
-    packed = plan_packed(lengths, geometry, coeffs).cost_ms + decode  # priced with 0 per prompt if unset
+    packed = plan_packed(lengths, geometry, costs).cost_ms + decode  # priced with 0 per prompt if unset
     names, values = ["nocb", "bucketed", "packed"], [nocb or 0.0, cb, packed]
     colors = {"nocb": "C3", "bucketed": "C0", "packed": "C2"}
     bars = ax_r.bar(names, values, color=[colors[n] if route.route == n else "0.7" for n in names])
@@ -97,14 +97,14 @@ def explorer_figure(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
     ax_r.set_ylabel("estimated ms")
     ax_r.margins(x=0.08, y=0.2)  # room for the two-line labels over the bars
     ax_r.set_title(f"Auto: {route.route} (budget {settings.max_new_tokens})", fontsize=9)
-    one = prefill_cost_ms(len(lengths), max(lengths), geometry, coeffs)
+    one = prefill_cost_ms(len(lengths), max(lengths), geometry, costs)
     ax_k.set_title(f"DP {plan.cost_ms:.0f} ms vs one bucket {one:.0f} ms", fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoefficients) -> Any:
-    """ipywidgets sliders over ``explorer_figure``, starting at ``settings`` and ``coeffs``."""
+def explorer_widget(settings: Settings, geometry: ModelGeometry, costs: CostCoefficients) -> Any:
+    """ipywidgets sliders over ``explorer_figure``, starting at ``settings`` and ``costs``."""
     import ipywidgets as w  # optional: the [notebooks] extra, and only for the live explorer
     from IPython.display import display  # comes with ipywidgets (the [notebooks] extra)
 
@@ -120,12 +120,12 @@ def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
                            continuous_update=False)
 
     controls = {
-        "fixed": log_slider("fixed (ms/forward)", coeffs.prefill_fixed_cost_ms, -2, 3),
-        "token": log_slider("token (ms/token)", coeffs.prefill_token_cost_ms, -4, 0),
-        "attention": log_slider("attention (ms/GFLOP)", coeffs.prefill_attention_cost_ms, -5, 0),
-        "kv": log_slider("kv (ms/MiB)", coeffs.prefill_kv_cost_ms, -5, 0),
-        "decode": log_slider("CB decode (ms/step)", coeffs.continuous_decode_cost_ms, -2, 2),
-        "packed": log_slider("packed (ms/prompt)", coeffs.packed_prompt_cost_ms or 0.0, -4, 2),
+        "fixed": log_slider("fixed (ms/forward)", costs.prefill_fixed_cost_ms, -2, 3),
+        "token": log_slider("token (ms/token)", costs.prefill_token_cost_ms, -4, 0),
+        "attention": log_slider("attention (ms/GFLOP)", costs.prefill_attention_cost_ms, -5, 0),
+        "kv": log_slider("kv (ms/MiB)", costs.prefill_kv_cost_ms, -5, 0),
+        "decode": log_slider("CB decode (ms/step)", costs.continuous_decode_cost_ms, -2, 2),
+        "packed": log_slider("packed (ms/prompt)", costs.packed_prompt_cost_ms or 0.0, -4, 2),
         "kind": w.Dropdown(options=KINDS, value=settings.kind, description="distribution", style=style, layout=layout),
         "batch_size": int_slider("batch size", settings.batch_size, 1, 256),
         "seed": int_slider("seed", settings.seed, 0, 20),
@@ -141,7 +141,7 @@ def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
     }
 
     def redraw(fixed, token, attention, kv, decode, packed, **rest):
-        c = replace(coeffs, prefill_fixed_cost_ms=fixed, prefill_token_cost_ms=token,
+        c = replace(costs, prefill_fixed_cost_ms=fixed, prefill_token_cost_ms=token,
                     prefill_attention_cost_ms=attention, prefill_kv_cost_ms=kv, continuous_decode_cost_ms=decode,
                     packed_prompt_cost_ms=packed)
         s = replace(settings, **{k: (int(v) if k in ("batch_size", "seed", "max_new_tokens") else v)
@@ -158,7 +158,7 @@ def explorer_widget(settings: Settings, geometry: ModelGeometry, coeffs: CostCoe
 
 
 def show(
-    *, coeffs: CostCoefficients, geometry: ModelGeometry, settings: Settings | None = None,
+    *, costs: CostCoefficients, geometry: ModelGeometry, settings: Settings | None = None,
     interactive: bool = False,
 ) -> Figure:
     """Display the widget explorer (``interactive``) or the static view; return the static view.
@@ -166,10 +166,10 @@ def show(
     The static figure is closed (not auto-displayed) in interactive mode, so only the widget shows.
     """
     settings = settings or Settings()
-    fig = explorer_figure(settings, geometry, coeffs)
+    fig = explorer_figure(settings, geometry, costs)
     if interactive:
         from IPython.display import display  # comes with ipywidgets (the [notebooks] extra)
 
         plt.close(fig)
-        display(explorer_widget(settings, geometry, coeffs))
+        display(explorer_widget(settings, geometry, costs))
     return fig

@@ -35,7 +35,7 @@ def captured_decode_prior() -> CostCoefficients:
                                nocb_decode_cost_ms=CAPTURED_DECODE_GAP_MS)
 
 
-def with_unmeasured_decode(coeffs: CostCoefficients, metadata: Mapping[str, Any],
+def with_unmeasured_decode(costs: CostCoefficients, metadata: Mapping[str, Any],
                            decode_mode: str) -> tuple[CostCoefficients, str]:
     """A cost file's coefficients for a Rollout decoding in ``decode_mode``, and what was changed
     ("" when nothing). A calibration whose grid ran no decode probe (``decode_batches`` empty)
@@ -45,9 +45,9 @@ def with_unmeasured_decode(coeffs: CostCoefficients, metadata: Mapping[str, Any]
     A file without a grid is taken as it is."""
     grid = metadata.get("grid")
     if decode_mode != "graph" or not isinstance(grid, Mapping) or grid.get("decode_batches", None) != []:
-        return coeffs, ""
+        return costs, ""
     prior = captured_decode_prior()
-    return (dataclasses.replace(coeffs, continuous_decode_cost_ms=prior.continuous_decode_cost_ms,
+    return (dataclasses.replace(costs, continuous_decode_cost_ms=prior.continuous_decode_cost_ms,
                                 nocb_decode_cost_ms=prior.nocb_decode_cost_ms),
             "; its calibration measured no decode: CB decode priced below nocb's (captured step)")
 
@@ -82,7 +82,7 @@ def resolve_costs(costs: CostCoefficients | CostFile | str, model: torch.nn.Modu
     metadata = model_metadata(model, prefill_graphs=captures_prefill) if device.type == "cuda" else None
     found = cached_cost_file(metadata) if metadata is not None else None
     if found is not None:
-        return ResolvedCosts(found.coeffs, f"cached cost file {str(found.path)!r}", metadata, refitted=True)
+        return ResolvedCosts(found.costs, f"cached cost file {str(found.path)!r}", metadata, refitted=True)
     if metadata is not None and decode_mode == "graph":
         return ResolvedCosts(captured_decode_prior(), "the reference's prefill coefficients, CB decode priced "
                              "below nocb's (captured step), refined online (cost cache: nothing for this setting yet)",

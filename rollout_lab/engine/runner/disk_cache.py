@@ -24,7 +24,7 @@ file's name is the model's dtype, device and a hash of its checked provenance; w
 and a file that does not read is skipped with a warning (never deleted).
 
     path = cached_cost_file(model_metadata(model, prefill_graphs=True))   # None when none matches
-    save_costs(coeffs, metadata, source="...")                            # the path written
+    save_costs(costs, metadata, source="...")                            # the path written
     load_compiled(metadata); ...; save_compiled(metadata)                 # around the first compile
 """
 from __future__ import annotations
@@ -92,13 +92,13 @@ def cached_cost_file(metadata: Mapping[str, Any]) -> CostFile | None:
     return None
 
 
-def save_costs(coeffs: CostCoefficients, metadata: Mapping[str, Any], *, source: str) -> Path:
-    """Write ``coeffs`` with ``metadata`` (and ``source``: how they were found) to the setting's
+def save_costs(costs: CostCoefficients, metadata: Mapping[str, Any], *, source: str) -> Path:
+    """Write ``costs`` with ``metadata`` (and ``source``: how they were found) to the setting's
     cache file, atomically; returns its path."""
     path = cost_cache_path(metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid = {"prefill_graphs": bool(metadata.get("prefill_graphs", False))}  # checked as a calibration's grid
-    return coeffs.to_json(path, {**metadata, "grid": grid, "source": source})
+    return costs.to_json(path, {**metadata, "grid": grid, "source": source})
 
 
 # -- compiled artifacts ----------------------------------------------------------------------------
