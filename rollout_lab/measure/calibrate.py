@@ -411,8 +411,9 @@ def fit_packed_costs(
     """``packed_fixed_cost_ms`` and ``packed_prompt_cost_ms``: with the shared coefficients fitted on
     the padded forwards, what a packed forward costs beyond them, once and per prompt (NNLS on
     relative error, both >= 0), and the per-shape fit. Two terms because the padded forwards may be
-    graph replays while the packed one runs eagerly: on the H200 (3B) one per-prompt term alone
-    missed the packed shapes by -71% to +55%."""
+    graph replays while the packed one runs eagerly, and one per-prompt term alone misses the packed
+    shapes both ways (data/calibration/qwen2.5-3b_bfloat16_cuda_compiled-graphs.json, one term,
+    against its refit with two, ..._compiled-graphs_refit.json)."""
     shared = replace(costs, packed_prompt_cost_ms=0.0, packed_fixed_cost_ms=0.0)
     base = np.array([packed_prefill_cost_ms([r["width"]] * r["prompts"], geometry, shared) for r in packed])
     measured = np.array([r["measured_ms"] for r in packed], dtype=float)

@@ -1,5 +1,5 @@
-"""Issue 33's question: is ``RolloutConfig()`` with nothing set as fast as the tuned setting, and what
-does its first call cost?
+"""Is ``RolloutConfig()`` with nothing set as fast as the tuned setting, and what does its first call
+cost?
 
     from rollout_lab.measure.defaults import run_defaults
     record = run_defaults(model, model_name="qwen2.5-3b", dtype="bfloat16")   # seven workloads x 16 tokens

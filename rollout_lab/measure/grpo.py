@@ -20,7 +20,7 @@ One warm-up round (graph capture included) and ``reps`` interleaved timed rounds
 whole with the device synchronised before and after. Then one pass per path alone on the device
 (the other paths' caches released) for its peak memory over the weights and, for ours, the profile
 (rows prefilled, phase times). ``rollout-lab bench grpo`` is its command line (``--preset qwen2.5-3b
---out data/results/grpo_qwen2.5-3b_bf16_cuda``: 64 GSM8K prompts x 8 samples, ~1-2 min on the H200;
+--out data/results/grpo_qwen2.5-3b_bf16_cuda``: 64 GSM8K prompts x 8 samples, on the H200;
 ``--tiny qwen2 --scale 0.1`` is a CPU check in seconds); notebook 03 runs it with ``grpo_shape``.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "ours_one_graph": {"compile": False, "decode_attention": "masked", "decode_widths": 1,
                        "max_decode_graphs": 1},
     # "ours" with the whole model compiled as one graph instead of each decoder layer (compile=True,
-    # engine.runner.compiling): inductor fuses across layers, at a first compile ~20x longer (CUDA only)
+    # engine.runner.compiling): inductor fuses across layers, at a far longer first compile (CUDA only)
     "ours_compile_model": {"compile": True},
     # "ours" with q/k/v and gate/up as separate matmuls (engine.runner.fusing's fusion off): what it saves
     "ours_unfused": {"fuse_projections": False},

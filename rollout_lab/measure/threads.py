@@ -1,8 +1,8 @@
 """How many torch CPU threads a measurement runs on: one by default, the previous count restored after.
 
-On a shared CPU more threads only contend, and the timings become noise: one tiny forward took
-2.6-4.8 ms on 1 thread and 200-228 ms on 2 busy threads, and three calibrations of one model fitted
-nocb decode at 199, 0 and 18 ms a step (issue 36). GPU measurements are left as they are.
+On a shared CPU more threads only contend, and the timings become noise: a tiny forward on two busy
+threads takes many times its one-thread time, and calibrations of one model then disagree on the
+decode terms by more than the terms themselves. GPU measurements are left as they are.
 
     with measurement_threads(1, device="cpu"):
         calibrate(model)          # calibrate and calibrate_or_load take threads= and do this themselves

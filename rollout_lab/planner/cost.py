@@ -55,7 +55,8 @@ class CostCoefficients:
     # packed (mode="packed" still runs, priced with 0); a calibration measures and fits it
     packed_prompt_cost_ms: float | None = None
     # what a packed forward adds to the fixed cost: the padded forwards' fixed cost may be a graph
-    # replay's while the packed forward runs eagerly (on the H200, 3B: ~20 ms over a replay's 6)
+    # replay's while the packed forward runs eagerly, several times dearer
+    # (data/calibration/qwen2.5-3b_bfloat16_cuda_compiled-graphs_refit.json)
     packed_fixed_cost_ms: float = 0.0
     # what a paged decode step (block-table attention, engine.kv.paged) adds over an aligned one;
     # 0 = not measured (a calibration with CalibrationGrid(paged_decode=True) measures it)
@@ -126,8 +127,9 @@ CHECKED_FIELDS = (
 )
 # How the calibration ran its prefill forwards (its grid, written by `rollout-lab calibrate`) against
 # how the setting runs them, checked where the setting says: a calibration of eager forwards prices a
-# captured forward's fixed cost several times too high (H200, Qwen2.5-3B: 26.9 against 6.85 ms), and
-# the DP then merges buckets it should keep apart. A grid without the key predates it: the default.
+# captured forward's fixed cost several times too high (data/calibration/qwen2.5-3b_bfloat16_cuda.json,
+# eager, against qwen2.5-3b_bfloat16_cuda_notebook-01.json, captured), and the DP then merges buckets
+# it should keep apart. A grid without the key predates it: the default.
 CHECKED_GRID_FIELDS = {"prefill_graphs": False}
 
 

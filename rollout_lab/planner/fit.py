@@ -27,22 +27,22 @@ would price every shape by what capturing one cost. After the call:
   otherwise its term is kept from the current coefficients and the rest is fitted to what remains.
   Fewer than 3 prefill observations keep the prefill coefficients. Where the window's shapes do
   not identify the terms (its columns have less than full rank: one shape, or one width at several
-  batch sizes) the current terms are scaled by one factor to the measured level. A full fit on
-  such a window (the few shapes of a process's first timed calls) priced other shapes anyhow:
-  ``RolloutConfig()`` on an H100 then split moderate_tail's 32 prompts into five buckets, 108 ms
-  against 84 ms (git 668f237).
+  batch sizes) the current terms are scaled by one factor to the measured level: a full fit on
+  such a window (the few shapes of a process's first timed calls) prices other shapes anyhow, and
+  the DP then cuts a batch into small buckets, each a new class to capture
+  (data/results/defaults_qwen2.5-3b_bfloat16_cuda_h100_sampled_warm.json, moderate_tail).
 - decode: ``continuous_decode_cost_ms`` / ``nocb_decode_cost_ms`` become the measured ms per step
   of each route (absolute costs, as a calibration that measures both gives). While one route is
   unmeasured, its cost keeps the starting coefficients' difference to the measured one.
 
 Timing a call costs it: every phase synchronises the device, so the host no longer runs ahead of
-the GPU (on an H100, ``RolloutConfig()``'s long_tail call took 92.0 ms, timed, where the tuned
-setting's untimed call at the same shapes took 89.3 ms). ``due()`` says whether the next call is
-worth timing: every call until the last ``settled_after`` observed calls were predicted within
-``SETTLED_ERROR`` (1 call when the coefficients come from an earlier refit, ``SETTLED_CALLS``
-otherwise), then one call in ``check_every``; a check that misses unsettles it. ``Rollout`` skips
-the calls it is not due for under the implicit ``costs="auto"``; ``online_recalibration=True``
-times every call.
+the GPU (data/results/defaults_qwen2.5-3b_bfloat16_cuda_h100_rung_warm.json: ``RolloutConfig()``'s
+timed long_tail calls against the tuned setting's untimed ones at the same shapes). ``due()`` says
+whether the next call is worth timing: every call until the last ``settled_after`` observed calls
+were predicted within ``SETTLED_ERROR`` (1 call when the coefficients come from an earlier refit,
+``SETTLED_CALLS`` otherwise), then one call in ``check_every``; a check that misses unsettles it.
+``Rollout`` skips the calls it is not due for under the implicit ``costs="auto"``;
+``online_recalibration=True`` times every call.
 
 Before a route's decode cost is measured its estimate is a guess, so ``Rollout`` (mode auto)
 explores: while nocb is eligible and either route has no decode observation, it runs that route

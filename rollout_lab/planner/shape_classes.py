@@ -97,7 +97,8 @@ class ShapeClasses:
         every 8 up to 32 and every 16 after, up to ``max_rows`` (None: rows unclassed).
         ``smallest_rows=2`` leaves out the 1-row rung (one prompt runs as two rows, the second a
         repeat): a compiled forward specialises a size of 1, so that rung alone would cost a whole
-        compile (69 s for Qwen2.5-3B's prefill on the H200), where every other class shares one."""
+        compile of its own (data/results/defaults_qwen2.5-3b_bfloat16_cuda_warm.json: long_tail's 1x512
+        class), where every other class shares one."""
         if max_width < 1 or (max_rows is not None and max_rows < 1):
             raise ValueError(f"max_width and max_rows must be >= 1, got {max_width}, {max_rows}")
         if smallest_rows not in (1, 2):

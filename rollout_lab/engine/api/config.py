@@ -23,8 +23,8 @@ MODES = MANUAL_ROUTES + ("auto",)
 MAX_DECODE_WIDTHS = 4096
 # eos_check_interval: "auto" with a captured decode step, and the most a user may give. At 8, a row
 # ending at EOS computes 3.5 discarded steps on average; with the long tail's 128 slots and ~0.4 rows
-# ending a step that is ~1% of the row-steps, against a host read after every step (~0.4 ms of a
-# 2.6 ms step on the H200, 0.5B, the GPU idle meanwhile)
+# ending a step that is ~1% of the row-steps, against a host read after every step with the GPU idle
+# meanwhile (data/results/long_tail_qwen2.5-0.5b_bfloat16_cuda_decode-by-rows.json, paged_128_eos_every_step)
 EOS_CHECK_INTERVAL = 8
 MAX_EOS_CHECK_INTERVAL = 64
 
@@ -59,14 +59,15 @@ class RolloutConfig:
     decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
     decode_attention: str = "auto"  # "span", "masked" or "auto" (DECODE_ATTENTIONS)
     # torch.compile the graph-captured decode step and prefill graphs: "layers" each decoder layer
-    # (one trace for all of them, engine.runner.compiling), True the whole model (a first compile ~20x longer),
+    # (one trace for all of them, engine.runner.compiling), True the whole model (a far longer first compile),
     # "auto" the layers where the model has a decoder-layer list, else the whole model; False to debug
     compile: bool | str = "auto"
     # the decode step's q/k/v and gate/up projections as one matmul each, over a stacked copy of their
     # weights refreshed at every call (engine.runner.fusing): "auto" for the graph-captured step when the
     # copy is at most FUSE_MEMORY_FRACTION of the device, True always (the eager step too), False
-    # never ("auto": +14% output tok/s on the H200's long tail, +4% on nano-vllm's shape, the same
-    # bf16 logits; paged_128_unfused and ours_unfused measure it off)
+    # never ("auto": faster on the long tail and on nano-vllm's shape, the same bf16 logits: in
+    # data/results/, long_tail_qwen2.5-0.5b_bfloat16_cuda_fused.json, rl_qwen3-0.6b_bfloat16_cuda_nano-paged-fused.json
+    # and logits_qwen3-0.6b_bfloat16_cuda_paged-fused.json; paged_128_unfused and ours_unfused measure it off)
     fuse_projections: bool | str = "auto"
     # CUDA: load torch.compile's artifacts for this setting from the rollout cache before compiling,
     # and save them after a call that compiled (engine.runner.disk_cache); False leaves the disk alone

@@ -20,9 +20,9 @@ from rollout_lab.planner.cost import CostCoefficients, CostFile
 
 # What costs="auto" prices a CUDA rollout's first calls with before anything is measured or cached
 # for its setting (engine.runner.disk_cache). The reference prices CB decode 10 ms a step over HF's own loop
-# (nocb), true of DeepSpeed's CB and false of ours: a captured, compiled step is the faster one (on
-# the H200, 3B: ~6 ms a step against nocb's ~30). Under the reference's gap Auto chose nocb for short
-# batches and never measured CB (1.8-11x slower than tuned, issue 33). The prior reverses the gap;
+# (nocb), true of DeepSpeed's CB and false of ours: a captured, compiled step is the faster one
+# (data/calibration/qwen2.5-3b_bfloat16_cuda_notebook-01.json: its two decode terms). Under the
+# reference's gap Auto would send short batches to nocb and never measure CB. The prior reverses the gap;
 # the first calls' timed forwards then replace it (planner.fit.OnlineCalibrator: nocb stays priced
 # at CB's measured step plus this gap until nocb itself is measured).
 CAPTURED_DECODE_GAP_MS = 10.0
@@ -40,8 +40,9 @@ def with_unmeasured_decode(costs: CostCoefficients, metadata: Mapping[str, Any],
     """A cost file's coefficients for a Rollout decoding in ``decode_mode``, and what was changed
     ("" when nothing). A calibration whose grid ran no decode probe (``decode_batches`` empty)
     wrote both decode terms as 0, as if CB decode cost what nocb's (HF's eager loop) does; with a
-    captured step that sent short batches to nocb at several times the cost (H200, Qwen2.5-3B,
-    32 x 16 tokens: 629 ms against 95 on CB). There the captured prior's decode terms replace them.
+    captured step that sends short batches to nocb at several times the cost
+    (data/results/archive/defaults_qwen2.5-3b_bfloat16_cuda.json: short_similar, tuned against
+    default). There the captured prior's decode terms replace them.
     A file without a grid is taken as it is."""
     grid = metadata.get("grid")
     if decode_mode != "graph" or not isinstance(grid, Mapping) or grid.get("decode_batches", None) != []:

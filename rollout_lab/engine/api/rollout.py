@@ -152,10 +152,10 @@ class Rollout:
         either with the kept prefill graphs' captures priced (``_priced``); "auto"'s ladder comes
         without its 1-row rung where the prefill graphs compile the whole model (one compile serves
         every other class; a 1-row one would compile the model again). Layer by layer that second
-        compile is one layer's trace (~1 s for Qwen2.5-3B, H100), so a lone long prompt is not padded
-        to two rows: on the H100 the long_tail workload's 1x512 prompt prefilled as 2x512 made
-        ``RolloutConfig()`` 1.07x the tuned setting, which ran it as 1x512
-        (data/results/defaults_qwen2.5-3b_bfloat16_cuda_h100_layers_warm.json)."""
+        compile is one layer's trace, paid once, where a padded second row is paid on every call, so
+        a lone long prompt is not padded to two rows
+        (data/results/defaults_qwen2.5-3b_bfloat16_cuda_h100_layers_warm.json: long_tail's 1x512
+        prompt run as 2x512; ..._h100_rung_warm.json: as 1x512)."""
         classes = self.config.prefill_classes
         if classes is None:
             return None

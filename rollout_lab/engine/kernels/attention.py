@@ -1,12 +1,14 @@
 """A decode attention for grouped-query models that never repeats the KV heads.
 
 HF's ``sdpa`` path (5.17) materialises ``repeat_kv`` of the whole static cache twice per layer and
-step; under CUDA-graph replay that copy was 43% of a Qwen2.5-3B decode step on an H200. For one
-query token, the ``group`` query heads that share a KV head can instead be treated as ``group``
-query rows of that head: view the query as ``[B, kv_heads, group, head_dim]`` and call SDPA on the
-unrepeated cache; a ``[B, 1, 1, S]`` mask broadcasts over the group. Prefill (q_len > 1) and
-anything unusual go to HF's own ``sdpa`` function unchanged. A packed prefill (one row of several
-prompts, ``packed_offsets``) attends per prompt. When the decode step passes
+step, under CUDA-graph replay a large share of the decode step
+(data/results/sweep_qwen2.5-3b_bfloat16_cuda_graph.json, with this attention, against
+..._graph_sdpa.json, without). For one query token, the ``group`` query heads that share a KV head
+can instead be treated as ``group`` query rows of that head: view the query as
+``[B, kv_heads, group, head_dim]`` and call SDPA on the unrepeated cache; a ``[B, 1, 1, S]`` mask
+broadcasts over the group. Prefill (q_len > 1) and anything unusual go to HF's own ``sdpa``
+function unchanged. A packed prefill (one row of several prompts, ``packed_offsets``) attends per
+prompt. When the decode step passes
 ``span_starts`` and ``span_front`` (``RolloutConfig(decode_attention="span")``), a decode token
 attends with ``engine.kernels.span`` instead, over its row's live columns only; when it passes
 ``paged_tables`` and ``paged_positions`` (the ``paged`` route, ``engine.kv.paged``), the key and

@@ -13,15 +13,15 @@ at; nothing in the kernel treats it specially. The kernel follows ``engine.kerne
   heads that share the KV head (GQA without repeating the cache), writing its max, sum and
   unnormalised output. Half-precision caches go into the tensor cores as they are, with fp32
   accumulation and an fp32 softmax; the probabilities enter ``p @ v`` rounded to the cache's dtype,
-  as flash attention does. fp32 inputs use IEEE products throughout. On an H100, 256 rows of
-  Qwen3-0.6B's heads at contexts U(100, 2048) read their KV at 2.85 TB/s this way against 2.78 with
-  both operands upcast to TF32, and ``num_warps=4, num_stages=2`` was best or within 2% of it in
-  seven of eight cases (``scripts/gpu/paged_kernel.py``, run by ``h200_paged.sh kernel``). Under
+  as flash attention does. fp32 inputs use IEEE products throughout. Half operands read the KV
+  faster than both upcast to TF32, and ``num_warps=4, num_stages=2`` is best or close to it across
+  the measured shapes (data/diagnostics/paged_kernel_h100_b24dedb.txt, from
+  ``scripts/gpu/paged_kernel.py``, run by ``h200_paged.sh kernel``). Under
   Triton's CPU interpreter, whose bf16 products are wrong, half inputs are upcast to fp32 instead;
 - the merge kernel of ``span_attention`` combines the splits of each (row, KV head); an empty split
-  (past the row's last live block) has weight 0. With one split (enough rows fill the GPU: at 66
-  rows or more of Qwen3-0.6B on an H100) the partial kernel writes the output itself, the bits the
-  merge would make, and no merge runs.
+  (past the row's last live block) has weight 0. With one split (enough rows fill the GPU: rows
+  times KV heads at least four times its SMs, ``span.num_splits``) the partial kernel writes the
+  output itself, the bits the merge would make, and no merge runs.
 
 ``positions`` and ``block_tables`` are device tensors read inside the kernels, and the grid depends
 only on the shapes (rows, KV heads, blocks per row), so the launch can be captured in a CUDA graph

@@ -110,11 +110,11 @@ def paged_write(key_pool: torch.Tensor, value_pool: torch.Tensor, keys: torch.Te
     (``[num_blocks, block_size, kv_heads, head_dim]``) at its flat index ``slot_mapping[row]``.
 
     An op of its own, declared to mutate the pools: traced by ``torch.compile`` as an in-place
-    ``index_copy_`` on a view of the pool, the write was functionalised into a copy of the whole pool
-    per layer and step (the compiled Qwen2.5-0.5B step took 25 ms on the H200); as an opaque mutating
-    op it writes the rows' tokens only. Where the Triton kernels run (``kernels.available.kernel_available``)
-    one launch writes both pools (``_paged_write_kernel``: a program per row), where two ``index_copy_``
-    launches did (a few microseconds each, per layer and step, about the time of the copy itself)."""
+    ``index_copy_`` on a view of the pool, the write is functionalised into a copy of the whole pool
+    per layer and step; as an opaque mutating op it writes the rows' tokens only. Where the Triton
+    kernels run (``kernels.available.kernel_available``) one launch writes both pools
+    (``_paged_write_kernel``: a program per row) instead of two ``index_copy_`` launches per layer and
+    step, each launch costing about what its copy does."""
     rows = keys.shape[0]
     width = keys.shape[1] * keys.shape[2]  # one token's kv_heads x head_dim
     same = keys.dtype == values.dtype == key_pool.dtype == value_pool.dtype  # a copy, no rounding

@@ -3,16 +3,17 @@
 The captured decode step and the prefill graphs replay compiled code (``RolloutConfig(compile=...)``):
 
 - ``"model"`` compiles the whole forward as one graph with symbolic sizes. Inductor fuses across
-  layer boundaries, but its first compile grows with the depth: ~245 s for Qwen2.5-3B (36 layers)
-  on the H200, paid again on every fresh machine.
+  layer boundaries, but its first compile grows with the depth and is paid again on every fresh
+  machine (data/results/decode_step_qwen2.5-3b_bfloat16_cuda_h100_one-trace.json: Qwen2.5-3B's 36
+  layers, whole and layer by layer).
 - ``"layers"`` compiles each decoder layer instead and runs the rest (embedding, final norm, head)
   eagerly inside the same captured graph. The layers share one code object, and one trace serves
   them all: each layer is called with a view of its own cache layer (``_LayerCache``) instead of
   the model's cache, so the attention's ``cache.update(..., self.layer_idx)`` no longer indexes a
   list by the layer's index, which made dynamo specialise on it and trace every layer again (36
   traces for Qwen2.5-3B, inductor's cache serving 35 of the compiles). Fusions stop at layer
-  boundaries (a residual add and the next norm), so the step costs a little more: on an H100,
-  Qwen2.5-3B's step 0.7-1.9% against the whole model's, for a first call of 7.8 s against 164 s.
+  boundaries (a residual add and the next norm), so the step costs a little more than the whole
+  model's, for a first call many times shorter (the same record).
   ``RolloutConfig(compile="auto")`` picks it wherever the model has a decoder-layer list
   (``steppers.resolve_compile``).
 
@@ -27,10 +28,11 @@ Their first calls trace under ``tracing()``, which makes dynamo treat Python flo
 (``specialize_float``). By default it traces them as symbols, and a model's float attributes (rope's
 ``attention_scaling``, the embedding's ``norm_type``) then fail AOTAutograd's pass that turns scalars
 into tensors: dynamo restarts the whole frame with them specialised, after a full trace and most
-of AOTAutograd. On the H200 that wasted first attempt was 83 s of the 226 s Qwen2.5-3B's two
-compiles took cold, and 79 s of 106 s warm (loaded artifacts do not skip it: the attempt fails
-before its cache entry). On this repository's CPU the whole 36-layer tiny qwen2 step's first
-compile took 57 s against 83 s (``scripts/compile_cost.py``, with and without ``--symbolic-floats``). The
+of AOTAutograd. That wasted first attempt is a large share of a first compile, cold or warm
+(loaded artifacts do not skip it: the attempt fails before its cache entry), by the compile phases
+of data/results/defaults_qwen2.5-3b_bfloat16_cuda_cold.json and ..._warm.json; on the CPU,
+data/results/compile_cost_tiny-qwen2-36l_float32_cpu_float-constants.json against
+..._symbolic-floats.json (``scripts/compile_cost.py``, with and without ``--symbolic-floats``). The
 setting is scoped to our traces (the CUDA-graph captures' warm-ups), so a trainer's own compiled
 code in the process keeps torch's default, where a float that changes (a learning rate) does not
 recompile.
@@ -149,11 +151,10 @@ def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
     inductor's CPU C++ code does not (signed overflow is undefined there).
 
     The sampler's per-token salts (``sampling.token_salts``, made outside any trace) come in as an
-    argument. Looked up inside the trace they broke the graph, and the break split the noise into
-    one graph per function it passed through (uniforms, noise, noise added, argmax): four
-    ``[rows, vocab]`` passes, each written to memory, 52-69 us apiece at 128 rows of Qwen2.5-0.5B
-    on an H100 (``data/diagnostics/trace_long_tail_h100_037603b.txt``). One graph fuses them into
-    the argmax's first stage."""
+    argument. Looked up inside the trace they break the graph, and the break splits the noise into
+    one graph per function it passes through (uniforms, noise, noise added, argmax): four
+    ``[rows, vocab]`` passes, each written to memory (``data/diagnostics/trace_long_tail_h100_037603b.txt``).
+    One graph fuses them into the argmax's first stage."""
     fx_config.use_duck_shape = False
     compiled = torch.compile(select_tokens, dynamic=True, backend=backend)
 

@@ -20,7 +20,7 @@ The stacked weights are a copy: ``refresh()`` copies the model's current weights
 place, so a captured graph that reads them sees a trainer's update without a recapture (the rollout
 calls it at the start of every call that reuses its decode step). ``fused_nbytes(model)`` is the
 copy's memory: 0.47 GB for Qwen2.5-0.5B, 3.6 GB for Qwen2.5-3B, so a refresh reads and writes ~1
-and ~7 GB (about 0.2 and 1.5 ms at the H200's bandwidth; not timed).
+and ~7 GB, a copy bound by the device's memory bandwidth (not timed).
 ``RolloutConfig(fuse_projections="auto")`` fuses the graph-captured step when the copy is at most
 ``FUSE_MEMORY_FRACTION`` of the device's memory.
 

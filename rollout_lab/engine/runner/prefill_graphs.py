@@ -1,7 +1,8 @@
 """CUDA graphs of the bucketed prefill forward, one per shape class: the fixed cost without Python.
 
-An eager prefill forward of a small bucket costs 26–36 ms on an H200 (Qwen2.5-3B) whatever its
-shape: Python and kernel launches, for 1–5 ms of GPU work. With ``RolloutConfig(prefill_classes=...,
+An eager prefill forward of a small bucket costs about the same whatever its shape: Python and
+kernel launches, several times its GPU work (the fixed term of an eager calibration,
+data/calibration/qwen2.5-3b_bfloat16_cuda.json). With ``RolloutConfig(prefill_classes=...,
 prefill_graphs=True)`` every bucket runs at a class shape (``planner.shape_classes``), and each
 class is captured once, on first use, into a CUDA graph that later buckets of that class replay:
 
@@ -15,13 +16,16 @@ class is captured once, on first use, into a CUDA graph that later buckets of th
   ``max_graphs x max_tokens`` tokens of KV, ``graph_reserve_bytes``); such classes run eagerly;
   ``capture_ms`` and ``num_captures`` report what capturing cost, ``class_capture_ms`` each class's
   (its compile included: what a new class costs a call); with ``compiled="layers"`` those eager
-  forwards run the compiled layers (nano-vllm's shape on the H100: 1.1 s of its 9 s call went to the
-  eager prefill of 8 large buckets, ~0.6 s of it unfused elementwise kernels);
+  forwards run the compiled layers (the trace of nano-vllm's shape shows the eager prefill of its
+  large buckets as a visible share of the call, much of it unfused elementwise kernels:
+  data/diagnostics/trace_nano_h100_037603b.txt);
 - ``compiled=True`` captures ``torch.compile(model, dynamic=True)`` instead of the model
   (``compiled="layers"``: each decoder layer compiled, ``engine.runner.compiling``). A replay
-  removes the launches but not the GPU time of ~1,000 small unfused kernels: on the H200 a 1×16
-  replay of Qwen2.5-3B took 6.9 ms against ~1.5 ms of weight streaming, as the uncompiled decode
-  step did (5.8 ms, 3.5 ms compiled). Symbolic sizes let one compile serve the classes.
+  removes the launches but not the GPU time of ~1,000 small unfused kernels, so an uncompiled
+  replay stays well above the time to stream the weights, as the uncompiled decode step does
+  (data/calibration/qwen2.5-3b_bfloat16_cuda_prefill-graphs.json against ..._compiled-graphs.json;
+  data/results/decode_step_qwen2.5-3b_bfloat16_cuda.json). Symbolic sizes let one compile serve
+  the classes.
 
     graphs = PrefillGraphs(model, cache_kwarg="cache", max_graphs=32)
     logits, layer_kv = graphs.run(prompts, rows=8, width=128, pad_token_id=0)   # like prefill_bucket

@@ -91,8 +91,8 @@ def resolve_compile(choice: bool | str, decode_mode: str, model: torch.nn.Module
     """How the captured step is compiled: "layers" layer by layer (engine.runner.compiling) for "auto"
     wherever graphs run and the model has a decoder-layer list, else True (the whole model); False
     for the eager step, which never is. "auto" takes the layers because their one trace serves every
-    layer: Qwen2.5-3B's first call 7.8 s against 164 s for the whole model, its step 0.7-1.9% slower
-    (H100, data/results/decode_step_qwen2.5-3b_bfloat16_cuda_h100_one-trace.json)."""
+    layer: a first call a small fraction of the whole model's, for a step slightly slower
+    (data/results/decode_step_qwen2.5-3b_bfloat16_cuda_h100_one-trace.json)."""
     if (choice is True or choice == "layers") and decode_mode != "graph":
         raise ValueError(f"compile={choice!r} compiles the graph-captured step, which needs decode='graph' "
                          f"on a CUDA device (decode is {decode_mode!r}); use compile='auto' or False")
@@ -145,12 +145,13 @@ def rebind_weights(model: torch.nn.Module, captured: Sequence[torch.Tensor]) -> 
     """Point a model whose parameters or buffers were replaced (``load_state_dict(assign=True)``, a
     trainer's weight sync into new tensors) back at the memory its graphs were captured on: each new
     tensor is copied into the captured one and the model's tensor then reads it (``.data``), so the
-    kept graphs replay the new values and nothing is captured again (a copy of the weights, ~1 ms a
-    GB on the H200, against a recapture's ~0.8 s on 0.5B). The parameters stay the same objects (an
-    optimizer holding them keeps working). True when the model reads ``captured`` (again); False,
-    with nothing changed, when its tensors no longer pair one to one in dtype, shape, strides and
-    device (a resized vocabulary, a cast, weights tied or untied): then the graphs must be captured
-    again."""
+    kept graphs replay the new values and nothing is captured again (a copy of the weights, far
+    cheaper than a recapture: data/results/trainer_loop_qwen2.5-0.5b_bfloat16_cuda_assign-checkpointing_rebind.json
+    against trainer_loop_qwen2.5-0.5b_bfloat16_cuda_assign-checkpointing.json). The parameters stay the
+    same objects (an optimizer holding them keeps working). True when the model reads ``captured``
+    (again); False, with nothing changed, when its tensors no longer pair one to one in dtype, shape,
+    strides and device (a resized vocabulary, a cast, weights tied or untied): then the graphs must be
+    captured again."""
     tensors = graph_tensors(model)
     if len(tensors) != len(captured):
         return False

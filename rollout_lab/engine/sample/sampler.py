@@ -209,9 +209,9 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
     """[rows] the first index of each row's largest value, as ``scores.argmax(dim=-1)`` gives it, in
     two stages: each ``ARGMAX_CHUNK`` ids' max and its first index, then the first chunk holding the
     row's max. Compiled, inductor does not split an argmax over a vocabulary (it does a sum's): one
-    program a row reduced 152k scores alone, and the sampled step's argmax took 392 us of a 2.3 ms
-    step at 128 rows (Qwen2.5-0.5B, H100, data/diagnostics/trace_long_tail_h100_037603b.txt). In
-    chunks the rows times the chunks fill the GPU. Padding is -inf, never a row's first max."""
+    program a row reduces the whole vocabulary alone, a large share of a sampled step at 128 rows
+    (data/diagnostics/trace_long_tail_h100_037603b.txt). In chunks the rows times the chunks fill
+    the GPU. Padding is -inf, never a row's first max."""
     rows, vocab = scores.shape
     pad = -vocab % ARGMAX_CHUNK
     if pad:
