@@ -3,8 +3,9 @@
 #                    ignored workspace rollout_lab_out/: the tracked tree stays as it is
 #   make test        run the test suite: lint, then every test (what .ci/run calls)
 # While working:
-#   make test-fast   the tests not marked slow (no notebook execution, no subprocess runs of the
-#                    scripts, no distributed, torch.compile or Triton-interpreter tests): under a minute
+#   make test-fast   the tests not marked slow (no notebook execution, subprocess runs, distributed,
+#                    torch.compile or Triton-interpreter tests, nothing over ~0.5 s, one case of each
+#                    costly parametrized test): about 50 s on 2 CPU cores
 #   make lint        ruff check (rules in pyproject.toml's [tool.ruff])
 PYTHON ?= python3
 VENV := .venv

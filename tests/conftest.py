@@ -1,5 +1,8 @@
-"""Shared fixtures: tiny fp32 models (one per family, built once) and the single-request HF oracle."""
+"""Shared fixtures: tiny fp32 models (one per family, built once) and the single-request HF oracle;
+``one_fast``, which keeps one case of a costly parametrized test in make test-fast."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -22,6 +25,16 @@ def get_tiny(family: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
 @pytest.fixture(params=TINY_FAMILIES)
 def family(request) -> str:
     return request.param
+
+
+def one_fast(cases: Sequence, fast) -> list:
+    """``cases`` to parametrize a costly test with: ``fast`` runs in make test-fast, every other case is
+    marked slow (make test runs them all). A case is a value, or a tuple of values for several argnames."""
+    if fast not in cases:
+        raise ValueError(f"the fast case {fast!r} is not one of the cases {cases!r}")
+    return [case if case == fast else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                                   marks=pytest.mark.slow)
+            for case in cases]
 
 
 class Oracle:

@@ -6,11 +6,11 @@ import itertools
 import random
 
 import pytest
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.measure.adaptation import forward_shapes
-from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.bucket_dp import plan_buckets, validate_lengths
 from rollout_lab.planner.chunks import plan_chunked, split_prompt
@@ -65,6 +65,7 @@ def test_plan_chunked_is_the_dp_over_heads(seed):
 
 # ---------------------------------------------------------------- 1: chunked prefill (engine)
 
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "opt"))
 @pytest.mark.parametrize("mode", ["bucketed", "packed", "auto"])
 @pytest.mark.parametrize("slots", [None, 2])
 def test_chunked_prefill_matches_oracle_within_the_limit(family, mode, slots, oracle):
@@ -354,6 +355,7 @@ def test_a_forward_that_captured_or_compiled_its_shape_is_left_out_of_the_fit():
     assert fitted.continuous_decode_cost_ms == pytest.approx(0.8)
 
 
+@pytest.mark.slow  # a fake capture sleeps 0.3 s
 def test_a_timed_call_marks_the_forwards_that_captured_or_compiled(monkeypatch):
     """Through a Rollout: a prefill forward during which the one-time work changed (here a fake
     capture that sleeps 0.3 s on a shape's first use) is marked ``first_use`` in the profile and the

@@ -229,6 +229,7 @@ def test_paged_decode_cost_is_the_paged_steps_surplus():
     assert paged_decode_cost([{"cb_ms_per_step": 5.0}]) == 0.0  # not measured
 
 
+@pytest.mark.slow  # two calibrations
 def test_tiny_calibration_with_the_paged_probe(tiny):
     """paged_decode=True times the paged route in the decode probe: its per-step time is in every
     record, its surplus over the aligned step is the coefficient, and the cost file keeps it."""
@@ -432,6 +433,7 @@ def test_refit_packed_fits_a_saved_calibration_again(tmp_path, capsys):
         refit_packed(dataclasses.replace(old, packed=()))
 
 
+@pytest.mark.slow  # a CLI calibration
 def test_no_compile_reaches_the_decode_probe_and_the_cost_file(tmp_path, monkeypatch):
     """`calibrate --no-compile` prices what a sweep with --no-compile runs: the decode probe's
     engines are built with compile=False, and the cost file's grid says so."""

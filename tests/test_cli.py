@@ -137,6 +137,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # plan, calibrate and sweep a saved checkpoint
 def test_commands_take_a_local_checkpoint(checkpoint, tmp_path, capsys):
     import json
 
@@ -229,7 +230,8 @@ def no_model(monkeypatch):
     (["notebooks", "--preset", "qwen9", "--out-dir", "ws"], "unknown --preset 'qwen9'"),
     (["notebooks", "--device", "tpu", "--out-dir", "ws"], "bad --device 'tpu'"),
     (["notebooks", "--only", "02", "--out-dir", "{file}/sub"], "is not writable"),
-    (["notebooks", "--only", "03", "--param", "03:results_file=missing.json"], "results_file="),
+    pytest.param(["notebooks", "--only", "03", "--param", "03:results_file=missing.json"], "results_file=",
+                 marks=pytest.mark.slow),  # papermill: seconds to import
     (["reproduce", "--out-dir", "{file}/sub"], "is not writable"),
     (["sweep", "--threads", "0"], "argument --threads: must be >= 1"),
     (["bench", "nope"], "argument bench: invalid choice: 'nope'"),
@@ -307,6 +309,7 @@ def test_the_preflight_on_a_read_only_folder(tmp_path, capsys, no_model):
         locked.chmod(0o700)
 
 
+@pytest.mark.slow  # two subprocess runs of the CLI
 def test_one_line_from_a_subprocess_and_the_traceback_with_debug(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "rollout_lab.cli", "plan", "16", "--costs", str(tmp_path / "none.json")]
@@ -318,6 +321,7 @@ def test_one_line_from_a_subprocess_and_the_traceback_with_debug(tmp_path):
     assert done.stderr.rstrip().endswith("does not exist (or is not a file)")
 
 
+@pytest.mark.slow  # two CLI sweeps
 def test_sweep_uses_the_workspace_calibration_of_its_model_and_says_so(tmp_path, capsys):
     workspace = tmp_path / "ws"
     cost_file = tiny_cpu_cost_file(workspace / "data" / "calibration" / "tiny-qwen2_float32_cpu.json")
@@ -368,6 +372,7 @@ def test_hf_continuous_batching_warnings_are_silenced_in_our_commands(capsys):
     assert logger.getEffectiveLevel() == logging.ERROR
 
 
+@pytest.mark.slow  # papermill: seconds to import
 def test_notebooks_get_absolute_paths_and_an_ipc_kernel(tmp_path, monkeypatch):
     """What papermill is handed: the caller's relative paths made absolute, and a kernel on IPC
     sockets (ipykernel warns on every start that TCP is unencrypted)."""
@@ -393,6 +398,7 @@ def test_notebooks_get_absolute_paths_and_an_ipc_kernel(tmp_path, monkeypatch):
     (["--param", "02:interactive=1"], "parameter interactive=1 has type int; it takes bool"),
     (["--param", "9:batch_size=1"], "parameters given for unknown notebooks ['9']"),
 ])
+@pytest.mark.slow  # papermill: seconds to import
 def test_a_bad_kernel_or_parameter_is_one_line_before_any_notebook_runs(argv, message, tmp_path, monkeypatch, capsys):
     papermill = pytest.importorskip("papermill")
     monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: pytest.fail("ran a notebook"))

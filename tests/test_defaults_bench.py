@@ -25,6 +25,7 @@ def quiet(line: str) -> None:
     pass
 
 
+@pytest.mark.slow  # a dynamo trace
 def test_compile_seconds_are_the_phases_a_compile_between_two_snapshots_spent():
     import torch
 

@@ -42,6 +42,7 @@ def random_lengths(rng, n):
 # ---------------------------------------------------------------- sharding
 
 
+@pytest.mark.slow  # 120 random cases, every method
 def test_every_request_on_exactly_one_rank():
     rng = random.Random(0)
     for _ in range(120):
@@ -69,7 +70,8 @@ def test_more_ranks_than_requests_leaves_ranks_empty():
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize(
-    "name", SEED_WORKLOADS + ("gsm8k_32", "gsm8k_64", "gsm8k_128", "gsm8k_512_s1", "gsm8k_256_s2")
+    "name", SEED_WORKLOADS + ("gsm8k_32", "gsm8k_64")
+    + tuple(pytest.param(name, marks=pytest.mark.slow) for name in ("gsm8k_128", "gsm8k_512_s1", "gsm8k_256_s2"))
 )
 def test_balanced_beats_round_robin_and_kk(name, world_size):
     if name.startswith("gsm8k_") and "_s" in name:

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig, RolloutResult
-from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
 ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
@@ -40,7 +40,8 @@ def run(model, prompts, max_new_tokens, **config) -> RolloutResult:
     return Rollout(model, RolloutConfig(**config)).generate(prompts, max_new_tokens=max_new_tokens)
 
 
-@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen2"))
+@pytest.mark.parametrize("workload", one_fast(sorted(WORKLOADS), "random_mix"))
 def test_routes_match_oracle(family, workload, oracle):
     model = get_tiny(family)
     prompts = make_prompts(WORKLOADS[workload], seed=len(workload))
@@ -60,7 +61,8 @@ def test_bucketed_uses_several_buckets(oracle):
     assert result.sequences == oracle(model, prompts, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "llama"))
+@pytest.mark.parametrize("slots", one_fast([1, 3], 3))
 def test_refill_with_fewer_slots(family, slots, oracle):
     model = get_tiny(family)
     prompts = make_prompts([7, 2, 15, 1, 9, 4, 11], seed=3)
@@ -88,19 +90,29 @@ def _staggered_eos(model, prompts, oracle, max_new_tokens):
     return scores.most_common(1)[0][0]
 
 
-def test_staggered_eos(family, oracle):
+STAGGERED_PROMPTS = make_prompts([6, 1, 13, 4, 9, 2, 20, 5], seed=11)
+
+
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "opt"))
+@pytest.mark.parametrize("mode, slots", one_fast([(mode, None) for mode in ROUTES] + [(mode, 3) for mode in CB_ROUTES],
+                                                 ("aligned", 3)))
+def test_staggered_eos(family, mode, slots, oracle):
     model = get_tiny(family)
-    prompts = make_prompts([6, 1, 13, 4, 9, 2, 20, 5], seed=11)
+    prompts = STAGGERED_PROMPTS
     eos = _staggered_eos(model, prompts, oracle, 12)
     expected = oracle(model, prompts, max_new_tokens=12, eos_token_id=eos)
     lengths = [len(s) for s in expected]
     assert min(lengths) < 12 and max(lengths) == 12 and len(set(lengths)) >= 2, lengths
     assert all(s[-1] == eos for s in expected if len(s) < 12)
-    for slots in (None, 3):
-        for mode in ROUTES if slots is None else CB_ROUTES:
-            result = run(model, prompts, 12, mode=mode, eos_token_id=eos, continuous_batch_size=slots)
-            assert result.sequences == expected, (mode, slots)
-    # a list of EOS ids stops on any of them
+    result = run(model, prompts, 12, mode=mode, eos_token_id=eos, continuous_batch_size=slots)
+    assert result.sequences == expected
+
+
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "opt"))
+def test_a_list_of_eos_ids_stops_on_any_of_them(family, oracle):
+    model = get_tiny(family)
+    prompts = STAGGERED_PROMPTS
+    eos = _staggered_eos(model, prompts, oracle, 12)
     second = next(t for t in range(1, TINY_VOCAB_SIZE) if t != eos)
     expected = oracle(model, prompts, max_new_tokens=12, eos_token_id=[second, eos])
     result = run(model, prompts, 12, mode="bucketed", eos_token_id=[second, eos], continuous_batch_size=3)
@@ -123,7 +135,8 @@ def test_pad_valued_tokens_are_kept(oracle):
         assert run(model, prompts, 8, mode=mode, pad_token_id=0).sequences == expected
 
 
-@pytest.mark.parametrize("trim", [False, True])
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen3"))
+@pytest.mark.parametrize("trim", one_fast([False, True], True))
 def test_trimming_and_capacity(family, trim, oracle):
     model = get_tiny(family)
     prompts = make_prompts([20, 2, 3, 1, 18, 2, 4, 9], seed=5)
@@ -176,6 +189,7 @@ def test_trim_accounting(trim, capacity, num_trims, trimmed_columns, oracle):
     assert result.profile.peak_cache_columns <= capacity
 
 
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen2"))
 def test_repetition_penalty(family, oracle):
     model = get_tiny(family)
     prompts = make_prompts([6, 1, 14, 3, 9], seed=7)
@@ -188,6 +202,7 @@ def test_repetition_penalty(family, oracle):
     assert result.sequences == expected
 
 
+@pytest.mark.slow  # an eager-attention model through every route and the oracle
 def test_eager_attention_with_additive_mask(oracle):
     model = get_tiny("llama", attn_implementation="eager")
     prompts = make_prompts(WORKLOADS["random_mix"], seed=2)
@@ -314,7 +329,8 @@ def budget_oracle(oracle, model, prompts, budgets, **kw):
     return [oracle(model, [p], max_new_tokens=b, **kw)[0] for p, b in zip(prompts, budgets)]
 
 
-@pytest.mark.parametrize("slots", [None, 1, 3])
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen3"))
+@pytest.mark.parametrize("slots", one_fast([None, 1, 3], 3))
 def test_per_request_budgets_match_oracle(family, slots, oracle):
     model = get_tiny(family)
     prompts = make_prompts([7, 2, 15, 1, 9, 4, 11], seed=5)
@@ -326,6 +342,7 @@ def test_per_request_budgets_match_oracle(family, slots, oracle):
         assert result.sequences == expected, (mode, slots, result.route)
 
 
+@pytest.mark.slow  # every route and the oracle, with EOS, the penalty and samples
 def test_per_request_budgets_with_eos_penalty_and_samples(oracle):
     model = get_tiny("qwen3")
     prompts = make_prompts([6, 1, 13, 4, 9], seed=13)

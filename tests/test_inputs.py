@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.planner.cost import CostCoefficients
@@ -151,7 +151,7 @@ def _with_model_eos(family, oracle):
     return model, prompts, eos
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", one_fast(["qwen2", "llama"], "qwen2"))
 def test_the_models_eos_stops_rows_where_hf_generate_does(family, oracle):
     model, prompts, eos = _with_model_eos(family, oracle)
     expected = []
@@ -273,6 +273,7 @@ def _ranks(model, prompts, sequences) -> list[int]:
     return ranks
 
 
+@pytest.mark.slow  # sampled calls on two routes
 def test_a_sampling_generation_config_keeps_hfs_default_top_k():
     """GenerationConfig(do_sample=True) samples as HF does: with top_k=50 unless it or the call says otherwise."""
     from transformers import GenerationConfig

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.sample.processors import RowPenalties, apply_penalties, seen_from_ids
 from rollout_lab.engine.sample.sampler import RowSampling, filter_logits
 from rollout_lab.engine.sample.params import SamplingParams
+from rollout_lab.measure.models import TINY_FAMILIES
 
 ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
@@ -45,7 +46,8 @@ def assert_close(got, want, tol=1e-5):
     assert worst < tol, worst
 
 
-@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen3"))
+@pytest.mark.parametrize("slots", one_fast([None, 2], 2))
 def test_raw_logprobs_equal_a_teacher_forced_forward(family, slots):
     model = get_tiny(family)
     budgets = [5, 2, 7, 3, 4]

@@ -156,6 +156,7 @@ def test_long_tail_defaults_are_run_long_tails_own():
     assert LONG_TAIL_PATHS["paged_128_compile_model"] == LONG_TAIL_PATHS["paged_128"] | {"compile": True}
 
 
+@pytest.mark.slow  # the bench on a tiny model
 def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_settings(tmp_path, capsys,
                                                                                        monkeypatch):
     out = tmp_path / "long_tail"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
-pm = pytest.importorskip("papermill")
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("matplotlib")
+# papermill and nbformat take seconds to import, and make test-fast collects this module only to
+# deselect it: here they are looked for, and the fixtures pm and nbformat import them
+for _extra in ("papermill", "nbformat", "matplotlib"):  # the [notebooks] extra
+    if importlib.util.find_spec(_extra) is None:
+        pytest.skip(f"{_extra} is not installed: the [notebooks] extra", allow_module_level=True)
 pytestmark = pytest.mark.slow  # the module fixture executes every notebook: ~1.5 min of the suite
 
 from rollout_lab.notebooks import (NOTEBOOKS, SMOKE_PARAMETERS,  # noqa: E402
@@ -48,6 +51,20 @@ def assert_figure(directory: Path, stem: str, *, svg: bool = True) -> None:
 
 
 @pytest.fixture(scope="module")
+def pm():
+    import papermill  # optional, heavy: the [notebooks] extra
+
+    return papermill
+
+
+@pytest.fixture(scope="module")
+def nbformat():
+    import nbformat  # optional, heavy: the [notebooks] extra
+
+    return nbformat
+
+
+@pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     out = tmp_path_factory.mktemp("notebooks")
     notebooks = run_notebooks(out_dir=out, extra=SMOKE_PARAMETERS, progress=False)
@@ -57,7 +74,7 @@ def executed(tmp_path_factory):
 # ---------------------------------------------------------------- the committed notebooks
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_committed_notebook_is_clean(name):
+def test_committed_notebook_is_clean(name, pm, nbformat):
     nb = nbformat.read(notebook_path(name), as_version=4)
     assert nb.cells[0].cell_type == "markdown"
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
@@ -100,7 +117,7 @@ def test_the_notebooks_are_the_top_level_folder_which_the_wheel_ships():
     assert sorted(setuptools["packages"]) == sorted({"rollout_lab", "rollout_lab._notebooks", *folders})
 
 
-def test_gpu_preset_parameters_run_the_engine_as_the_records_do():
+def test_gpu_preset_parameters_run_the_engine_as_the_records_do(pm):
     """`rollout-lab notebooks --device cuda --preset ...`: each notebook gets the settings the H200
     records used, and every one of them is a parameter that notebook declares."""
     from rollout_lab.measure.paths import PATHS
@@ -125,7 +142,7 @@ def test_gpu_preset_parameters_run_the_engine_as_the_records_do():
     assert cpu["paths"] is None and "prefill_graphs" not in cpu and cpu["grid"] == "default"
 
 
-def test_kernel_is_this_interpreter(tmp_path):
+def test_kernel_is_this_interpreter(tmp_path, pm, nbformat):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print(sys.executable)")])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     source, target = tmp_path / "k.ipynb", tmp_path / "k_out.ipynb"
@@ -199,7 +216,7 @@ def test_02_fixed_cost_sweep_and_route_map(executed):
 
 # ---------------------------------------------------------------- 01: calibration
 
-def test_01_calibration_outputs(executed):
+def test_01_calibration_outputs(executed, nbformat):
     out, _ = executed
     cost_file = out / "data" / "calibration" / "tiny-qwen2_float32_cpu.json"
     data = json.loads(cost_file.read_text())
@@ -367,7 +384,7 @@ def test_04_adaptation_outputs(executed):
         assert_figure(out / "figures", stem)
 
 
-def test_executed_copies_have_outputs(executed):
+def test_executed_copies_have_outputs(executed, nbformat):
     _, notebooks = executed
     assert [p.stem for p in notebooks] == list(NOTEBOOKS)
     for path in notebooks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
@@ -98,6 +98,7 @@ def test_auto_takes_paged_when_refill_would_wait():
     assert choose_route([10] * 40, continuous_batch_size=4, response_lengths=prior, **no).route == "bucketed"
 
 
+@pytest.mark.slow  # 16 rows x 40 tokens through 4 slots, twice
 def test_rollout_auto_learns_the_tail_and_goes_paged():
     """With prior_ewma the first call's response lengths price the next call's route."""
     model = get_tiny("qwen2")
@@ -110,7 +111,7 @@ def test_rollout_auto_learns_the_tail_and_goes_paged():
     assert result.sequences == Rollout(model, RolloutConfig(mode="bucketed")).generate(prompts, max_new_tokens=40).sequences
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", one_fast(range(4), 0))
 def test_pool_replay_equals_the_paged_engine(seed):
     """With a pool too small for every row, the replay's decode steps and preemptions are the
     engine's (tiny fp32 model, budgets without EOS, one row admitted at a time allowed)."""
@@ -164,6 +165,7 @@ def test_auto_prices_preemption_and_leaves_out_a_pool_below_one_row():
     assert none.paged_cost_ms is None and none.route != "paged"
 
 
+@pytest.mark.slow  # 16 rows x 40 tokens through 4 slots, twice
 def test_rollout_auto_leaves_paged_out_when_its_pool_cannot_hold_a_row():
     model = get_tiny("qwen2")
     rng = random.Random(1)
@@ -192,6 +194,7 @@ def test_shared_prompts_refill_counts_rows_not_prompts():
         choose_route([10] * 8, rows_per_prompt=[8, 8], **common)
 
 
+@pytest.mark.slow  # 16 rows x 40 tokens through 4 slots, on two routes
 def test_rollout_auto_goes_paged_for_samples_that_refill():
     """4 prompts x 4 samples on 4 slots: the 16 rows refill, so Auto prices them (it once counted
     the 4 prompts, which fit the slots, and never offered paged); the tokens are the aligned route's."""
@@ -206,9 +209,9 @@ def test_rollout_auto_goes_paged_for_samples_that_refill():
     assert result.sequences == aligned.generate(prompts, max_new_tokens=40, num_samples=4).sequences
 
 
-@pytest.mark.parametrize("mode, layout, pool", [("paged", "paged", None), ("paged", "paged", 4),
-                                                ("bucketed", "aligned", None)])
-@pytest.mark.parametrize("interval, refill", [(1, 1), (4, 3)])
+@pytest.mark.parametrize("mode, layout, pool", one_fast([("paged", "paged", None), ("paged", "paged", 4),
+                                                         ("bucketed", "aligned", None)], ("paged", "paged", 4)))
+@pytest.mark.parametrize("interval, refill", one_fast([(1, 1), (4, 3)], (4, 3)))
 def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, pool, interval, refill):
     """The engine's own decode steps, live row-steps and preemptions (fp32, CPU, rows ending at EOS,
     sampled), replayed by ``simulate_refill`` from the prompts, the response lengths it made and the

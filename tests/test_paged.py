@@ -8,11 +8,11 @@ import random
 
 import pytest
 import torch
-from conftest import CharTokenizer, get_tiny
+from conftest import CharTokenizer, get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.kv.paged import SCRATCH_BLOCK, BlockAllocator, PagedKVCache
-from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
 SPLIT_COSTS = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
@@ -32,6 +32,7 @@ def run(model, prompts, max_new_tokens, *, generate=None, **config):
     return Rollout(model, RolloutConfig(**config)).generate(prompts, max_new_tokens=max_new_tokens, **(generate or {}))
 
 
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "opt"))
 def test_preemption_keeps_the_oracles_tokens(family, oracle):
     model = get_tiny(family)
     prompts = make_prompts(LENGTHS, seed=1)
@@ -55,6 +56,7 @@ def eos_case(model, prompts, oracle):
     return eos, oracle(model, prompts, max_new_tokens=30, eos_token_id=eos, repetition_penalty=1.3)
 
 
+@pytest.mark.slow  # rows of up to 20 + 30 tokens through the oracle and four routes
 def test_preemption_with_eos_penalty_and_sampling(oracle):
     model = get_tiny("qwen2")
     prompts = make_prompts(LENGTHS, seed=2)
@@ -77,7 +79,7 @@ def test_preemption_with_eos_penalty_and_sampling(oracle):
     assert preemptions[0] > 0 and preemptions[1] == 0
 
 
-@pytest.mark.parametrize("mode", ["paged", "bucketed"])
+@pytest.mark.parametrize("mode", one_fast(["paged", "bucketed"], "bucketed"))
 def test_without_stops_the_host_reads_each_burst_after_queueing_the_next(mode, oracle, monkeypatch):
     """No EOS or stop strings: a burst's tokens are read only once the next burst is queued (the
     host never waits on the device between bursts), with refill and preemption (paged), the penalty,
@@ -142,8 +144,12 @@ def test_without_stops_the_host_reads_each_burst_after_queueing_the_next(mode, o
     assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("interval", [4, 7])
-def test_reading_tokens_every_few_steps_keeps_the_oracles_tokens(interval, oracle):
+EVERY_FEW_STEPS = {"paged": TIGHT | dict(kv_cache_tokens=64), "bucketed": dict(mode="bucketed", continuous_batch_size=3)}
+
+
+@pytest.mark.parametrize("interval", one_fast([4, 7], 4))
+@pytest.mark.parametrize("route", one_fast(list(EVERY_FEW_STEPS), "bucketed"))
+def test_reading_tokens_every_few_steps_keeps_the_oracles_tokens(interval, route, oracle):
     """eos_check_interval: rows ending at EOS inside an interval compute its other steps, which are
     not theirs; tokens, logprobs and finish reasons are those of a read after every step (paged with
     preemption and the penalty, bucketed; greedy against the oracle, sampled with logprobs), with
@@ -153,22 +159,22 @@ def test_reading_tokens_every_few_steps_keeps_the_oracles_tokens(interval, oracl
     eos, expected = eos_case(model, prompts, oracle)
     assert len({len(s) for s in expected}) >= 3
     sample = dict(do_sample=True, temperature=0.9, top_k=40, seed=7, num_samples=2, return_logprobs=True)
-    for config in (TIGHT | dict(kv_cache_tokens=64), dict(mode="bucketed", continuous_batch_size=3)):
-        common = dict(eos_token_id=eos, repetition_penalty=1.3, **config)
-        every = run(model, prompts, 30, eos_check_interval=1, **common)
-        spaced = run(model, prompts, 30, eos_check_interval=interval, **common)
-        assert spaced.sequences == every.sequences == expected
-        assert spaced.finish_reasons == every.finish_reasons
-        reads = [sum(f["kind"] == "decode" for f in r.profile.forwards) for r in (every, spaced)]
-        assert reads[1] < reads[0], reads
-        drawn = [run(model, prompts, 30, eos_check_interval=i, generate=sample, **common) for i in (1, interval)]
-        assert drawn[0].sequences == drawn[1].sequences and drawn[0].finish_reasons == drawn[1].finish_reasons
-        assert [len(x) for x in drawn[0].logprobs] == [len(x) for x in drawn[1].logprobs]
-        worst = max(abs(a - b) for g, w in zip(drawn[0].logprobs, drawn[1].logprobs) for a, b in zip(g, w))
-        assert worst < 1e-4, worst
+    common = dict(eos_token_id=eos, repetition_penalty=1.3, **EVERY_FEW_STEPS[route])
+    every = run(model, prompts, 30, eos_check_interval=1, **common)
+    spaced = run(model, prompts, 30, eos_check_interval=interval, **common)
+    assert spaced.sequences == every.sequences == expected
+    assert spaced.finish_reasons == every.finish_reasons
+    reads = [sum(f["kind"] == "decode" for f in r.profile.forwards) for r in (every, spaced)]
+    assert reads[1] < reads[0], reads
+    drawn = [run(model, prompts, 30, eos_check_interval=i, generate=sample, **common) for i in (1, interval)]
+    assert drawn[0].sequences == drawn[1].sequences and drawn[0].finish_reasons == drawn[1].finish_reasons
+    assert [len(x) for x in drawn[0].logprobs] == [len(x) for x in drawn[1].logprobs]
+    worst = max(abs(a - b) for g, w in zip(drawn[0].logprobs, drawn[1].logprobs) for a, b in zip(g, w))
+    assert worst < 1e-4, worst
     assert Rollout(model).eos_check_interval == 1  # "auto" off a captured step: a read after every step
 
 
+@pytest.mark.slow  # 24 rows of 40 tokens through the one-request oracle
 def test_paged_refills_where_the_aligned_cache_waits(oracle):
     """Rows stop at EOS: the aligned cache reserves every admitted row's whole budget right of the
     shared front, so a long row blocks refill; the paged cache admits as slots free up."""
@@ -191,6 +197,7 @@ def test_paged_refills_where_the_aligned_cache_waits(oracle):
     assert paged.profile.queued_occupancy == 1.0  # every slot busy until the queue drained
 
 
+@pytest.mark.slow  # three paged runs and the oracle
 def test_admit_tokens_per_step_bounds_each_turns_prefill(oracle):
     """Refill with admit_tokens_per_step=40: every admission turn prefills at most 40 prompt tokens
     (the 45- and 90-token prompts across turns, in chunks between decode steps), with the oracle's
@@ -237,6 +244,7 @@ def test_auto_takes_paged_when_rows_refill_under_an_admission_bound():
     assert bounded.sequences == run(model, prompts, 8, mode="bucketed").sequences
 
 
+@pytest.mark.slow  # sampled rows of up to 70 + 30 tokens on three routes
 def test_prefill_across_turns_keeps_tokens_with_samples_penalty_eos_and_logprobs(oracle):
     """Prompts longer than the bound, each with two samples sharing its KV: the aligned route's
     tokens and logprobs with the penalty, EOS and seeded sampling, on a pool tight enough to
@@ -293,6 +301,7 @@ def test_default_slots_hold_every_row_on_cpu():
     assert result.profile.num_kv_blocks == 1 + 1 + 1 + 1 + 3
 
 
+@pytest.mark.slow  # 12 rows of up to 60 + 70 tokens on two routes
 def test_the_pool_follows_the_rows_live_at_once_not_every_rows_budget():
     """Every row at once, no EOS, budgets that end at different steps: the pool is the replay's peak
     of blocks held at once (``simulate_refill``, bursts to the nearest budget as the engine runs them)
@@ -377,6 +386,7 @@ def test_a_pool_too_small_for_one_row_fails_before_work():
     assert rollout.stepper_info["kind"] is None  # nothing was built
 
 
+@pytest.mark.slow  # two calls of 16 rows x 40 tokens through 4 slots
 def test_auto_replays_the_pools_worst_case_once_per_call(monkeypatch):
     """Auto prices the paged pool and then lays it out: one worst-case replay a call, not two (the
     layout is kept for the call), and a new one for the next call."""
@@ -397,6 +407,7 @@ def test_auto_replays_the_pools_worst_case_once_per_call(monkeypatch):
     assert second.route == "paged" and second.sequences == first.sequences and len(calls) == 2
 
 
+@pytest.mark.slow  # four calls, each against the bucketed route
 def test_a_kept_pool_too_small_grows_by_a_quarter_within_what_the_call_could_use():
     """A call whose rows need more blocks than the kept pool replaces it with one PAGED_POOL_GROWTH
     times larger (so the next calls' wandering peaks rarely rebuild and recapture it), never past the

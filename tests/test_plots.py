@@ -10,6 +10,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from conftest import one_fast  # noqa: E402
 
 from rollout_lab.measure.bucket_choices import fixed_cost_rows, num_buckets_rows, route_map
 from rollout_lab.measure.presets import geometry_for
@@ -62,6 +63,7 @@ def test_bucket_figures_save(tmp_path, dists):
     assert "2 buckets, padding 0%" in fig.axes[0].get_title()
 
 
+@pytest.mark.slow  # two grids of every workload saved as PNG and SVG
 def test_svg_is_the_same_on_every_save(tmp_path, dists):
     items = [(d.label, d.lengths, plan_buckets(d.lengths, GEO, COSTS)) for d in dists[:2]]
     first = save_figure(plot_bucket_grid(items), tmp_path / "a", "grid")[1].read_bytes()
@@ -69,6 +71,7 @@ def test_svg_is_the_same_on_every_save(tmp_path, dists):
     assert first == second and matplotlib.rcParams["svg.hashsalt"] is None  # the user's setting untouched
 
 
+@pytest.mark.slow  # the bucket DP over every workload at many fixed costs
 def test_curve_sweep_and_route_figures(dists):
     rows = num_buckets_rows(dists, GEO, COSTS, max_num_buckets=5)
     assert len(plot_num_buckets_curves(rows).axes) == 2
@@ -87,6 +90,7 @@ def _texts(fig) -> str:
         t.get_text() for t in fig.texts) + " | " + " | ".join(ax.get_title() for ax in fig.axes)
 
 
+@pytest.mark.slow  # a two-panel figure
 def test_calibration_figure_draws_every_sample_and_the_warnings():
     fit = [{"batch": b, "width": w, "measured_ms": 1 + b * w / 100, "predicted_ms": 1 + b * w / 110,
             "rel_error": 0.05, "forward_samples_ms": [b * w / 100, 1.1 * b * w / 100, 0.9 * b * w / 100],
@@ -110,6 +114,7 @@ def _rows(medians, samples=5):
             for w in ("a", "b") for i, (p, m) in enumerate(medians.items())]
 
 
+@pytest.mark.slow  # three sweep tables drawn
 def test_latency_figures_draw_medians_spreads_and_samples():
     rows = _rows({"nocb": 20.0, "bucketed": 10.0, "auto": 10.5})
     rows.append({"workload": "a", "path": "hf_static", "samples_ms": "", "skipped": "no static cache"})
@@ -134,12 +139,13 @@ def test_figures_say_not_measured_instead_of_drawing_empty_axes():
     assert not fig.axes[0].axison and "not measured" in _texts(fig)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", one_fast(KINDS, KINDS[0]))
 def test_explorer_static_view_every_kind(kind):
     fig = show(costs=COSTS, geometry=GEO, settings=Settings(kind=kind, batch_size=12))
     assert len(fig.axes) >= 3
 
 
+@pytest.mark.slow  # ipywidgets, and a redraw
 def test_explorer_widget_builds_without_frontend():
     pytest.importorskip("ipywidgets")
     widget = explorer_widget(Settings(), GEO, COSTS)
@@ -150,6 +156,7 @@ def test_explorer_widget_builds_without_frontend():
         Settings(kind="zipf")
 
 
+@pytest.mark.slow  # a figure saved as PNG and SVG
 def test_grpo_figure_from_a_record(tmp_path):
     from rollout_lab.plots.grpo import plot_grpo
 
@@ -276,6 +283,7 @@ def _overlaps(fig):
     return found
 
 
+@pytest.mark.slow  # five workloads x nine paths drawn, every text measured
 def test_the_latency_figures_draw_nothing_over_anything():
     """Five workloads x nine paths of long names (a GPU sweep's table), and the long-tail record: tick
     labels clear of each other, legends clear of every text, each other and the bars."""

@@ -107,6 +107,7 @@ def test_rl_defaults_are_run_rls_own():
     assert {k: signature[k].default for k in RL_DEFAULTS} == RL_DEFAULTS
 
 
+@pytest.mark.slow  # HF's continuous batching, twice
 def test_hf_continuous_batching_is_sized_to_the_work_off_cuda(monkeypatch):
     """Off CUDA, HF sizes its paged cache to host memory (14.7 GB for notebook 03's four tiny RL
     prompts): both of our ways into it (generate_batch, the per-budget manager) pass a config sized

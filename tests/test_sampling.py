@@ -2,11 +2,12 @@
 num_samples sharing one prefill (tiny fp32 models, CPU)."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.sample.sampler import RowSampling, _mix64, _mix64_int, _signed, ARGMAX_CHUNK, filter_logits, row_argmax, sample_key, sample_tokens, uniforms
@@ -131,8 +132,10 @@ def _eos_for(model, prompts):
     return max(counts, key=counts.get)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_sampling_is_identical_on_every_route(family):
+@pytest.mark.parametrize("family", one_fast(["qwen2", "llama"], "qwen2"))
+@pytest.mark.parametrize("mode, slots", one_fast([(mode, slots) for mode in CB_ROUTES for slots in (None, 5, 1)],
+                                                 ("paged", 5)))
+def test_sampling_is_identical_on_every_route(family, mode, slots):
     model = get_tiny(family)
     prompts = make_prompts([5, 17, 1, 9, 30, 3, 3, 12], seed=4)
     prompts[6] = list(prompts[5])  # a repeated request shares the prefill of the earlier one
@@ -143,13 +146,11 @@ def test_sampling_is_identical_on_every_route(family):
         expected = run(model, prompts, 10, mode="nocb", eos_token_id=eos, repetition_penalty=penalty,
                        generate=gen).sequences
         assert len(expected) == 16 and (penalty != 1.0 or any(len(s) < 10 for s in expected))
-        for mode in CB_ROUTES:
-            for slots in (None, 5, 1):
-                for share in (True, False):
-                    result = run(model, prompts, 10, mode=mode, continuous_batch_size=slots,
-                                 eos_token_id=eos, repetition_penalty=penalty, share_prefill=share,
-                                 generate=gen)
-                    assert result.sequences == expected, (mode, slots, share, penalty)
+        for share in (True, False):
+            result = run(model, prompts, 10, mode=mode, continuous_batch_size=slots,
+                         eos_token_id=eos, repetition_penalty=penalty, share_prefill=share,
+                         generate=gen)
+            assert result.sequences == expected, (share, penalty)
     other = run(model, prompts, 10, mode="bucketed", eos_token_id=eos, repetition_penalty=1.3,
                 generate=dict(gen, seed=12)).sequences
     assert other != expected
@@ -202,7 +203,7 @@ def test_greedy_samples_all_equal_the_oracle(oracle):
         assert result.grouped() == [[e] * 3 for e in expected], mode
 
 
-@pytest.mark.parametrize("slots", [None, 3])
+@pytest.mark.parametrize("slots", one_fast([None, 3], None))
 def test_shared_prefill_equals_prefilling_every_sample(slots):
     model = get_tiny("llama")
     prompts = make_prompts([12, 3, 7], seed=9)
@@ -292,11 +293,10 @@ def alone(model, prompt, params, max_new_tokens, minimum=0, **config):
     return run(model, [prompt], max_new_tokens, mode="aligned", generate=call, **config)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_per_request_settings_equal_each_request_alone(family):
-    """Rows of different temperature, top-k, top-p and seed (greedy ones among them) share each step
-    and still draw what each request draws alone with those settings, on every route; with EOS, the
-    penalty, min_new_tokens, samples, refill and preemption."""
+@functools.cache
+def each_request_alone(family):
+    """(prompts, the call's settings, minimums, each request's call of its own) for the per-request
+    test: computed once per family, read by every route's case."""
     model = get_tiny(family)
     prompts = make_prompts([5, 17, 1, 9, 12, 5], seed=4)
     prompts[5] = list(prompts[0])  # the same prompt, other settings: a shared prefill, its own rows
@@ -304,20 +304,32 @@ def test_per_request_settings_equal_each_request_alone(family):
     minimums = [0, 3, 0, 6, 2, 0]
     config = dict(eos_token_id=eos, repetition_penalty=1.3)
     singles = [alone(model, p, q, 24, m, **config) for p, q, m in zip(prompts, PER_REQUEST, minimums)]
+    return prompts, config, minimums, singles
+
+
+@pytest.mark.parametrize("family", one_fast(["qwen2", "llama"], "qwen2"))
+@pytest.mark.parametrize("mode, slots", one_fast(
+    [(mode, None) for mode in ROUTES + ("packed",)] + [("bucketed", 2), ("paged", 2), ("paged", "tight")],
+    ("paged", None)))
+def test_per_request_settings_equal_each_request_alone(family, mode, slots):
+    """Rows of different temperature, top-k, top-p and seed (greedy ones among them) share each step
+    and still draw what each request draws alone with those settings, on every route; with EOS, the
+    penalty, min_new_tokens, samples, refill and preemption."""
+    model = get_tiny(family)
+    prompts, config, minimums, singles = each_request_alone(family)
     expected = [s for single in singles for s in single.sequences]
     assert any(len(s) < 24 for s in expected) and len({tuple(s) for s in singles[0].sequences}) > 1
-    for mode, slots in [(mode, None) for mode in ROUTES + ("packed",)] + [("bucketed", 2), ("paged", 2), ("paged", "tight")]:
-        extra = TIGHT_PAGED if slots == "tight" else dict(continuous_batch_size=slots)
-        got = run(model, prompts, 24, mode=mode, profile=True, **config, **extra,
-                  generate=dict(num_samples=3, sampling=PER_REQUEST, min_new_tokens=minimums, return_logprobs=True,
-                                logprobs_mode="processed"))
-        assert got.sequences == expected, (mode, slots)
-        want = [lp for single in singles for lp in single.logprobs]
-        worst = max(abs(a - b) for g, w in zip(got.logprobs, want) for a, b in zip(g, w))
-        assert worst < 1e-4, (mode, slots, worst)  # other batches and padding: fp32 rounding
-        if slots == "tight":
-            assert got.profile.num_preemptions > 0
-        assert got.seed is None  # every sampled request brought its own
+    extra = TIGHT_PAGED if slots == "tight" else dict(continuous_batch_size=slots)
+    got = run(model, prompts, 24, mode=mode, profile=True, **config, **extra,
+              generate=dict(num_samples=3, sampling=PER_REQUEST, min_new_tokens=minimums, return_logprobs=True,
+                            logprobs_mode="processed"))
+    assert got.sequences == expected
+    want = [lp for single in singles for lp in single.logprobs]
+    worst = max(abs(a - b) for g, w in zip(got.logprobs, want) for a, b in zip(g, w))
+    assert worst < 1e-4, worst  # other batches and padding: fp32 rounding
+    if slots == "tight":
+        assert got.profile.num_preemptions > 0
+    assert got.seed is None  # every sampled request brought its own
 
 
 def test_requests_without_a_seed_of_their_own_take_the_calls():

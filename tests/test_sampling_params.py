@@ -10,12 +10,13 @@ from the request's seeded Gumbel noise (``sampler.gumbel_noise``: the seeding is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections import Counter
 
 import pytest
 import torch
-from conftest import CharTokenizer, get_tiny
+from conftest import CharTokenizer, get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig, SamplingParams
 from rollout_lab.engine.sample.sampler import gumbel_noise, sample_key
@@ -96,8 +97,10 @@ def expected(model, prompts, params, *, seed, call_max, eos=()):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_every_field_per_request_equals_the_one_request_oracle_on_every_route(family):
+@functools.cache
+def every_field_case(family):
+    """(prompts, params, the oracle's tokens) for the every-field test: computed once per family, read
+    by every route's case."""
     model = get_tiny(family)
     prompts = make_prompts([5, 17, 3, 9, 12], seed=7)
     prompts[4] = list(prompts[0])  # the same prompt, other settings: a shared prefill, its own rows
@@ -107,19 +110,26 @@ def test_every_field_per_request_equals_the_one_request_oracle_on_every_route(fa
     # nothing there: it was not chosen before)
     stop = next(token for token in free[4:] if token not in free[:4])
     params[2] = dataclasses.replace(params[2], stop_token_ids=(stop,))
-    want = expected(model, prompts, params, seed=CALL["seed"], call_max=CALL["max_new_tokens"])
+    return prompts, params, expected(model, prompts, params, seed=CALL["seed"], call_max=CALL["max_new_tokens"])
+
+
+@pytest.mark.parametrize("family", one_fast(["qwen2", "llama"], "qwen2"))
+@pytest.mark.parametrize("mode, slots", one_fast(
+    [(mode, None) for mode in ROUTES] + [("bucketed", 2), ("paged", 2), ("paged", "tight")], ("paged", None)))
+def test_every_field_per_request_equals_the_one_request_oracle_on_every_route(family, mode, slots):
+    model = get_tiny(family)
+    prompts, params, want = every_field_case(family)
+    stop = params[2].stop_token_ids[0]
     assert [len(w) for w in want][:2] == [32, 32] and [len(w) for w in want[2:5]] == [9, 9, 9]
     assert 4 < len(want[5]) < 32 and want[5][-1] == stop and len(want[6]) == 5
-    for mode, extra in [(mode, {}) for mode in ROUTES] + [("bucketed", dict(continuous_batch_size=2)),
-                                                          ("paged", dict(continuous_batch_size=2)),
-                                                          ("paged", TIGHT_PAGED)]:
-        rollout = Rollout(model, RolloutConfig(mode=mode, profile=True, **extra))
-        got = rollout.generate(prompts, sampling=params, return_logprobs=True, **CALL)
-        assert got.sequences == want, (mode, extra)
-        assert got.samples == [2, 3, 1, 1, 2] and [len(g) for g in got.grouped()] == [2, 3, 1, 1, 2]
-        assert [len(r.outputs) for r in got.requests] == [2, 3, 1, 1, 2]
-        if extra is TIGHT_PAGED:
-            assert got.profile.num_preemptions > 0
+    extra = TIGHT_PAGED if slots == "tight" else dict(continuous_batch_size=slots)
+    rollout = Rollout(model, RolloutConfig(mode=mode, profile=True, **extra))
+    got = rollout.generate(prompts, sampling=params, return_logprobs=True, **CALL)
+    assert got.sequences == want
+    assert got.samples == [2, 3, 1, 1, 2] and [len(g) for g in got.grouped()] == [2, 3, 1, 1, 2]
+    assert [len(r.outputs) for r in got.requests] == [2, 3, 1, 1, 2]
+    if slots == "tight":
+        assert got.profile.num_preemptions > 0
 
 
 def test_penalties_change_tokens_and_the_neutral_values_change_nothing():

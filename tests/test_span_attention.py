@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.kernels.attention import gqa_decode_attention
 from rollout_lab.engine.kernels.span import num_splits, span_attention, span_attention_reference
 from rollout_lab.engine.runner.steppers import resolve_compile, resolve_spans
-from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,8 @@ def _prompts(lengths, seed):
     return [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("slots", [None, 2, 3])
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "llama"))
+@pytest.mark.parametrize("slots", one_fast([None, 2, 3], 2))
 def test_span_engine_matches_oracle(family, slots, oracle):
     """Refill, compaction, per-request budgets, EOS, the penalty and trimming, through the spans."""
     model = get_tiny(family)

@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-from conftest import CharTokenizer, get_tiny
+from conftest import CharTokenizer, get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.sample.stopping import StopStrings
-from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
 ROUTES = ("nocb", "equal_width", "aligned", "bucketed", "packed", "paged", "auto")
@@ -26,9 +26,9 @@ def rollout(model, mode, slots=None, tokenizer=None, **config) -> Rollout:
     return Rollout(model, config, tokenizer=tokenizer)
 
 
-def routes_and_slots():
-    """Every route at once, and the continuous-batching ones on 3 slots (rows retire and refill)."""
-    return [(mode, None) for mode in ROUTES] + [(mode, 3) for mode in ROUTES[1:]]
+# every route at once, and the continuous-batching ones on 3 slots (rows retire and refill); each test
+# keeps one (route, slots) case and one family in make test-fast, a different one per test
+ROUTES_AND_SLOTS = [(mode, None) for mode in ROUTES] + [(mode, 3) for mode in ROUTES[1:]]
 
 
 def cut_at_stop(tokens, stops, tokenizer):
@@ -44,25 +44,28 @@ def text_before_stop(tokens, stops, tokenizer):
     return text[: min((text.find(s) for s in stops if s in text), default=len(text))]
 
 
-def test_stop_token_ids_end_rows_on_every_route(family, oracle):
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen2"))
+@pytest.mark.parametrize("mode, slots", one_fast(ROUTES_AND_SLOTS, ("paged", 3)))
+def test_stop_token_ids_end_rows_on_every_route(family, mode, slots, oracle):
     model = get_tiny(family)
     free = oracle(model, PROMPTS, max_new_tokens=10)
     eos, stop_ids = free[1][2], [free[0][3], free[2][1]]
     expected = oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=[eos, *stop_ids])
     assert expected != free
     reasons = ["stop" if s[-1] in {eos, *stop_ids} else "length" for s in expected]
-    for mode, slots in routes_and_slots():
-        result = rollout(model, mode, slots, eos_token_id=eos).generate(
-            PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids)
-        assert result.sequences == expected, (mode, slots)
-        assert result.finish_reasons == reasons
-        # ignore_eos drops EOS, not the call's stop ids (and without EOS the batcher would burst)
-        result = rollout(model, mode, slots, ignore_eos=True).generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids)
-        assert result.sequences == oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=stop_ids), (mode, slots)
+    result = rollout(model, mode, slots, eos_token_id=eos).generate(
+        PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids)
+    assert result.sequences == expected
+    assert result.finish_reasons == reasons
+    # ignore_eos drops EOS, not the call's stop ids (and without EOS the batcher would burst)
+    result = rollout(model, mode, slots, ignore_eos=True).generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids)
+    assert result.sequences == oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=stop_ids)
 
 
-@pytest.mark.parametrize("stops", STOPS)
-def test_stop_strings_cut_rows_where_the_oracle_text_first_holds_one(family, stops, oracle):
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "llama"))
+@pytest.mark.parametrize("stops", one_fast(STOPS, STOPS[1]))
+@pytest.mark.parametrize("mode, slots", one_fast(ROUTES_AND_SLOTS, ("bucketed", 3)))
+def test_stop_strings_cut_rows_where_the_oracle_text_first_holds_one(family, stops, mode, slots, oracle):
     model, tokenizer = get_tiny(family), CharTokenizer()
     free = oracle(model, PROMPTS, max_new_tokens=12)
     expected = [cut_at_stop(tokens, stops, tokenizer) for tokens in free]
@@ -70,27 +73,27 @@ def test_stop_strings_cut_rows_where_the_oracle_text_first_holds_one(family, sto
     texts = [text_before_stop(e, stops, tokenizer) for e in expected]
     reasons = ["stop" if any(s in tokenizer.decode(e, skip_special_tokens=True) for s in stops) else "length"
                for e in expected]
-    for mode, slots in routes_and_slots():
-        engine = rollout(model, mode, slots, tokenizer=tokenizer)
-        result = engine.generate(PROMPTS, max_new_tokens=12, stop=stops, return_logprobs=True)
-        assert result.sequences == expected, (mode, slots)
-        assert result.texts == texts and result.finish_reasons == reasons
-        unstopped = engine.generate(PROMPTS, max_new_tokens=12, return_logprobs=True).logprobs
-        for got, full in zip(result.logprobs, unstopped):  # trimmed with the tokens
-            assert got == pytest.approx(full[: len(got)], abs=1e-5)
+    engine = rollout(model, mode, slots, tokenizer=tokenizer)
+    result = engine.generate(PROMPTS, max_new_tokens=12, stop=stops, return_logprobs=True)
+    assert result.sequences == expected
+    assert result.texts == texts and result.finish_reasons == reasons
+    unstopped = engine.generate(PROMPTS, max_new_tokens=12, return_logprobs=True).logprobs
+    for got, full in zip(result.logprobs, unstopped):  # trimmed with the tokens
+        assert got == pytest.approx(full[: len(got)], abs=1e-5)
 
 
-def test_sampled_rows_stop_where_their_unstopped_tokens_first_hold_a_stop_string():
+@pytest.mark.parametrize("mode, slots", one_fast(ROUTES_AND_SLOTS, ("aligned", None)))
+def test_sampled_rows_stop_where_their_unstopped_tokens_first_hold_a_stop_string(mode, slots):
     model, tokenizer, stops = get_tiny("llama"), CharTokenizer(), STOPS[0]
     call = dict(max_new_tokens=12, do_sample=True, seed=7, num_samples=3)
     free = rollout(model, "bucketed").generate(PROMPTS, **call).sequences
     expected = [cut_at_stop(tokens, stops, tokenizer) for tokens in free]
     assert expected != free
-    for mode, slots in routes_and_slots():
-        result = rollout(model, mode, slots, tokenizer=tokenizer).generate(PROMPTS, stop=stops, **call)
-        assert result.sequences == expected, (mode, slots)
+    result = rollout(model, mode, slots, tokenizer=tokenizer).generate(PROMPTS, stop=stops, **call)
+    assert result.sequences == expected
 
 
+@pytest.mark.slow  # three routes and the oracle
 def test_stop_strings_and_ids_together_with_a_real_tokenizer(tokenizer, oracle):
     """An HF fast tokenizer ("w0", "w1", ...; "w2" special); a stop id and a stop string in one call."""
     model = get_tiny("qwen2")
@@ -157,7 +160,9 @@ def masked_logprobs(model, prompts, sequences, stop_ids, minimums):
     return out
 
 
-def test_min_new_tokens_hold_eos_and_stop_ids_back_on_every_route(family, oracle):
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "opt"))
+@pytest.mark.parametrize("mode, slots", one_fast(ROUTES_AND_SLOTS, ("nocb", None)))
+def test_min_new_tokens_hold_eos_and_stop_ids_back_on_every_route(family, mode, slots, oracle):
     """Before a row has min_new_tokens tokens its EOS and stop ids cannot be chosen, the first one
     (from the prefill logits) included: HF generate(min_new_tokens=N), one request at a time."""
     model = get_tiny(family)
@@ -174,18 +179,17 @@ def test_min_new_tokens_hold_eos_and_stop_ids_back_on_every_route(family, oracle
     uniform = oracle(model, PROMPTS, max_new_tokens=10, eos_token_id=ids, min_new_tokens=7)
     assert uniform != early
     reasons = ["stop" if s[-1] in ids else "length" for s in expected]
-    for mode, slots in routes_and_slots():
-        engine = rollout(model, mode, slots, eos_token_id=eos)
-        result = engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids, min_new_tokens=minimums,
-                                 return_logprobs=True, logprobs_mode="processed")
-        assert result.sequences == expected, (mode, slots)
-        assert result.finish_reasons == reasons
-        want = masked_logprobs(model, PROMPTS, expected, ids, minimums)
-        assert max(abs(a - b) for g, w in zip(result.logprobs, want) for a, b in zip(g, w)) < 1e-5, (mode, slots)
-        assert engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids,
-                               min_new_tokens=7).sequences == uniform, (mode, slots)
+    engine = rollout(model, mode, slots, eos_token_id=eos)
+    result = engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids, min_new_tokens=minimums,
+                             return_logprobs=True, logprobs_mode="processed")
+    assert result.sequences == expected
+    assert result.finish_reasons == reasons
+    want = masked_logprobs(model, PROMPTS, expected, ids, minimums)
+    assert max(abs(a - b) for g, w in zip(result.logprobs, want) for a, b in zip(g, w)) < 1e-5
+    assert engine.generate(PROMPTS, max_new_tokens=10, stop_token_ids=stop_ids, min_new_tokens=7).sequences == uniform
 
 
+@pytest.mark.slow  # 8 rows of 30 tokens through the one-request oracle, three times
 def test_min_new_tokens_through_preemption_and_a_generation_config(oracle):
     """The paged route's preempted rows resume with their minimum; a GenerationConfig's
     min_new_tokens is the call's."""
@@ -221,7 +225,9 @@ def cut_after_minimum(tokens, stops, tokenizer, minimum):
     return tokens, decode(tokens)
 
 
-def test_min_new_tokens_hold_stop_strings_back(family, oracle):
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen3"))
+@pytest.mark.parametrize("mode, slots", one_fast(ROUTES_AND_SLOTS, ("packed", 3)))
+def test_min_new_tokens_hold_stop_strings_back(family, mode, slots, oracle):
     model, tokenizer, stops = get_tiny(family), CharTokenizer(), STOPS[0]
     free = oracle(model, PROMPTS, max_new_tokens=12)
     unheld = [cut_at_stop(tokens, stops, tokenizer) for tokens in free]
@@ -232,8 +238,7 @@ def test_min_new_tokens_hold_stop_strings_back(family, oracle):
     reasons = ["length" if len(tokens) == 12 and text == tokenizer.decode(tokens, skip_special_tokens=True)
                else "stop" for tokens, text in expected]
     assert "stop" in reasons
-    for mode, slots in routes_and_slots():
-        result = rollout(model, mode, slots, tokenizer=tokenizer).generate(
-            PROMPTS, max_new_tokens=12, stop=stops, min_new_tokens=minimums)
-        assert result.sequences == [e[0] for e in expected], (mode, slots)
-        assert result.texts == [e[1] for e in expected] and result.finish_reasons == reasons, (mode, slots)
+    result = rollout(model, mode, slots, tokenizer=tokenizer).generate(
+        PROMPTS, max_new_tokens=12, stop=stops, min_new_tokens=minimums)
+    assert result.sequences == [e[0] for e in expected]
+    assert result.texts == [e[1] for e in expected] and result.finish_reasons == reasons

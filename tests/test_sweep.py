@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import get_tiny
+from conftest import get_tiny, one_fast
 
 from rollout_lab.cli.main import main as cli_main
 from rollout_lab.engine.api.config import MANUAL_ROUTES, MODES
@@ -84,6 +84,7 @@ def test_sweep_record_per_path(sweep):
     assert summary_table(record)[0]["auto_vs_best"] == record["workloads"]["long_tail"]["summary"]["auto_over_best_manual"]
 
 
+@pytest.mark.slow  # a sweep of our routes and the peers
 def test_failing_peer_is_skipped_with_reason(monkeypatch):
 
     def broken(*args, **kwargs):
@@ -270,7 +271,7 @@ def kill_at(monkeypatch, call: int, phase: str, dead_pid: int) -> list[str]:
     return written
 
 
-@pytest.mark.parametrize("call, phase", WRITE_POINTS)
+@pytest.mark.parametrize("call, phase", one_fast(WRITE_POINTS, (2, "temporary")))
 def test_a_sweep_killed_at_any_write_point_resumes_without_losing_or_redoing_a_workload(
         call, phase, tmp_path, monkeypatch, dead_pid):
     """The JSON is the commit point: a kill anywhere in a write keeps every workload the JSON holds,
@@ -320,6 +321,7 @@ def test_resume_rebuilds_a_stale_or_cut_csv_before_anything_else(tmp_path, monke
         load_results(out)  # the pair agrees again
 
 
+@pytest.mark.slow  # three CLI sweeps
 def test_cli_resume_recovers_a_kill_and_checks_its_settings_before_the_model(tmp_path, monkeypatch, capsys, dead_pid):
     """``rollout-lab sweep --resume`` after a kill between the CSV and the JSON of its second write
     (it used to exit 2): the first workload is kept, the second run; a resume with other settings,
@@ -412,6 +414,7 @@ def test_two_sweeps_to_one_output_lose_nothing(tmp_path, monkeypatch, capsys):
     assert load_results(out)["workloads"].keys() == {"first", "second"}
 
 
+@pytest.mark.slow  # a sweep of every route
 def test_route_table_warms_every_route_up_before_timing_any(monkeypatch):
     from rollout_lab.measure import sweep as sweep_module
 
@@ -465,6 +468,7 @@ def test_join_sweeps_puts_separate_processes_paths_in_one_record():
         join_sweeps([ours, other], ["ours.json", "other.json"])
 
 
+@pytest.mark.slow  # three sweeps, one a peer's
 def test_sweep_or_load_runs_at_the_class_ladder_resumes_and_joins_a_peer_record(tmp_path, monkeypatch):
     """Notebook 03's sweep: our prefill at the workloads' class ladder, a second call resuming the
     record the first left, and a peer sweep from another process joined to the table."""

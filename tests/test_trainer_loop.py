@@ -103,6 +103,7 @@ def test_trainer_loop_defaults_are_run_trainer_loops_own():
     assert {k: signature[k].default for k in TRAINER_LOOP_DEFAULTS} == TRAINER_LOOP_DEFAULTS
 
 
+@pytest.mark.slow  # the bench on a tiny model
 def test_bench_trainer_loop_writes_the_record_and_refuses_an_existing_one(tmp_path, capsys, monkeypatch):
     out = tmp_path / "trainer_loop"
     argv = ["--tiny", "qwen2", "--num-prompts", "4", "--num-samples", "2", "--max-new-tokens", "8", "--scale", "0.1",

@@ -106,6 +106,7 @@ for i in range(10**9):
 """
 
 
+@pytest.mark.slow  # six writer subprocesses
 def test_a_killed_writer_leaves_no_temporary_file_and_no_undetected_mismatch(tmp_path):
     """A subprocess rewriting a record in a loop, SIGKILLed at random points: the JSON always parses,
     a pair whose run ids agree holds the same write, one that disagrees is reported, and the next
@@ -144,6 +145,7 @@ def test_a_killed_writer_leaves_no_temporary_file_and_no_undetected_mismatch(tmp
     assert outcomes, outcomes  # at least one kill observed
 
 
+@pytest.mark.slow  # two subprocesses
 def test_output_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, capsys):
     with output_lock(tmp_path / "res.json") as path:
         assert path == lock_path(tmp_path / "res") == tmp_path / "res.lock"
