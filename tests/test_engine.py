@@ -390,3 +390,31 @@ def test_explicit_capacity_names_the_request_that_cannot_fit():
     model = get_tiny("qwen2")
     with pytest.raises(ValueError, match=r"request 1 \(prompt 2 \+ max_new_tokens 9\); it needs at least 10"):
         run(model, [[5, 6, 7], [8, 9]], [3, 9], mode="bucketed", cache_capacity=8)
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_auto_plans_once_and_its_first_admission_runs_the_plan_it_priced(monkeypatch, slots):
+    """Auto prices the bucketed route with the DP over the call's unique prompts; the first admission
+    of all of them runs that plan (one DP a call, not two). With fewer slots than rows the first
+    admission is a subset: it plans its own, as before. Tokens are the other routes'."""
+    import rollout_lab.planner.chunks as chunks
+    import rollout_lab.planner.routes as routes
+
+    calls = []
+    real = chunks.plan_chunked
+    monkeypatch.setattr(routes, "plan_chunked", lambda *a, **k: calls.append(list(a[0])) or real(*a, **k))
+    model = get_tiny("qwen2")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in (40, 3, 5, 38, 4, 6)]
+    costs = CostCoefficients(prefill_fixed_cost_ms=5.0, continuous_decode_cost_ms=0.0)
+    auto = Rollout(model, RolloutConfig(costs=costs, continuous_batch_size=slots)).generate(
+        prompts, max_new_tokens=5, num_samples=2)
+    assert auto.route == "bucketed"
+    planned = [c for c in calls if len(c) == len(prompts)]  # the DPs over every unique prompt
+    if slots is None:  # every row in the first admission: the route's DP is the admission's
+        assert len(planned) == 1 and len(auto.plans) == 1 and len(auto.plans[0].buckets) == 2
+    else:  # three slots: the first admission (two prompts) plans its own
+        assert len(planned) == 1 and any(len(c) == 2 for c in calls)
+    bucketed = Rollout(model, RolloutConfig(mode="bucketed", costs=costs, continuous_batch_size=slots)).generate(
+        prompts, max_new_tokens=5, num_samples=2)
+    assert auto.plans == bucketed.plans and auto.sequences == bucketed.sequences

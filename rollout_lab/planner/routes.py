@@ -60,6 +60,9 @@ class RoutePlan:
     cb_cost_is_lower_bound: bool = False  # True when the DP was skipped because nocb wins anyway
     packed_cost_ms: float | None = None  # None when packed is not a candidate (not calibrated)
     paged_cost_ms: float | None = None  # None when paged is not a candidate (no refill, or not allowed)
+    # the bucketed or paged route's prefill plan over these lengths, as ``plan_admission`` makes it
+    # for them (``plan_chunked``): an admission of exactly these prompts runs it, not a second DP
+    plan: BucketPlan | None = None
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -210,11 +213,12 @@ def choose_route(
     paged = None if paged_decode is None else plan.cost_ms + paged_decode
     if nocb is not None and nocb <= cb and (packed is None or nocb <= packed):
         return RoutePlan("nocb", (tuple(range(n)),), nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+    admission = plan if chunk_long_prompts else None  # plan_admission's plan for these prompts
     if paged is not None and paged < cb and (packed is None or paged < packed):
-        return RoutePlan("paged", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+        return RoutePlan("paged", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged, plan=admission)
     if packed is not None and packed < cb:
         return RoutePlan("packed", packs, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
-    return RoutePlan("bucketed", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+    return RoutePlan("bucketed", plan.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged, plan=admission)
 
 
 def plan_admission(
@@ -315,4 +319,5 @@ def choose_shared_route(
     best_cb = min(c for c in (cb, packed, paged) if c is not None)
     if nocb is not None and nocb <= best_cb:
         return RoutePlan("nocb", (tuple(range(len(lengths))),), nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
-    return RoutePlan(shared.route, shared.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged)
+    return RoutePlan(shared.route, shared.buckets, nocb, cb, packed_cost_ms=packed, paged_cost_ms=paged,
+                     plan=shared.plan)

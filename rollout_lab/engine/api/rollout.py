@@ -320,8 +320,9 @@ class Rollout:
             # Auto's replay reads as often where rows can end early; without it rows run to their
             # budgets and it reads every step (its reads then change nothing)
             read_interval = bursts if can_stop or has_strings else 1
-            route = self.route_for(lengths, budgets, groups=[r.group for r in requests], read_interval=read_interval,
-                                bursts=bursts, uniform_stops=len(set(spec.stop_ids)) <= 1)
+            route, first_plan = self._choose_route(lengths, budgets, groups=[r.group for r in requests],
+                                                   read_interval=read_interval, bursts=bursts,
+                                                   uniform_stops=len(set(spec.stop_ids)) <= 1)
         if not requests:
             return RolloutResult([], route, (), stats if spec.profile else None, spec.num_samples or 1, spec.seed,
                                  logprobs=[] if spec.logprobs_mode else None, pad_token_id=spec.pad_token_id,
@@ -359,6 +360,7 @@ class Rollout:
                     penalties=penalties, holds_stops_back=holds_back,
                     prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
                     logprobs_mode=step_logprobs, eos_check_interval=self.eos_check_interval,
+                    first_plan=first_plan if route in ("bucketed", "paged") else None,
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               prefill_graphs=self.runner.captured_prefill())
@@ -423,6 +425,15 @@ class Rollout:
         each row's shared-prefill group, None: each its own): the config's mode, or Auto's choice
         (``read_interval`` and ``bursts``: how often the engine reads tokens; ``uniform_stops``:
         whether every row stops at the same ids, which nocb needs to be priced)."""
+        return self._choose_route(lengths, budgets, groups=groups, read_interval=read_interval, bursts=bursts,
+                                  uniform_stops=uniform_stops)[0]
+
+    def _choose_route(
+        self, lengths: Sequence[int], budgets: Sequence[int], *, groups: Sequence[int] | None,
+        read_interval: int, bursts: int, uniform_stops: bool,
+    ) -> tuple[str, BucketPlan | None]:
+        """``route_for``'s route, and Auto's prefill plan over the unique prompts (in order of first
+        appearance) when it priced one: the first admission of all of them runs it (plan once)."""
         cfg = self.config
         n, slots = len(lengths), cfg.continuous_batch_size
         if cfg.mode == "nocb":
@@ -431,9 +442,9 @@ class Rollout:
                     f"mode='nocb' runs all {n} rows (requests x num_samples) at once, more than "
                     f"continuous_batch_size={slots}"
                 )
-            return "nocb"
+            return "nocb", None
         if cfg.mode != "auto":
-            return cfg.mode  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
+            return cfg.mode, None  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
         sizes = group_sizes(range(n) if groups is None else groups)
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
         # every row at once, unless that cache cannot fit the device: the paged pool then takes as
@@ -441,11 +452,11 @@ class Rollout:
         budget = self.kv_budget_bytes(n) if slots is None and free_layout and n else None
         if budget is not None and n * (max(lengths) + max(budgets)) * self.geometry.kv_bytes_per_token > budget:
             self._explored = False
-            return "paged"
+            return "paged", None
         paged_allowed, pool = free_layout, None
         if cfg.admit_tokens_per_step is not None and free_layout and slots is not None and slots < n:
             self._explored = False
-            return "paged"  # rows refill and their admissions must stay bounded: only paged bounds them
+            return "paged", None  # rows refill and their admissions must stay bounded: only paged bounds them
         if paged_allowed and slots is not None and slots < n:  # paged is a candidate: price its pool too
             try:
                 pool = self.paged_layout(lengths, budgets, bursts).num_blocks - 1  # less the scratch block
@@ -465,8 +476,8 @@ class Rollout:
             other = "bucketed" if plan.route == "nocb" else "nocb"
             if not self.online.has_decode(other):  # its decode cost is still a guess: measure it
                 self._explored = True
-                return other
-        return plan.route
+                return other, None
+        return plan.route, plan.plan
 
     def _learn(self, route: str, sequences: list[list[int]], profile: Profile) -> None:
         """After a call: fold its response lengths into the prior; refit the costs online."""

@@ -72,6 +72,9 @@ class BatchSettings:
     logprobs_mode: str | None = None  # processors.LOGPROB_MODES: each token's log-probability too
     # decode steps between reads of the tokens while rows can end at EOS (RolloutConfig.eos_check_interval)
     eos_check_interval: int = 1
+    # Auto's prefill plan over the call's unique prompts (in order of first appearance): the first
+    # admission of all of them runs it instead of planning again (``planner.routes.RoutePlan.plan``)
+    first_plan: BucketPlan | None = None
 
 
 class ContinuousBatcher:
@@ -331,8 +334,9 @@ class ContinuousBatcher:
         for r in requests:
             members.setdefault(first_of.setdefault(self.requests[r].group, r), []).append(r)
         with self.timer.phase("planning_ms"):
-            plan = plan_admission(self.settings.route, list(members), self.lengths, self.geometry, self.costs,
-                                  self.settings.prefill_classes)
+            plan = self._first_plan(list(members)) or plan_admission(
+                self.settings.route, list(members), self.lengths, self.geometry, self.costs,
+                self.settings.prefill_classes)
         self.plans.append(plan)
         self.tails = dict(plan.chunks)
         slot_of = {r: len(self.rows) + i for i, r in enumerate(requests)}
@@ -345,6 +349,17 @@ class ContinuousBatcher:
                               shape=(batch, width) if plan.rows else None)
         self._note_peak()
         self._retire()
+
+    def _first_plan(self, members: list[int]) -> BucketPlan | None:
+        """``settings.first_plan`` restated over ``members`` (one row per group), when this is the
+        call's first admission and it admits every group: the plan ``plan_admission`` would make
+        again (the same DP over the same prompts and classes), made once, when Auto priced the route."""
+        plan = self.settings.first_plan
+        if plan is None or self.plans or members != list(dict.fromkeys(r.group for r in self.requests)):
+            return None
+        buckets = tuple(tuple(members[i] for i in bucket) for bucket in plan.buckets)
+        chunks = tuple((members[i], tail) for i, tail in plan.chunks)
+        return BucketPlan(buckets, plan.widths, plan.cost_ms, chunks, packed=plan.packed, rows=plan.rows)
 
     def _prefill(
         self, requests: Sequence[int], members: Sequence[Sequence[int]], slot_of: dict[int, int],
