@@ -68,3 +68,19 @@ class StopStrings:
 
     def _decode(self, rows: Sequence[Sequence[int]]) -> list[str]:
         return self.tokenizer.batch_decode([list(row) for row in rows], skip_special_tokens=True)
+
+
+def stop_string_hits(stops: Sequence[StopStrings | None], rows: Sequence[Sequence[int]],
+                     min_new_tokens: Sequence[int]) -> list[bool]:
+    """Per row, whether its own stop strings (``stops``, None: none) end it now: rows that share a
+    ``StopStrings`` are checked in one batch (``StopStrings.hits``)."""
+    batches: dict[int, list[int]] = {}
+    for i, row_stops in enumerate(stops):
+        if row_stops is not None:
+            batches.setdefault(id(row_stops), []).append(i)
+    out = [False] * len(rows)
+    for members in batches.values():
+        hits = stops[members[0]].hits([rows[i] for i in members], [min_new_tokens[i] for i in members])
+        for i, hit in zip(members, hits):
+            out[i] = hit
+    return out

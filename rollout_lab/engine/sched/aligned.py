@@ -42,6 +42,7 @@ from rollout_lab.engine.sample.processors import (
     select_tokens,
     stop_id_mask,
 )
+from rollout_lab.engine.sample.stopping import stop_string_hits
 from rollout_lab.engine.sched.request import Request
 from rollout_lab.engine.runner.prefill import packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.runner.prefill_graphs import PrefillGraphs
@@ -258,16 +259,9 @@ class ContinuousBatcher:
         live = [slot for slot, row in enumerate(self.rows) if not row.is_done]
         if not self.has_stop_strings or not live:
             return live
-        by_stops: dict[int, list[int]] = {}  # rows that share stop strings are checked in one batch
-        for slot in live:
-            if self.rows[slot].stop_strings is not None:
-                by_stops.setdefault(id(self.rows[slot].stop_strings), []).append(slot)
-        stopped = set()
-        for slots in by_stops.values():
-            rows = [self.rows[slot] for slot in slots]
-            hits = rows[0].stop_strings.hits([r.tokens for r in rows], [r.min_tokens for r in rows])
-            stopped.update(slot for slot, hit in zip(slots, hits) if hit)
-        return [slot for slot in live if slot not in stopped]
+        rows = [self.rows[slot] for slot in live]
+        hits = stop_string_hits([r.stop_strings for r in rows], [r.tokens for r in rows], [r.min_tokens for r in rows])
+        return [slot for slot, hit in zip(live, hits) if not hit]
 
     def _note_peak(self) -> None:
         self.profile.peak_cache_columns = max(self.profile.peak_cache_columns, self.cache.front_int)

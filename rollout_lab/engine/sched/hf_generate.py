@@ -21,12 +21,14 @@ from rollout_lab.engine.sample.processors import (
     RowPenalties,
     apply_penalties,
     counts_from_ids,
+    note_tokens,
     seen_from_ids,
     stop_id_mask,
     suppress_stop_ids,
     token_logprobs,
 )
 from rollout_lab.engine.sample.sampler import RowSampling, filter_logits, with_noise
+from rollout_lab.engine.sample.stopping import stop_string_hits
 from rollout_lab.engine.sched.request import Request
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, prefill_cost_ms
@@ -119,10 +121,7 @@ def _logprobs_of(sequences: torch.Tensor, logits: Sequence[torch.Tensor], prompt
         steps.append(token_logprobs(step_logits, tokens, mode=mode, penalties=penalties, seen=seen, counts=counts,
                                     sampling=sampling, steps=torch.full_like(tokens, t),
                                     min_new_tokens=min_new_tokens, stop_mask=stop_mask))
-        if seen is not None:
-            seen.scatter_(1, tokens[:, None], True)
-        if counts is not None:
-            counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=counts.dtype))
+        note_tokens(tokens, seen=seen, counts=counts)
     return torch.stack(steps, 1).tolist()
 
 
@@ -155,14 +154,9 @@ class _RowStops(StoppingCriteria):
             closed = self.closed.tolist()
             open_rows = [i for i, r in enumerate(self.requests) if not closed[i] and r.stop_strings is not None]
             tails = input_ids[:, self.prompt_width:].tolist() if open_rows else []
-            by_stops: dict[int, list[int]] = {}
-            for i in open_rows:
-                by_stops.setdefault(id(self.requests[i].stop_strings), []).append(i)
-            hit_rows = []
-            for rows in by_stops.values():
-                stops = self.requests[rows[0]].stop_strings
-                hits = stops.hits([tails[i] for i in rows], [self.requests[i].min_tokens for i in rows])
-                hit_rows += [i for i, hit in zip(rows, hits) if hit]
+            hits = stop_string_hits([self.requests[i].stop_strings for i in open_rows], [tails[i] for i in open_rows],
+                                    [self.requests[i].min_tokens for i in open_rows])
+            hit_rows = [i for i, hit in zip(open_rows, hits) if hit]
             for i in hit_rows:
                 self.lengths[i] = generated
             if hit_rows:
