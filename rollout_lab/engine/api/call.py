@@ -114,16 +114,6 @@ def sampling_params(do_sample, temperature, top_k, top_p, seed, sampling=None, *
     return [SamplingParams(temperature, top_k, top_p)] * num_requests  # their checks; temperature 0 is greedy
 
 
-def min_new_tokens_of(min_new_tokens: Any, budgets: Sequence[int]) -> list[int] | None:
-    """One minimum per request (an int for all, or one per request, as ``max_new_tokens``), each in
-    [0, that request's max_new_tokens]; None when every one is 0."""
-    minimum = ints_per_request(min_new_tokens, len(budgets), name="min_new_tokens", minimum=0, what="minimums")
-    for index, (low, high) in enumerate(zip(minimum, budgets)):
-        if low > high:
-            raise ValueError(f"min_new_tokens={low} of request {index} exceeds its max_new_tokens={high}")
-    return minimum if any(minimum) else None
-
-
 def stop_conditions(stop: Any, stop_token_ids: Any, *, tokenizer: Any,
                     vocab_size: int) -> tuple[StopStrings | None, tuple[int, ...]]:
     """A call's (stop strings, stop ids), checked. ``stop``: None or a list of non-empty strings,

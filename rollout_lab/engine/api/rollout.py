@@ -274,7 +274,7 @@ class Rollout:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
         if profile is not None and not isinstance(profile, bool):
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
-        eos_ids = model_eos_ids(self.model) if config.eos_token_ids is None else config.eos_token_ids
+        eos_ids = self._eos_ids(config)
         spec = check_call(
             input_ids if prompts is None else prompts, attention_mask=attention_mask, **call, seed=seed,
             sampling=sampling, stop=stop, stop_token_ids=stop_token_ids, num_beams=num_beams,
@@ -399,8 +399,11 @@ class Rollout:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The ids that stop a row: the config's (``()`` with ``ignore_eos``), else the model's."""
-        explicit = self.config.eos_token_ids
-        return model_eos_ids(self.model) if explicit is None else explicit
+        return self._eos_ids(self.config)
+
+    def _eos_ids(self, config: RolloutConfig) -> tuple[int, ...]:
+        """``config``'s EOS ids (a call's, with a GenerationConfig's overrides), else the model's."""
+        return model_eos_ids(self.model) if config.eos_token_ids is None else config.eos_token_ids
 
     @property
     def pad_token_id(self) -> int:
