@@ -18,10 +18,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Keep a torch that is already importable; otherwise take the local CPU build (torch==2.13.0)
-# rather than letting a bare 'torch' requirement pull a multi-GB CUDA build.
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+# torch before the package, whose bare 'torch>=2.4' would pull a multi-GB CUDA build on a CPU-only
+# Linux machine: scripts/install_torch.py keeps a torch that imports, else installs the CPU build where
+# there is no NVIDIA driver (`$(PY) scripts/install_torch.py --dry-run` prints its choice).
+$(STAMP): $(PY) pyproject.toml scripts/install_torch.py
+	$(PY) scripts/install_torch.py
 	$(PY) -m pip install -q -e ".[notebooks,test]"
 	touch $(STAMP)
 
