@@ -113,6 +113,49 @@ def test_plan_without_lengths_or_with_an_unknown_file(tmp_path, capsys):
     assert "does not exist" in one_error_line(capsys)
 
 
+def test_plan_refuses_a_prompt_and_budget_past_the_context_before_planning(monkeypatch, capsys):
+    monkeypatch.setattr("rollout_lab.cli.main.plan_buckets", lambda *a, **k: pytest.fail("planned anyway"))
+    assert main(["plan", "10", "--max-new-tokens", "10000000000"]) == 2
+    err = one_error_line(capsys)
+    assert "--max-new-tokens 10000000000" in err and "context of 32768" in err and "--max-new-tokens <= 32758" in err
+    assert main(["plan", "100000000"]) == 2  # no API advice (prefill_max_tokens, plan_chunked) the CLI lacks
+    err = one_error_line(capsys)
+    assert "(100000000 tokens)" in err and "prompts of at most 32752 tokens" in err and "plan_chunked" not in err
+    monkeypatch.undo()
+    assert main(["plan", "40000", "--preset", "qwen3-0.6b", "--max-new-tokens", "960"]) == 0  # its own 40960
+    capsys.readouterr()
+
+
+def test_plan_context_of_a_preset_is_the_one_its_model_has():
+    from rollout_lab.cli.main import plan_context
+    from rollout_lab.measure.models import model_config
+    from rollout_lab.measure.presets import PRESETS
+
+    for preset in PRESETS:
+        assert plan_context(preset) == model_config(preset)[0].max_position_embeddings, preset
+
+
+def test_plan_refuses_a_prompt_over_one_forward_in_the_clis_words(tmp_path, capsys):
+    folder = tmp_path / "long-context"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "max_position_embeddings": 131072}))
+    assert main(["plan", "70000", "--model", str(folder)]) == 2
+    err = one_error_line(capsys)
+    assert "70000 tokens, over the 65536" in err and "prompts of at most 65536 tokens" in err
+    assert "set it to None" not in err
+
+
+def test_plan_file_that_is_empty_or_a_folder_says_so(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["plan", "--file", str(tmp_path / "empty.txt")]) == 2
+    assert f"--file {str(tmp_path / 'empty.txt')!r} holds no prompt lengths; give a file of numbers" \
+        in one_error_line(capsys)
+    assert main(["plan", "--file", str(tmp_path)]) == 2
+    assert f"--file {str(tmp_path)!r} is a folder; give a file of prompt lengths" in one_error_line(capsys)
+
+
 def test_out_dir_that_is_a_file_fails_before_any_work(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     assert main(["notebooks", "--only", "02", "--out-dir", str(tmp_path / "f")]) == 2

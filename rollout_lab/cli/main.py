@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -44,10 +45,33 @@ EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "no
 MAX_PLAN_PROMPTS = 65536  # the bucket DP takes ~2 s at this many on a CPU, and grows faster than linearly
 
 
+# a preset without its own max_position_embeddings has the context measure.models' preset configs
+# give it (their _PRESET_COMMON; tests/test_cli.py holds the two equal): plan reads it without transformers
+PRESET_CONTEXT = 32768
+
+
+def plan_context(model: str) -> int | None:
+    """The context (positions) of ``model``, a preset or a checkpoint folder, read without torch or
+    transformers: the preset's, or its config.json's ``max_position_embeddings`` (None: not given)."""
+    if model in PRESETS:
+        return PRESETS[model].get("max_position_embeddings", PRESET_CONTEXT)
+    config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))  # geometry_for has read it
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    context = text.get("max_position_embeddings")
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     lengths = list(args.lengths)  # ints already (_lengths_argument)
     if args.file:
-        lengths += read_lengths_file(args.file)
+        if Path(args.file).is_dir():
+            raise ValueError(f"--file {args.file!r} is a folder; give a file of prompt lengths (numbers, or a CSV "
+                             "with a num_tokens, tokens or length column)")
+        from_file = read_lengths_file(args.file)
+        if not from_file:
+            raise ValueError(f"--file {args.file!r} holds no prompt lengths; give a file of numbers, or a CSV "
+                             "with a num_tokens, tokens or length column and a row per prompt")
+        lengths += from_file
     if args.dataset:
         lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
     if not lengths:
@@ -55,7 +79,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if len(lengths) > MAX_PLAN_PROMPTS:
         raise ValueError(f"plan takes at most {MAX_PLAN_PROMPTS} prompt lengths, got {len(lengths)}: "
                          "plan one batch at a time")
-    geometry = geometry_for(args.model or args.preset, args.dtype)
+    model = args.model or args.preset
+    geometry = geometry_for(model, args.dtype)
+    _check_plan_lengths(lengths, args.max_new_tokens, plan_context(model), model=model)
     kind = None if args.device is None else device_type(args.device)
     costs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
     if args.costs:  # plan has no model: the preset (or config.json), dtype and device say what it would be
@@ -65,6 +91,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         costs_line = (f"costs: {args.costs} (" + ("provenance not checked: --override-costs" if args.override_costs
                       else f"checked: {', '.join(expected)}; pass --device to check the device too"
                       if args.device is None else f"checked: {', '.join(expected)}") + ")")
+    limit = costs.prefill_max_tokens
+    if limit is not None and max(lengths) > limit:  # plan_buckets' own message names API options
+        raise ValueError(f"prompt {lengths.index(max(lengths))} is {max(lengths)} tokens, over the "
+                         f"{limit} tokens one prefill forward may hold (prefill_max_tokens of "
+                         f"{args.costs or 'the reference costs'}); plan prompts of at most {limit} tokens")
     plan = plan_buckets(lengths, geometry, costs)
     packing = plan_packed(lengths, geometry, costs)
     route = choose_route(lengths, max_new_tokens=args.max_new_tokens,
@@ -91,6 +122,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"route for {args.max_new_tokens} new tokens: {route.route} "
           f"(nocb {nocb}, bucketed CB {route.cb_cost_ms:.2f} ms, packed CB {packed}, paged CB {paged})")
     return 0
+
+
+def _check_plan_lengths(lengths: Sequence[int], max_new_tokens: int, context: int | None, *, model: str) -> None:
+    """ValueError naming the longest prompt and the budget when they pass ``model``'s context, and
+    what would fit: the prompt's longest budget, or the longest prompt any budget leaves room for."""
+    longest = max(lengths)
+    if context is None or longest + max_new_tokens <= context:
+        return
+    fits = ([f"--max-new-tokens <= {context - longest}"] if longest < context else []) + \
+        ([f"prompts of at most {context - max_new_tokens} tokens"] if max_new_tokens < context else [])
+    raise ValueError(f"prompt {lengths.index(longest)} ({longest} tokens) + --max-new-tokens {max_new_tokens} = "
+                     f"{longest + max_new_tokens} positions, past {model}'s context of {context}; valid: "
+                     f"{' or '.join(fits) or f'--max-new-tokens below {context} and shorter prompts'} "
+                     f"(every prompt + --max-new-tokens <= {context})")
 
 
 def _lengths_argument(text: str) -> int:
