@@ -411,3 +411,34 @@ def test_calibration_of_names_what_01_writes_or_renders(tmp_path):
         str(tmp_path / "data" / "calibration" / "tiny-qwen3_float32_cpu.json")
     assert calibration_of({"model": "tiny-qwen3", "dtype": "float32", "device": "cpu", "calibration_file": "c.json"},
                           Workspace.resolve(tmp_path)) == "c.json"
+
+
+def _read_strictly(path: Path, nbformat):
+    """``path`` read and validated with every warning an error (nbformat's MissingIDFieldWarning among
+    them: a cell without an id, which nbformat 4.5 requires and papermill's runs used to print)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+    return nb
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_cells_have_ids(name, nbformat):
+    raw = json.loads(notebook_path(name).read_text(encoding="utf-8"))
+    assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5), (name, raw["nbformat"], raw["nbformat_minor"])
+    missing = [i for i, cell in enumerate(raw["cells"]) if "id" not in cell]
+    assert not missing, f"{name}: cells {missing} have no id; give them one with nbformat.validator.normalize"
+    ids = [cell["id"] for cell in raw["cells"]]
+    assert len(set(ids)) == len(ids), f"{name}: repeated cell ids {sorted(i for i in ids if ids.count(i) > 1)}"
+    _read_strictly(notebook_path(name), nbformat)
+
+
+def test_executed_copies_have_cell_ids(executed, nbformat):
+    _, notebooks = executed
+    for path in notebooks:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        assert all("id" in cell for cell in raw["cells"]), path
+        _read_strictly(path, nbformat)
