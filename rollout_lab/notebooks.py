@@ -15,7 +15,8 @@ Every output goes to the workspace (``rollout_lab.workspace``: ``--out-dir``, el
 executed copies, with their outputs, to ``build/notebooks/``. Parameters that are paths
 (``PATH_PARAMETERS``) are made absolute from the caller's folder before papermill runs, so relative
 paths in ``--param`` values mean what they say; a file to read that is missing is an error naming
-the parameter. Equivalent plain
+the parameter. What every parameter of every notebook takes (type, bounds, choices) is
+``NOTEBOOK_PARAMETERS``; each value is checked against it before papermill starts. Equivalent plain
 papermill command (the kernel is the running interpreter's ``python3``)::
 
     papermill notebooks/03_latency_tables.ipynb out.ipynb -k python3 \
@@ -24,12 +25,14 @@ papermill command (the kernel is the running interpreter's ``python3``)::
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rollout_lab.workspace import Workspace
 
@@ -61,6 +64,258 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
     "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
                       "online_calls": 6, "repetitions": 1},
 }
+
+
+
+
+# -- what every parameter of every notebook takes -------------------------------------------------
+
+MAX_PROMPTS = 65536  # prompts in a batch: the bucket DP over more takes seconds a plan, and the notebooks plan many
+MAX_TOKENS = 2**20  # a prompt's or a budget's tokens: past every preset's context (the model's is checked in the notebook)
+MAX_ROUNDS = 10_000  # timed repetitions, rounds and calls: hours of a GPU past this
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """The values one notebook parameter takes, ``what`` in words: an instance of ``types`` (an int
+    where a float is taken; never a bool for a number), numbers in [``minimum``, ``maximum``], one of
+    ``choices``; with ``items`` a non-empty list (or tuple) of such values; None when ``or_none``.
+    ``check``, when given, is the library's own check of a structured value (a ValueError, KeyError or
+    TypeError from it says what is wrong), called after the type check."""
+
+    what: str
+    types: tuple[type, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[Any, ...] | None = None
+    items: bool = False
+    or_none: bool = False
+    check: Callable[[Any], Any] | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with ``value`` (None: nothing)."""
+        if value is None:
+            return None if self.or_none else "is None"
+        if self.items:
+            if not isinstance(value, (list, tuple)) or not value:
+                return "is not a non-empty list"
+            wrong = next(((k, p) for k, p in ((k, self._scalar_problem(v)) for k, v in enumerate(value)) if p), None)
+            if wrong is not None:
+                return f"has item {wrong[0]} {value[wrong[0]]!r}, which {wrong[1]}"
+        elif (found := self._scalar_problem(value)) is not None:
+            return found
+        if self.check is not None:
+            try:
+                self.check(value)
+            except (ValueError, KeyError, TypeError) as err:
+                return f"is not valid ({type(err).__name__ + ': ' if not isinstance(err, ValueError) else ''}{err})"
+        return None
+
+    def _scalar_problem(self, value: Any) -> str | None:
+        types = self.types + ((int,) if float in self.types else ())
+        if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            return f"has type {type(value).__name__}"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value) or (self.minimum is not None and value < self.minimum) \
+                    or (self.maximum is not None and value > self.maximum):
+                return "is out of range"
+        if self.choices is not None and value not in self.choices:
+            return "is not one of them"
+        return None
+
+
+def _number(kind: type, minimum: float, maximum: float, *, or_none: bool = False, items: bool = False) -> Parameter:
+    noun = {int: "int", float: "number"}[kind]
+    bounds = f"[{minimum}, {maximum}]" if kind is int else f"[{minimum:g}, {maximum:g}]"
+    what = f"{'a non-empty list of ' if items else 'an ' if kind is int else 'a '}{noun}{'s' if items else ''} in {bounds}"
+    return Parameter(what + (", or None" if or_none else ""), (kind,), minimum, maximum, items=items, or_none=or_none)
+
+
+def _choice(choices: Sequence[Any], *, items: bool = False, or_none: bool = False, what: str = "") -> Parameter:
+    listed = ", ".join(map(repr, choices))
+    what = what or (f"a non-empty list of {listed}" if items else f"one of {listed}")
+    return Parameter(what + (", or None" if or_none else ""), (type(choices[0]),), choices=tuple(choices),
+                     items=items, or_none=or_none)
+
+
+def _checked(what: str, check: Callable[[Any], Any], *types: type, or_none: bool = False) -> Parameter:
+    return Parameter(what + (", or None" if or_none else ""), types, check=check, or_none=or_none)
+
+
+FLAG = Parameter("True or False", (bool,))
+PATH = Parameter("a path (str), or None", (str,), or_none=True)
+PATH_LIST = _checked("a path (str) or a list of paths, or None", lambda v: _all_paths(v), str, list, tuple,
+                     or_none=True)
+DTYPE = _choice(("float32", "bfloat16", "float16"))
+THREADS = _number(int, 1, os.cpu_count() or 1, or_none=True)
+COUNT = _number(int, 1, MAX_ROUNDS)
+TOKENS = _number(int, 1, MAX_TOKENS)
+TOKEN_LISTS = _number(int, 1, MAX_TOKENS, items=True)
+
+
+def _all_paths(value: Any) -> None:
+    """A path, or lists of paths (nested: more_results_file joins the JSONs of one entry)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("an empty list")
+        for v in value:
+            _all_paths(v)
+    elif not isinstance(value, str) or not value:
+        raise ValueError(f"{value!r} is not a path")
+
+
+def _check_device(device: str) -> None:
+    """cpu, or cuda[:N] where this machine has that GPU."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError("expected cpu or cuda[:N]")
+    if kind == "cuda":
+        import torch  # only to ask for the GPU: the notebook would find it missing after minutes
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError("CUDA is not available here; use device cpu")
+        if index and int(index) >= count:
+            raise ValueError(f"this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
+
+
+def _check_model(model: str) -> None:
+    from rollout_lab.measure.models import model_config  # transformers: only when a notebook is run
+
+    model_config(model)
+
+
+def _check_geometry(preset: str) -> None:
+    from rollout_lab.measure.presets import geometry_for
+
+    geometry_for(preset)
+
+
+def _check_grid(grid: Any) -> None:
+    from rollout_lab.measure.calibrate import calibration_grid  # torch: only when a notebook is run
+
+    calibration_grid(grid)
+
+
+def _check_paths(paths: Sequence[str]) -> None:
+    from rollout_lab.measure.paths import check_paths  # torch: only when a notebook is run
+
+    check_paths(paths)
+
+
+def _check_workloads(names: Sequence[str]) -> None:
+    from rollout_lab.measure.sweep import resolve_workloads  # torch: only when a notebook is run
+
+    resolve_workloads(list(names))
+
+
+def _check_distribution(spec: Any) -> None:
+    from rollout_lab.measure.workloads import resolve_distribution
+
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{spec!r} is not a dict")
+    resolve_distribution(spec, batch_size=1, seed=0)
+
+
+def _check_online_workloads(workloads: Mapping[str, Any]) -> None:
+    if not workloads:
+        raise ValueError("an empty dict")
+    for name, lengths in workloads.items():
+        if TOKEN_LISTS.problem(lengths) is not None:
+            raise ValueError(f"workload {name!r} is not {TOKEN_LISTS.what}")
+
+
+def _shape(name: str, module: str, defaults: str) -> Parameter:
+    """A benchmark's settings as a dict over its defaults: its keys are checked here, its values by
+    the benchmark before its model is built."""
+    def check(shape: Mapping[str, Any]) -> None:
+        import importlib
+
+        from rollout_lab.measure.records import shape_settings
+
+        shape_settings(name, shape, getattr(importlib.import_module(module), defaults))  # torch: when run
+
+    return _checked(f"a dict of {module}.{defaults}'s settings", check, dict, or_none=True)
+
+
+def _check_more_shape(shape: Mapping[str, Any]) -> None:
+    from rollout_lab.measure.sweep import MORE_SHAPE_KEYS  # torch: only when a notebook is run
+
+    unknown = sorted(set(shape) - set(MORE_SHAPE_KEYS))
+    missing = [k for k in MORE_SHAPE_KEYS[:2] if k not in shape]
+    if unknown or missing:
+        raise ValueError(f"unknown settings {unknown}, missing {missing}")
+
+
+MODEL = _checked("'tiny-<family>', a preset or a checkpoint folder", _check_model, str)
+DEVICE = _checked("'cpu' or 'cuda[:N]' (a GPU this machine has)", _check_device, str)
+RUNNER = {"interactive": FLAG, "output_dir": PATH}  # every notebook's runner flags
+# Every parameter of every notebook (their ``parameters`` cells): what it takes. run_notebooks checks
+# each value it passes against this before papermill starts, so a bad one is one line, not a kernel's
+# traceback; tests/test_cli.py holds it to the cells and their defaults.
+NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
+    "01_calibrate": {
+        "model": MODEL, "dtype": DTYPE, "device": DEVICE, "threads": THREADS,
+        "grid": _checked("'tiny', 'default' or a dict of CalibrationGrid fields", _check_grid, str, dict),
+        "calibration_file": PATH, "output_path": PATH, **RUNNER},
+    "02_bucket_choices": {
+        "cost_file": PATH, "override_costs": FLAG,
+        "geometry_preset": _checked("a preset or a checkpoint folder", _check_geometry, str), "kv_dtype": DTYPE,
+        "batch_size": _number(int, 1, MAX_PROMPTS), "seeds": _number(int, 0, MAX_SEED, items=True),
+        "distributions": Parameter("a non-empty list of distribution dicts (kind: seed, lognormal, bimodal or real; "
+                                   "measure.workloads.resolve_distribution)", (dict,), items=True,
+                                   check=lambda v: [_check_distribution(d) for d in v]),
+        "max_num_buckets": _number(int, 1, 1024), "fixed_costs_ms": _number(float, 0, 1e6, items=True),
+        "focus_distribution": Parameter("a distribution's label (str)", (str,)),
+        "summary_max_new_tokens": TOKENS, "route_max_lengths": TOKEN_LISTS, "route_budgets": TOKEN_LISTS,
+        "crossing_at_classes": FLAG, **RUNNER},
+    "03_latency_tables": {
+        "model": MODEL, "dtype": DTYPE, "device": DEVICE, "threads": THREADS,
+        "workloads": _checked("a non-empty list of workload names (measure.workloads.WORKLOADS)", _check_workloads,
+                              list, tuple),
+        "workload_scale": _number(float, 1e-3, 64), "paths": _checked(
+            "a non-empty list of path names (measure.paths.PATHS)", _check_paths, list, tuple, or_none=True),
+        "repetitions": COUNT, "max_new_tokens": TOKENS, "cost_file": PATH, "override_costs": FLAG,
+        "results_file": PATH_LIST, "results_stem": PATH, "resume": FLAG, "prefill_classes": FLAG,
+        "prefill_graphs": FLAG, "peer_results_file": PATH_LIST, "oracle_max_tokens": _number(int, 0, MAX_TOKENS),
+        "rl_shape": _shape("rl_shape", "rollout_lab.measure.rl", "RL_DEFAULTS"), "rl_results_file": PATH_LIST,
+        "long_tail_shape": _shape("long_tail_shape", "rollout_lab.measure.long_tail", "LONG_TAIL_DEFAULTS"),
+        "long_tail_results_file": PATH,
+        "trainer_loop_shape": _shape("trainer_loop_shape", "rollout_lab.measure.trainer_loop",
+                                     "TRAINER_LOOP_DEFAULTS"),
+        "trainer_loop_results_file": PATH, "decode_step_file": PATH,
+        "grpo_shape": _shape("grpo_shape", "rollout_lab.measure.grpo", "GRPO_DEFAULTS"), "grpo_results_file": PATH,
+        "prefill_batch_sizes": _number(int, 1, MAX_PROMPTS, items=True, or_none=True), "prefill_routes_file": PATH_LIST,
+        "more_results_file": PATH_LIST,
+        "more_shape": _checked("a dict of workloads, max_new_tokens and optionally paths, repetitions "
+                               "(measure.sweep.MORE_SHAPE_KEYS)", _check_more_shape, dict, or_none=True),
+        "more_peer_results_file": PATH_LIST, **RUNNER},
+    "04_adaptation": {
+        "model": MODEL, "dtype": DTYPE, "device": DEVICE, "threads": _number(int, 1, os.cpu_count() or 1),
+        "chunk_lengths": TOKEN_LISTS, "chunk_limit": TOKENS, "chunk_new_tokens": TOKENS,
+        "eos_lengths": TOKEN_LISTS, "eos_budgets": TOKEN_LISTS, "scripted_lengths": _number(int, 1, MAX_TOKENS, items=True),
+        "scripted_budgets": TOKEN_LISTS, "scripted_mean_response": _number(float, 1, MAX_TOKENS),
+        "scripted_rounds": COUNT,
+        "online_workloads": _checked("a non-empty dict of workload name: list of prompt lengths",
+                                     _check_online_workloads, dict),
+        "online_calls": COUNT, "online_new_tokens": TOKENS, "online_window": _number(int, 1, MAX_ROUNDS),
+        "repetitions": COUNT, **RUNNER},
+}
+
+
+def check_parameter(name: str, parameter: str, value: Any) -> None:
+    """ValueError naming notebook ``name``, ``parameter``, ``value`` and what it takes
+    (``NOTEBOOK_PARAMETERS``), or the notebook's parameters when it has no ``parameter``."""
+    if name not in NOTEBOOK_PARAMETERS:
+        raise ValueError(f"unknown notebook {name!r}; expected one of {list(NOTEBOOKS)}")
+    spec = NOTEBOOK_PARAMETERS[name].get(parameter)
+    if spec is None:
+        raise ValueError(f"{name} has no parameter {parameter!r} (given {parameter}={value!r}); its parameters: "
+                         f"{', '.join(sorted(NOTEBOOK_PARAMETERS[name]))}")
+    problem = spec.problem(value)
+    if problem is not None:
+        raise ValueError(f"{name}: parameter {parameter}={value!r} {problem}; {parameter} takes {spec.what}")
 
 
 def notebook_parameters(
@@ -195,16 +450,11 @@ def run_notebooks(
 
     ``out_dir`` is the workspace every output goes to (see the module docstring). ``extra`` maps a
     notebook name (or "*") to parameters that override the defaults; a parameter the notebook does
-    not declare is an error. When 01 and 03 run together, 03 prices Auto with 01's calibration
+    not declare is an error, and so is a value outside its range (``NOTEBOOK_PARAMETERS``: ``device``
+    cuda on a machine without one too), raised before papermill starts. A ValueError or TypeError a
+    notebook raises is one ValueError naming it, the cell and the executed copy. When 01 and 03 run together, 03 prices Auto with 01's calibration
     (``calibration_of``) unless ``extra`` gives 03 a ``cost_file``.
     """
-    try:
-        import papermill as pm  # optional: the [notebooks] extra
-        from traitlets.config import Config  # installed with papermill (jupyter_client)
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"{err.name} is not installed: pip install 'rollout_lab[notebooks]'",
-                                  name=err.name) from None
-
     names = list(NOTEBOOKS if names is None else names)
     unknown = [n for n in names if n not in NOTEBOOKS]
     if unknown:
@@ -213,16 +463,29 @@ def run_notebooks(
     unknown = sorted(set(extra) - {"*", *NOTEBOOKS})
     if unknown:
         raise ValueError(f"parameters given for unknown notebooks {unknown}; expected some of {list(NOTEBOOKS)}")
-    check_kernel(kernel_name)
     workspace = Workspace.resolve(out_dir)
-    runs = []  # every notebook's parameters are checked before the first one runs
-    calibrated = None  # 01's parameters, when it runs
+    planned = []  # (name, the parameters given, every value it would get): checked before papermill starts
     for name in names:
-        source = notebook_path(name)
-        declared = pm.inspect_notebook(str(source))  # name -> its default (source text) and help
         more = {**extra.get("*", {}), **extra.get(name, {})}
         wanted = notebook_parameters(name, device=device, preset=preset, dtype=dtype,
                                      output_dir=workspace.root, extra=more)
+        for parameter, value in wanted.items():
+            if parameter in more or parameter in NOTEBOOK_PARAMETERS[name]:
+                check_parameter(name, parameter, value)
+        planned.append((name, more, wanted))
+    try:
+        import papermill as pm  # optional: the [notebooks] extra
+        from papermill.exceptions import PapermillExecutionError
+        from traitlets.config import Config  # installed with papermill (jupyter_client)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(f"{err.name} is not installed: pip install 'rollout_lab[notebooks]'",
+                                  name=err.name) from None
+    check_kernel(kernel_name)
+    runs = []  # every notebook's parameters are checked before the first one runs
+    calibrated = None  # 01's parameters, when it runs
+    for name, more, wanted in planned:
+        source = notebook_path(name)
+        declared = pm.inspect_notebook(str(source))  # name -> its default (source text) and help
         bad = sorted(set(more) - set(declared))
         if bad:
             raise ValueError(f"{name} has no parameters {bad}; it declares {sorted(declared)}")
@@ -249,8 +512,14 @@ def run_notebooks(
             print(f"== {name}: {params}", flush=True)
         with tempfile.TemporaryDirectory(prefix="rollout-lab-kernel-") as sockets:
             kernel_config.KernelManager.ip = os.path.join(sockets, "kernel")
-            pm.execute_notebook(str(source), str(target), parameters=params, kernel_name=kernel_name,
-                                cwd=os.getcwd(), progress_bar=False, log_output=False, config=kernel_config)
+            try:
+                pm.execute_notebook(str(source), str(target), parameters=params, kernel_name=kernel_name,
+                                    cwd=os.getcwd(), progress_bar=False, log_output=False, config=kernel_config)
+            except PapermillExecutionError as err:  # a user error the library found in the kernel: one line
+                if err.ename not in ("ValueError", "TypeError"):
+                    raise
+                raise ValueError(f"{name} stopped in cell {err.exec_count}: {err.ename}: {err.evalue} "
+                                 f"(the executed copy {target} holds the traceback)") from None
         if progress:
             print(f"   {target} in {time.perf_counter() - start:.1f} s", flush=True)
         executed.append(target)

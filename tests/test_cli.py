@@ -436,9 +436,10 @@ def test_notebooks_get_absolute_paths_and_an_ipc_kernel(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--kernel", "nope"], "no Jupyter kernel named 'nope'; installed kernels: python3"),
-    (["--param", "02:batch_size=abc"], "02_bucket_choices: parameter batch_size='abc' has type str; it takes int"),
-    (["--param", "seeds=5"], "parameter seeds=5 has type int; it takes list (default [0, 1, 2])"),
-    (["--param", "02:interactive=1"], "parameter interactive=1 has type int; it takes bool"),
+    (["--param", "02:batch_size=abc"],
+     "02_bucket_choices: parameter batch_size='abc' has type str; batch_size takes an int in [1, 65536]"),
+    (["--param", "seeds=5"], "parameter seeds=5 is not a non-empty list; seeds takes a non-empty list of ints"),
+    (["--param", "02:interactive=1"], "parameter interactive=1 has type int; interactive takes True or False"),
     (["--param", "9:batch_size=1"], "parameters given for unknown notebooks ['9']"),
 ])
 @pytest.mark.slow  # papermill: seconds to import
@@ -447,6 +448,106 @@ def test_a_bad_kernel_or_parameter_is_one_line_before_any_notebook_runs(argv, me
     monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: pytest.fail("ran a notebook"))
     assert main(["notebooks", "--only", "02", "--out-dir", str(tmp_path), *argv]) == 2
     assert message in one_error_line(capsys)
+
+
+def _parameters_cell(name: str) -> dict:
+    """The defaults of a notebook's ``parameters`` cell (literals), read without papermill."""
+    import ast
+
+    from rollout_lab.notebooks import notebook_path
+
+    cells = json.loads(notebook_path(name).read_text(encoding="utf-8"))["cells"]
+    (cell,) = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    tree = ast.parse("".join(cell["source"]))
+    return {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+            for t in node.targets}
+
+
+def test_every_notebook_parameter_has_a_range_its_default_and_the_runs_fit():
+    from rollout_lab.notebooks import (NOTEBOOK_PARAMETERS, NOTEBOOKS, SMOKE_PARAMETERS, check_parameter,
+                                       notebook_parameters)
+
+    for name in NOTEBOOKS:
+        defaults = _parameters_cell(name)
+        assert set(NOTEBOOK_PARAMETERS[name]) == set(defaults), name
+        runs = [defaults, SMOKE_PARAMETERS[name], notebook_parameters(name, preset="qwen2.5-3b", output_dir="w")]
+        gpu = notebook_parameters(name, device="cuda", preset="qwen2.5-3b", output_dir="w")
+        runs.append({k: v for k, v in gpu.items() if k != "device"})  # this machine may have no GPU
+        for params in runs:
+            for parameter, value in params.items():
+                if parameter in NOTEBOOK_PARAMETERS[name]:
+                    check_parameter(name, parameter, value)
+
+
+@pytest.mark.parametrize("param, message", [
+    ("02:batch_size=-5", "02_bucket_choices: parameter batch_size=-5 is out of range; batch_size takes an int in "
+                         "[1, 65536]"),
+    ("02:batch_size=0", "parameter batch_size=0 is out of range; batch_size takes an int in [1, 65536]"),
+    ("02:batch_size=1000000000", "parameter batch_size=1000000000 is out of range"),
+    ("02:batch=3", "02_bucket_choices has no parameter 'batch' (given batch=3); its parameters: batch_size, cost_file,"),
+    ("02:fixed_costs_ms=[1, -2]", "fixed_costs_ms=[1, -2] has item 1 -2, which is out of range; fixed_costs_ms "
+                                  "takes a non-empty list of numbers in [0, 1e+06]"),
+    ("02:route_budgets=[16, 0]", "route_budgets=[16, 0] has item 1 0, which is out of range; route_budgets takes a "
+                                 "non-empty list of ints in [1, 1048576]"),
+    ("02:distributions=[{'kind': 'lognormal'}]", "distributions=[{'kind': 'lognormal'}] is not valid (KeyError: "
+                                                 "'median')"),
+    ("02:geometry_preset='nope'", "geometry_preset='nope' is not valid (unknown preset 'nope'"),
+    ("03:repetitions=10**9", "repetitions='10**9' has type str; repetitions takes an int in [1, 10000]"),
+    ("03:workloads=['nope']", "workloads=['nope'] is not valid (unknown workloads ['nope']"),
+    ("03:rl_shape={'rows': 3}", "rl_shape={'rows': 3} is not valid (rl_shape has unknown settings ['rows']; valid: "
+                                "num_seqs"),
+    ("03:threads=0", "threads=0 is out of range; threads takes an int in [1, "),
+    ("04:online_workloads={'a': [0]}", "online_workloads={'a': [0]} is not valid (workload 'a' is not a non-empty "
+                                       "list of ints in [1, 1048576])"),
+    ("04:model='tiny-nope'", "model='tiny-nope' is not valid (unknown tiny model family 'nope'"),
+])
+def test_a_notebook_parameter_out_of_its_range_is_one_line_before_papermill(param, message, tmp_path, monkeypatch,
+                                                                            capsys):
+    monkeypatch.setitem(sys.modules, "papermill", None)  # imported after the checks, or this test fails
+    assert main(["notebooks", "--out-dir", str(tmp_path), "--param", param]) == 2
+    assert message in one_error_line(capsys)
+    assert not (tmp_path / "build").exists()
+
+
+def test_notebook_parameters_take_no_nan_bool_or_none_where_a_number_is():
+    from rollout_lab.notebooks import check_parameter
+
+    for value, problem in [([1.0, float("nan")], "has item 1 nan, which is out of range"),
+                           (True, "has type bool"), (None, "is None")]:
+        with pytest.raises(ValueError, match=re.escape(f"parameter max_num_buckets={value!r} {problem}")
+                           if not isinstance(value, list) else re.escape(problem)):
+            check_parameter("02_bucket_choices", "fixed_costs_ms" if isinstance(value, list) else "max_num_buckets",
+                            value)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"])
+def test_notebooks_on_a_gpu_this_machine_lacks_is_one_line_before_papermill(device, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda:7")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setitem(sys.modules, "papermill", None)
+    assert main(["notebooks", "--device", device, "--only", "01", "--out-dir", str(tmp_path)]) == 2
+    err = one_error_line(capsys)
+    assert f"01_calibrate: parameter device={device!r} is not valid (" in err
+    assert ("CUDA is not available here; use device cpu" if device == "cuda"
+            else "this machine has 1 CUDA device(s): cuda:0 to cuda:0") in err
+    assert main(["notebooks", "--device", device, "--only", "02", "--out-dir", str(tmp_path)]) == 2  # 02: no device
+    assert "papermill is not installed" in one_error_line(capsys)
+
+
+@pytest.mark.slow  # papermill: seconds to import
+def test_a_value_error_in_a_notebook_is_one_line_naming_the_cell(tmp_path, monkeypatch, capsys):
+    papermill = pytest.importorskip("papermill")
+    from papermill.exceptions import PapermillExecutionError
+
+    def fail(*args, **kwargs):
+        raise PapermillExecutionError(cell_index=4, exec_count=3, source="x", ename="ValueError",
+                                      evalue="need n >= 1", traceback=["43 lines"])
+
+    monkeypatch.setattr(papermill, "execute_notebook", fail)
+    assert main(["notebooks", "--only", "02", "--out-dir", str(tmp_path)]) == 2
+    assert "02_bucket_choices stopped in cell 3: ValueError: need n >= 1 (the executed copy " in one_error_line(capsys)
 
 
 def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
