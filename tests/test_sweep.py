@@ -582,3 +582,31 @@ def test_whole_table_puts_every_record_against_its_hf_peers(tmp_path):
     assert whole_table_rows(rl=[("rl.json", rl)])[0]["speedup_over_best_hf"] is None
     assert load_sweeps(None) == [] and load_sweeps(f"{ours}.json")[0][1]["workloads"]["w"]["paths"].keys() == {
         "nocb", "bucketed", "auto", "hf_generate_batch"}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(workloads=[]), "its workloads is list [], not a dict of workload name -> its results"),
+    (lambda r: r.pop("workloads"), "its workloads is NoneType None, not a dict"),
+    (lambda r: r.update(config=[1]), "its config is list [1], not a dict of settings"),
+    (lambda r: r["workloads"]["a"].pop("lengths"), "its workload 'a' lengths is NoneType None, not a list of prompt"),
+    (lambda r: r["workloads"].update(a=[3, 1]), "its workload 'a' is list [3, 1], not a dict with lengths and paths"),
+    (lambda r: r["workloads"]["a"].update(paths=["nocb"]), "its workload 'a' paths is list ['nocb'], not a dict"),
+])
+def test_resume_of_a_record_of_another_shape_says_what_is_wrong_before_any_work(edit, message, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A record whose workloads are a list or missing ended a resume in AttributeError/KeyError."""
+    argv = ["sweep", "--tiny", "qwen2", "--device", "cpu", "--workloads", "short_tail", "--scale", "0.05",
+            "--paths", "nocb", "--repetitions", "1", "--max-new-tokens", "2", "--no-progress",
+            "--out", str(tmp_path / "r"), "--out-dir", str(tmp_path)]
+    json_path = tmp_path / "r.json"
+    record = {"kind": "sweep", "config": {}, "provenance": {},
+              "workloads": {"a": {"lengths": [3, 1], "paths": {"nocb": {}}}}}
+    edit(record)
+    json_path.write_text(json.dumps(record))
+    monkeypatch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built a model"))
+    assert cli_main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot resume {str(json_path)!r}: ") and err.count("\n") == 1 and message in err, err
+    with pytest.raises(ValueError, match="not a sweep record as run_sweep writes one"):
+        run_sweep(tiny_model("qwen2"), workloads={"a": [3, 1]}, repetitions=1, out=tmp_path / "r", resume=True, **SMALL)
+    assert not (tmp_path / "r.csv").exists()

@@ -146,6 +146,7 @@ def run_sweep(
         record: dict[str, Any] = {"kind": "sweep", "provenance": run_metadata(model, model_name=model_name),
                                   "config": config, "workloads": {}}
         if resume and pair_paths(out)[0].is_file():
+            check_saved_sweep(read_record(pair_paths(out)[0], "sweep"), pair_paths(out)[0])  # before its CSV is rebuilt
             saved = recover_results(out)  # the JSON; a CSV a kill left stale is rebuilt from it
             done = resumable_workloads(saved, config=config, provenance=record["provenance"],
                                        lengths_by_name=lengths_by_name)
@@ -204,6 +205,31 @@ def _sweep(model, record, lengths_by_name, paths, *, repetitions, max_new_tokens
     return record
 
 
+def check_saved_sweep(saved: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """ValueError naming the part of the sweep record at ``path`` (read as JSON) that does not have
+    the shape ``run_sweep`` writes: ``config`` and ``provenance`` dicts, ``workloads`` a dict of
+    name -> {"lengths": [ints], "paths": {path: dict}}. What ``resume`` checks before it reads one."""
+    def wrong(where: str, value: Any, expected: str) -> ValueError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return ValueError(f"cannot resume {str(path)!r}: its {where} is {type(value).__name__} {shown}, not "
+                          f"{expected}; it is not a sweep record as run_sweep writes one: choose another --out, "
+                          "or run without --resume to replace it")
+
+    for key, expected in (("config", "a dict of settings"), ("provenance", "a dict"),
+                          ("workloads", "a dict of workload name -> its results")):
+        if not isinstance(saved.get(key), dict):
+            raise wrong(key, saved.get(key), expected)
+    for name, workload in saved["workloads"].items():
+        if not isinstance(workload, dict):
+            raise wrong(f"workload {name!r}", workload, "a dict with lengths and paths")
+        lengths = workload.get("lengths")
+        if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+            raise wrong(f"workload {name!r} lengths", lengths, "a list of prompt lengths (ints)")
+        paths = workload.get("paths")
+        if not isinstance(paths, dict) or not all(isinstance(r, dict) for r in paths.values()):
+            raise wrong(f"workload {name!r} paths", paths, "a dict of path name -> its results")
+
+
 RESUME_PROVENANCE = ("model_name", "dtype", "device_type", "device_name", "geometry", "attn_implementation")
 
 
@@ -211,7 +237,8 @@ def resumable_workloads(saved: Mapping[str, Any], *, config: Mapping[str, Any], 
                         lengths_by_name: Mapping[str, Sequence[int]]) -> dict[str, Any]:
     """The workloads of a saved sweep that a sweep with ``config`` (``sweep_settings``) and
     ``provenance`` may keep; ValueError naming every setting that differs (config, the
-    ``RESUME_PROVENANCE`` fields ``provenance`` holds, or a kept workload's lengths)."""
+    ``RESUME_PROVENANCE`` fields ``provenance`` holds, or a kept workload's lengths). ``saved`` has
+    passed ``check_saved_sweep``."""
     diffs = [f"config.{k}: saved {saved['config'].get(k)!r}, now {v!r}"
              for k, v in _as_read_back(config).items() if saved["config"].get(k) != v]
     diffs += [f"provenance.{k}: saved {saved['provenance'].get(k)!r}, now {v!r}"
@@ -240,6 +267,7 @@ def check_resume(out: str | os.PathLike, *, config: Mapping[str, Any], model: st
                              model_name=name, device_type=torch.device(device).type)
     known["device_name"] = device_name(torch.device(device))
     saved = read_record(json_path, "sweep")
+    check_saved_sweep(saved, json_path)
     return list(resumable_workloads(saved, config=config, provenance=known, lengths_by_name=lengths_by_name))
 
 
