@@ -5,11 +5,10 @@ stays torch-free."""
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from rollout_lab.cli.options import DTYPES, add_out_dir, positive_int
-from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.presets import PRESETS, model_name
 from rollout_lab.planner.cost import CostFile, ModelGeometry, setting_metadata
 
 
@@ -18,9 +17,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--preset", help=f"a real architecture with random weights: {', '.join(sorted(PRESETS))}")
     group.add_argument("--tiny", metavar="FAMILY", help="a tiny random model: qwen2, qwen3, llama, opt (default qwen2)")
-    group.add_argument("--model", metavar="PATH", help="a local checkpoint folder (save_pretrained)")
+    group.add_argument("--model", metavar="PATH", help="a local checkpoint folder (save_pretrained), loaded as "
+                                                        "Rollout.from_pretrained loads it")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="model dtype (default: float32 for --tiny, bfloat16 for --preset)")
+                        help="model dtype (default: float32 for --tiny, bfloat16 for --preset; for --model "
+                             "bfloat16 on CUDA, float32 on CPU, as Rollout.from_pretrained)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: 1 on a CPU, where more threads make timings noise "
@@ -30,26 +31,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_arguments(args: argparse.Namespace) -> None:
-    """Check --tiny/--preset/--device and fill their defaults in place; ValueError names a bad option."""
+    """Check --model/--tiny/--preset/--device and fill their defaults in place; ValueError names a bad
+    option. A --model folder gets ``Rollout.from_pretrained``'s checks (``engine.api.loading``), here
+    before any other work."""
     import torch  # torch: only the commands that run a model
 
+    from rollout_lab.engine.api.loading import check_model, default_dtype  # torch, as above
     from rollout_lab.measure.models import TINY_FAMILIES  # torch, as above
 
-    if getattr(args, "model", None) is not None:
-        if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ValueError(f"--model {args.model!r} is not a checkpoint folder (a folder with config.json)")
+    model = getattr(args, "model", None)
+    if model is not None:
+        check_model(model, hub=False)
     elif args.tiny is None and args.preset is None:
         args.tiny = "qwen2"
     if args.tiny is not None and args.tiny not in TINY_FAMILIES:
         raise ValueError(f"unknown --tiny family {args.tiny!r}; expected one of {list(TINY_FAMILIES)}")
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"unknown --preset {args.preset!r}; expected one of {sorted(PRESETS)}")
-    if args.dtype is None:
-        args.dtype = "float32" if args.tiny else "bfloat16"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type(args.device) == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device!r} but CUDA is not available here; use --device cpu")
+    if args.dtype is None and model is not None:
+        args.dtype = str(default_dtype(torch.device(args.device))).removeprefix("torch.")
+    elif args.dtype is None:
+        args.dtype = "float32" if args.tiny else "bfloat16"
 
 
 def device_type(device: str) -> str:
@@ -93,8 +99,15 @@ def read_costs_before_work(path: str, args: argparse.Namespace, config: Any, nam
 
 
 def build_model(args: argparse.Namespace) -> tuple[Any, str]:
-    """The model of the resolved --tiny/--preset in --dtype on --device, and its name."""
-    from rollout_lab.measure.models import load_model  # torch
+    """The model of the resolved --model/--tiny/--preset in --dtype on --device, and its name; a
+    --model folder is loaded as ``Rollout.from_pretrained`` loads it (no tokenizer: the commands
+    prompt with token ids)."""
+    from rollout_lab.engine.api.loading import load_model_and_tokenizer  # torch
+    from rollout_lab.measure.models import load_model  # torch, as above
 
+    if getattr(args, "model", None) is not None:
+        model, _ = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, tokenizer=False,
+                                            hub=False)
+        return model, model_name(args.model)
     return load_model(model_spec(args), dtype=args.dtype, device=args.device)
 

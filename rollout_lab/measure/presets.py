@@ -7,6 +7,7 @@ and the cost model's geometry. Pure data, no torch, so ``rollout-lab plan --pres
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -59,4 +60,16 @@ def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
         if isinstance(data.get("text_config"), dict):  # multimodal: the decoder's geometry
             data = data["text_config"]
         return ModelGeometry.from_config(SimpleNamespace(**data), dtype)
+    if path.exists():
+        raise ValueError(f"{preset!r} is a file, not a checkpoint folder; expected a folder with config.json "
+                         f"or a preset, one of {sorted(PRESETS)}")
+    if _looks_like_path(preset):
+        raise ValueError(f"no model folder at {preset!r}; expected a checkpoint folder (with config.json) "
+                         f"or a preset, one of {sorted(PRESETS)}")
     raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)} or a checkpoint folder")
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` reads as a filesystem path (a separator, or a leading "." or "~") rather than a
+    preset's name, which has neither."""
+    return any(sep in name for sep in (os.sep, os.altsep) if sep) or name.startswith((".", "~"))

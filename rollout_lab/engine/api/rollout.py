@@ -26,6 +26,7 @@ tokens too.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Mapping, Sequence
 
@@ -34,8 +35,10 @@ import torch
 from rollout_lab.engine.api.call import CallSpec, check_call, encode_texts, from_generation_config
 from rollout_lab.engine.api.config import EOS_CHECK_INTERVAL, RolloutConfig
 from rollout_lab.engine.api.costs import resolve_costs
+from rollout_lab.engine.api.loading import load_model_and_tokenizer, rollout_config
 from rollout_lab.engine.api.result import RolloutResult
 from rollout_lab.engine.kv.sizing import PagedLayout, aligned_capacity, kv_budget_bytes, paged_layout
+from rollout_lab.engine.limits import ModelLimits, check_cache_sizes
 from rollout_lab.engine.model_info import model_metadata
 from rollout_lab.engine.profile import Profile, Timer
 from rollout_lab.engine.runner.disk_cache import load_compiled, save_compiled, save_costs
@@ -46,7 +49,8 @@ from rollout_lab.engine.sample.sampler import RowSampling
 from rollout_lab.engine.sched.aligned import BatchSettings, ContinuousBatcher
 from rollout_lab.engine.sched.hf_generate import run_nocb
 from rollout_lab.engine.sched.paged import PagedBatcher
-from rollout_lab.engine.trainer import rollout_logprobs
+from rollout_lab.engine.sched.progress import check_progress, progress_hook, shows_progress
+from rollout_lab.engine.trainer import eval_mode, rollout_logprobs
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import is_int
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
@@ -107,6 +111,8 @@ class Rollout:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_positions = getattr(self.model_config, "max_position_embeddings", None)
         cfg = self.config
+        limits = ModelLimits(self.max_positions, self.geometry.kv_bytes_per_token, self.vocab_size, self.device)
+        check_cache_sizes(limits, cache_capacity=cfg.cache_capacity, kv_cache_tokens=cfg.kv_cache_tokens)
         # chosen before any routing decision: graph replay on CUDA, eager elsewhere
         self.runner = ModelRunner(model, decode=cfg.decode, decode_attention=cfg.decode_attention,
                                   compile=cfg.compile, fuse_projections=cfg.fuse_projections,
@@ -135,6 +141,25 @@ class Rollout:
                                        settled_after=1 if resolved.refitted else SETTLED_CALLS) if learn else None
         self._explored = False
         self._layout_memo: tuple[tuple, PagedLayout] | None = None  # paged_layout's last (args, answer)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                        device: str | torch.device | None = None, tokenizer: Any = None,
+                        **config_fields: Any) -> "Rollout":
+        """A Rollout over the causal LM in a local folder (what ``save_pretrained`` writes, read with no
+        network) or of a Hugging Face hub name, as vLLM's ``LLM(model=...)``; ``config_fields`` are
+        RolloutConfig's (checked before the model loads).
+
+        ``device``: None is cuda when available, else cpu. ``dtype``: None is bfloat16 on CUDA and
+        float32 on CPU, "auto" the checkpoint's own, else a torch dtype or its name ("bfloat16").
+        ``tokenizer``: None loads the folder's own; a folder without tokenizer files still loads, with
+        no tokenizer (prompts as token ids; text prompts then raise generate's "needs a tokenizer"
+        error); False loads none; a path or hub name loads that one; a tokenizer object is used as is.
+        A bad path, name or value is a one-line ValueError (an OSError when the hub cannot give a
+        name) before any weights are read (``engine.api.loading``)."""
+        config = rollout_config(config_fields)
+        model, found = load_model_and_tokenizer(name_or_path, dtype=dtype, device=device, tokenizer=tokenizer)
+        return cls(model, config, tokenizer=found)
 
     @property
     def prediction_errors(self) -> list[dict]:
@@ -204,13 +229,17 @@ class Rollout:
         num_return_sequences: int = 1,
         profile: bool | None = None,
         return_logprobs: bool = False,
-        logprobs_mode: str = "raw",
+        logprobs_mode: str | None = None,
         apply_chat_template: bool = False,
         stop: Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        progress: bool | None = None,
     ) -> RolloutResult:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
-        before the first forward.
+        before the first forward. The model runs in eval mode for the call (dropout off, as vLLM and
+        HF pipelines run it), whatever mode it is in; each module's train/eval flag is restored
+        afterwards, also when the call raises. A trainer calling ``engine.trainer.sequence_logprobs``
+        in train mode with dropout on computes other logprobs than the rollout's.
 
         ``prompts`` (or ``input_ids=``, HF's name; one of the two) are id lists, a 2-D integer
         tensor with its ``attention_mask`` padded on either side (without one, the mask is inferred
@@ -230,8 +259,9 @@ class Rollout:
         With ``do_sample=True``, ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off)
         shape the distribution and ``seed`` (an int >= 0; None draws one from torch's global
         generator) fixes the draws: sample s of request r is a pure function of (seed, r, s). Setting
-        any of them without ``do_sample=True`` is an error, not a silent greedy run;
-        ``temperature=0`` is greedy (vLLM's rule). ``sampling`` instead gives each request its own:
+        any of them without ``do_sample=True`` is an error, not a silent greedy run, except
+        ``temperature=0``, which is greedy with or without ``do_sample`` (vLLM's rule; a
+        GenerationConfig's too). ``sampling`` instead gives each request its own:
         a list of one ``rollout_lab.SamplingParams`` per request, vLLM's fields (``temperature``,
         ``top_k``, ``top_p``, ``min_p``, ``seed``, ``n``, ``max_tokens``, ``min_tokens``, ``stop``,
         ``stop_token_ids``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``);
@@ -241,8 +271,8 @@ class Rollout:
         ``seed=`` keys the others. ``profile`` overrides ``config.profile`` for this call (None keeps it).
 
         ``return_logprobs=True`` adds ``result.logprobs``: per sequence, each token's log-probability,
-        computed inside the decode step (a logsumexp and a gather). ``logprobs_mode`` "raw" (the
-        default) is the fp32 log-softmax of the model's logits; "processed" is the distribution the
+        computed inside the decode step (a logsumexp and a gather). ``logprobs_mode`` (None: "raw";
+        given without ``return_logprobs=True`` it is an error, as it would change nothing) "raw" is the fp32 log-softmax of the model's logits; "processed" is the distribution the
         token was drawn from (after the penalties, then temperature, min-p, top-k and top-p when sampling).
         "trainer" is ``engine.trainer.sequence_logprobs`` of the padded batch (prompts left-padded,
         responses right-padded: ``engine.trainer.padded_batch``), one teacher-forced forward after the
@@ -251,7 +281,13 @@ class Rollout:
 
         ``generation_config`` (a ``transformers.GenerationConfig``) sets those keywords, and the
         repetition penalty and EOS/PAD ids for this call (``call.from_generation_config``); a
-        setting it carries that rollout_lab does not support is an error.
+        setting it carries that rollout_lab does not support is an error; fields at their defaults
+        (a model's own ``generation_config`` lists ``output_attentions=False``) are accepted.
+
+        ``progress`` draws a tqdm bar of the generated tokens on stderr once the call has run
+        ``sched.progress.DELAY_S`` seconds: True always, False never, None keeps
+        ``config.progress`` (None there: where a person watches, a terminal or a Jupyter kernel, and
+        not when the environment variable CI is set).
         """
         call = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_samples=num_samples,
                     do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -270,23 +306,30 @@ class Rollout:
             raise ValueError("apply_chat_template=True takes the conversations as the prompts argument")
         if not isinstance(return_logprobs, bool):
             raise ValueError(f"return_logprobs must be a bool, got {return_logprobs!r}")
-        if logprobs_mode not in LOGPROB_MODES:
+        if logprobs_mode is not None and logprobs_mode not in LOGPROB_MODES:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
+        if logprobs_mode is not None and not return_logprobs:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r} chooses which logprobs to return, and this call "
+                             "returns none: pass return_logprobs=True")
         if profile is not None and not isinstance(profile, bool):
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
+        check_progress(progress)
         eos_ids = self._eos_ids(config)
         spec = check_call(
             input_ids if prompts is None else prompts, attention_mask=attention_mask, **call, seed=seed,
             sampling=sampling, stop=stop, stop_token_ids=stop_token_ids, num_beams=num_beams,
-            num_return_sequences=num_return_sequences, logprobs_mode=logprobs_mode if return_logprobs else None,
+            num_return_sequences=num_return_sequences,
+            logprobs_mode=(logprobs_mode or "raw") if return_logprobs else None,
             profile=config.profile if profile is None else profile,
             repetition_penalty=float(config.repetition_penalty), eos_token_ids=eos_ids,
             pad_token_id=self._pad_token_id(config, eos_ids), vocab_size=self.vocab_size,
             max_positions=self.max_positions, tokenizer=self.tokenizer, share_prefill=config.share_prefill)
-        return self._run(spec)
+        with eval_mode(self.model):  # dropout off for the decode and the "trainer" logprobs alike
+            return self._run(spec, progress=shows_progress(config.progress if progress is None else progress))
 
-    def _run(self, spec: CallSpec) -> RolloutResult:
-        """Run a checked call: route it, size its cache, schedule its requests, learn from it."""
+    def _run(self, spec: CallSpec, *, progress: bool = False) -> RolloutResult:
+        """Run a checked call: route it, size its cache, schedule its requests, learn from it;
+        ``progress``: with its bar (``sched.progress``)."""
         start = time.perf_counter()
         compiled_before = compiled_graphs() if self._compiled_metadata is not None else None
         cfg = self.config
@@ -347,12 +390,12 @@ class Rollout:
             with timer.phase("stepper_build_ms"):  # ~0 when the kept stepper fits
                 stepper = self.runner.stepper_for(num_slots, capacity, cfg.cache_capacity is not None, **rows)
             capacity = stepper.key.capacity
-        with torch.no_grad():
+        with torch.no_grad(), progress_hook(requests, enabled=progress) as on_retire:
             if route == "nocb":
                 plans = run_nocb(self.model, requests, pad_id=spec.pad_token_id, vocab_size=self.vocab_size,
                                  geometry=self.geometry, costs=self.costs, profile=stats, timer=timer,
                                  sampling=sampling, penalties=penalties, holds_stops_back=holds_back,
-                                 logprobs_mode=step_logprobs)
+                                 logprobs_mode=step_logprobs, on_retire=on_retire)
             else:
                 settings = BatchSettings(
                     route=route, num_slots=num_slots, capacity=capacity, trim_cache=cfg.trim_cache,
@@ -360,7 +403,7 @@ class Rollout:
                     penalties=penalties, holds_stops_back=holds_back,
                     prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
                     logprobs_mode=step_logprobs, eos_check_interval=self.eos_check_interval,
-                    first_plan=first_plan if route in ("bucketed", "paged") else None,
+                    first_plan=first_plan if route in ("bucketed", "paged") else None, on_retire=on_retire,
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               prefill_graphs=self.runner.captured_prefill())
