@@ -55,6 +55,9 @@ class Workspace:
     @classmethod
     def resolve(cls, out_dir: str | os.PathLike | None = None) -> "Workspace":
         """``out_dir``, else ``$ROLLOUT_LAB_OUT``, else ``./rollout_lab_out`` (relative to the current folder)."""
+        if isinstance(out_dir, str) and not out_dir.strip():  # not "." by accident: None is the default
+            raise ValueError(f"out_dir {out_dir!r} is empty; give a folder, or None for ${OUT_DIR_ENV}, "
+                             f"else ./{DEFAULT_OUT_DIR}")
         chosen = out_dir if out_dir is not None else os.environ.get(OUT_DIR_ENV) or DEFAULT_OUT_DIR
         root = Path(chosen).expanduser()
         if root.exists() and not root.is_dir():
@@ -96,6 +99,31 @@ def check_writable(folder: str | os.PathLike, *, what: str = "output folder") ->
     except OSError as err:
         raise ValueError(f"{what} {str(folder)!r} is not writable: {err.strerror or err}") from None
     return folder
+
+
+def check_output_file(path: str | os.PathLike, *, what: str = "output file") -> Path:
+    """ValueError naming ``what`` and ``path`` when a file cannot be written there, found before any
+    work: a folder (or anything but a regular file) in its place, a file where a folder on its way
+    should be, or a nearest existing folder that is not writable (a probe file is written and
+    removed there; no folder is created)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {str(path)!r} is a folder; give a file's path (or remove the folder)")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{what} {str(path)!r} exists and is not a regular file; give another path")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {str(path)!r} cannot be written: {str(folder)!r} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{what} {str(path)!r} cannot be written: {str(folder)!r} is not writable: "
+                         f"{err.strerror or err}") from None
+    return path
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

@@ -17,6 +17,7 @@ import pytest
 from rollout_lab.cli.main import main
 from rollout_lab.measure.presets import geometry_for
 from rollout_lab.planner.cost import CostCoefficients, setting_metadata
+from rollout_lab.workspace import Workspace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -328,6 +329,54 @@ def test_each_bench_has_its_options_and_the_shared_ones(name, capsys):
     assert out.startswith(f"usage: rollout-lab bench {name} ")
     for option in ("--out", "--preset", "--tiny", "--dtype", "--device", "--debug"):
         assert option in out, option
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--tiny", "qwen2", "--device", "cpu", "--out="], ["calibrate", "--tiny", "qwen2", "--out="],
+    ["notebooks", "--out-dir="], ["reproduce", "--out-dir", " "], ["sweep", "--tiny", "qwen2", "--out-dir="],
+    ["bench", "rl", "--tiny", "qwen2", "--out="], ["bench", "long-tail", "--tiny", "qwen2", "--out", ""],
+])
+def test_an_empty_out_is_refused_not_taken_for_the_default(argv, tmp_path, monkeypatch, capsys, no_model):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    option = "--out-dir" if any(a.startswith("--out-dir") for a in argv) else "--out"
+    err = one_error_line(capsys)
+    assert f"argument {option}: '" in err and "' is empty; give " in err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="out_dir '' is empty; give a folder, or None"):
+        Workspace.resolve("")
+
+
+@pytest.mark.parametrize("command, folder", [
+    (["sweep", "--device", "cpu", "--workloads", "long_tail"], "rec.json"),
+    (["sweep", "--device", "cpu", "--workloads", "long_tail"], "rec.csv"),
+    (["sweep", "--device", "cpu", "--workloads", "long_tail"], "rec.lock"),
+    (["calibrate", "--device", "cpu"], "rec.lock"),
+])
+def test_an_output_file_that_is_a_folder_is_refused_before_any_work(command, folder, tmp_path, capsys, no_model,
+                                                                     monkeypatch):
+    """rec.json a folder was found only when the finished sweep wrote its record."""
+    (tmp_path / folder).mkdir()
+    out = tmp_path / ("rec" if command[0] == "sweep" else "rec.json")
+    assert main([command[0], "--tiny", "qwen2", *command[1:], "--out", str(out)]) == 2
+    assert f"output {str(tmp_path / folder)!r} is a folder; give a file's path" in one_error_line(capsys)
+
+
+def test_a_bench_output_where_a_folder_cannot_be_is_refused_at_parsing(tmp_path, capsys, no_model):
+    (tmp_path / "a_file").write_text("x")
+    assert main(["bench", "rl", "--tiny", "qwen2", "--out", str(tmp_path / "a_file" / "sub" / "rec")]) == 2
+    assert f"{str(tmp_path / 'a_file')!r} is a file, not a folder" in one_error_line(capsys)
+    assert not (tmp_path / "a_file" / "sub").exists()
+
+
+def test_reproduce_checks_its_gpu_table_before_any_work(tmp_path, capsys, monkeypatch):
+    from rollout_lab.cli.main import HEADLINE_TABLE
+
+    monkeypatch.setattr("rollout_lab.measure.sweep.route_table", lambda *a, **k: pytest.fail("ran the routes"))
+    (tmp_path / "data" / "tables" / HEADLINE_TABLE).mkdir(parents=True)
+    assert main(["reproduce", "--out-dir", str(tmp_path)]) == 2
+    assert f"reproduce's GPU table {str(tmp_path / 'data' / 'tables' / HEADLINE_TABLE)!r} is a folder" \
+        in one_error_line(capsys)
 
 
 def test_the_preflight_on_an_unwritable_output_is_fast(tmp_path, capsys, no_model):

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from rollout_lab.cli.bench import BENCHES, BenchParser
 from rollout_lab.cli.model import (add_model_arguments, build_model, check_prefill_graphs_device, device_type,
                                    model_limits, model_spec, read_costs_before_work, resolve_model_arguments)
-from rollout_lab.cli.options import DTYPES, Parser, add_out_dir, non_negative_int, positive_int
+from rollout_lab.cli.options import DTYPES, Parser, add_out_dir, non_negative_int, out_path, positive_int
 from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
 from rollout_lab.measure.records import PROFILE_FIELDS, e2e_table, join_sweeps, load_results, summary_table
@@ -30,8 +30,8 @@ from rollout_lab.planner.checks import check_context
 from rollout_lab.planner.cost import CostCoefficients, CostFile, prefill_cost_ms, setting_metadata
 from rollout_lab.planner.packing import plan_packed
 from rollout_lab.planner.routes import choose_route
-from rollout_lab.workspace import (Workspace, check_not_locked, check_writable, output_lock, pair_paths, run_tag,
-                                   write_csv)
+from rollout_lab.workspace import (Workspace, check_not_locked, check_output_file, check_writable, lock_path,
+                                   output_lock, pair_paths, run_tag, write_csv)
 
 # A missing optional dependency names the extra that installs it.
 EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "notebooks",
@@ -172,6 +172,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a folder; give the cost file's path (e.g. {str(out / 'costs.json')!r})")
     check_writable(out.parent, what="the cost file's folder")  # before any measuring
+    for path in (out, lock_path(out)):
+        check_output_file(path, what="calibrate's output")
     check_not_locked(out)  # another calibration writing it now
     model, name = build_model(args)
     with output_lock(out):  # one calibration at a time per cost file: a second one is refused
@@ -228,6 +230,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     workspace = _workspace(args)
     out = Path(args.out) if args.out else workspace.results / f"sweep_{run_tag(name, args.dtype, device_type(args.device))}"
     check_writable(out.parent, what="the --out folder")
+    for path in (*pair_paths(out), lock_path(out)):  # a folder in a file's place, found before the sweep, not after
+        check_output_file(path, what="sweep's output")
     check_not_locked(out)  # another sweep writing it now: refused before the model is built
     cost_path = Path(args.costs) if args.costs else calibration_path(name, args.dtype, args.device, workspace)
     cost_file = read_costs_before_work(str(cost_path), args, config, name) \
@@ -290,6 +294,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     workspace = _workspace(args)
     check_writable(workspace.root, what="the --out-dir workspace")
+    check_output_file(workspace.tables / HEADLINE_TABLE, what="reproduce's GPU table")
     start = time.perf_counter()
     print("== The planner's worked example: 1x512 + 31x16 on Qwen2.5-3B fp32 geometry ==")
     main(["plan", "512", *["16"] * 31, "--max-new-tokens", "16"])
@@ -313,6 +318,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 # The committed records' index names the H200 sweeps make reproduce renders by their roles: notebook
 # 03 executed there (every route and HF generate_batch), then HF's compiled peer, run in its own process
 HEADLINE_ROLES = ("headline", "headline_peer")
+HEADLINE_TABLE = "h200_e2e_qwen2_5_3b_bfloat16_cuda.csv"  # in the workspace's tables
 
 
 def _committed_gpu_table(workspace: Workspace) -> None:
@@ -326,7 +332,7 @@ def _committed_gpu_table(workspace: Workspace) -> None:
         warnings.simplefilter("ignore", UserWarning)
         record = join_sweeps([load_results(f) for f in files], files)
     table = e2e_table(record)
-    out = write_csv(table, workspace.tables / "h200_e2e_qwen2_5_3b_bfloat16_cuda.csv")
+    out = write_csv(table, workspace.tables / HEADLINE_TABLE)
     prov = record["provenance"]
     print(f"\n== The committed H200 records ({prov.get('device_name')}, {prov.get('dtype')}, git "
           f"{str(prov.get('git_sha'))[:7]}): median E2E ms, rendered without a GPU into {out} ==")
@@ -405,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(paged_decode_cost_ms, which Auto adds to the paged route's steps)")
     cal.add_argument("--max-batch-tokens", type=positive_int, default=None,
                      help="skip shapes with batch*width above this (default: the grid's)")
-    cal.add_argument("--out", help="cost file to write (default <out-dir>/data/calibration/<name>_<dtype>_<device>.json)")
+    cal.add_argument("--out", type=out_path, help="cost file to write (default <out-dir>/data/calibration/<name>_<dtype>_<device>.json)")
     cal.set_defaults(func=cmd_calibrate)
 
     sweep = sub.add_parser("sweep", help="time every route and the HF peers on named workloads; JSON + CSV",
@@ -440,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--compile-layers", action="store_true",
                        help="compile each decoder layer (RolloutConfig(compile='layers')), an error for a model without a "
                             "decoder-layer list; compile='auto', the default, does this wherever it can")
-    sweep.add_argument("--out", help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
+    sweep.add_argument("--out", type=out_path, help="output stem (default <out-dir>/data/results/sweep_<model>_<dtype>_<device>)")
     sweep.set_defaults(func=cmd_sweep)
 
     nbs = sub.add_parser("notebooks", help="execute the notebooks headlessly with papermill (tiny CPU default)",

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from rollout_lab.workspace import record_paths
+from rollout_lab.workspace import check_output_file, record_paths
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,15 +38,30 @@ def _int_at_least(text: str, minimum: int) -> int:
     return value
 
 
+def out_path(text: str) -> str:
+    """An argparse type for an output path (``--out``, ``--out-dir``): not empty, which the commands
+    would otherwise take for "not given" and write to the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a path, or leave the option out for the default")
+    return text
+
+
 def record_out(text: str) -> tuple[Path, Path]:
     """An argparse type for a benchmark's ``--out`` stem: its (json, csv) paths, neither of which
-    may exist yet (``workspace.record_paths``)."""
+    may exist yet (``workspace.record_paths``) and each of which can be written
+    (``workspace.check_output_file``); not empty."""
+    if not text.strip():  # required: there is no default to leave it out for (out_path's advice)
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give the record's output stem, e.g. results/rec "
+                                         "(for results/rec.json and results/rec.csv)")
     try:
-        return record_paths(text)
+        paths = record_paths(text)
+        for path in paths:  # every file it will write, before the model is built
+            check_output_file(path, what="--out file")
+        return paths
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_out_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out-dir", default=None,
+    parser.add_argument("--out-dir", default=None, type=out_path,
                         help="workspace for every output (default: $ROLLOUT_LAB_OUT, else ./rollout_lab_out)")
