@@ -43,10 +43,9 @@ def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> t
         raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {generation_config!r}")
     given = {k: v for k, v in generation_config.to_diff_dict().items() if v is not None}
     given = {("num_samples" if k == "num_return_sequences" else k): v for k, v in given.items()}
-    if given.get("num_beams", 1) == 1:
-        given.pop("num_beams", None)
+    neutral = _neutral_values(generation_config)
     unsupported = sorted(k for k in given if k not in CALL_DEFAULTS and k not in CONFIG_FIELDS
-                         and k not in HARMLESS_FIELDS)
+                         and k not in HARMLESS_FIELDS and not _is_neutral(given[k], neutral.get(k)))
     if unsupported:
         raise ValueError(f"generation_config sets {', '.join(f'{k}={given[k]!r}' for k in unsupported)}, "
                          f"which rollout_lab does not support; supported: {', '.join([*CALL_DEFAULTS, *CONFIG_FIELDS])}")
@@ -66,14 +65,33 @@ def from_generation_config(generation_config: Any, call: Mapping[str, Any]) -> t
     return keywords, {k: given[k] for k in CONFIG_FIELDS if k in given}
 
 
+def _neutral_values(generation_config: Any) -> dict[str, Any]:
+    """The values a GenerationConfig's fields hold when nothing is asked of them: an empty config's
+    (all None in transformers 5), overlaid with the defaults HF ``generate`` applies to the unset
+    ones (``_get_default_generation_params``: ``num_beams=1``, ``no_repeat_ngram_size=0``, ...)."""
+    neutral = type(generation_config)().to_dict()
+    defaults = getattr(type(generation_config), "_get_default_generation_params", None)
+    return neutral | (defaults() if callable(defaults) else {})
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    """Whether a field's ``value`` asks nothing of generate: its neutral value, or False where that is
+    None (an unset flag is off). ``to_diff_dict`` lists every value unlike an empty config's, so a
+    model's own ``generation_config`` and ``GenerationConfig.from_model_config`` carry
+    ``output_attentions=False`` and ``output_hidden_states=False`` from the model config."""
+    if neutral is None:
+        return value is None or value is False
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
 def sampling_params(do_sample, temperature, top_k, top_p, seed, sampling=None, *,
                     num_requests: int) -> list[SamplingParams] | None:
     """Each request's own ``SamplingParams`` (``sampling``, or the call-wide sampling settings for
     every request), or None when the call gives none (every request greedy).
 
     Call-wide: ``do_sample`` with ``temperature``, ``top_k`` and ``top_p``; setting them without
-    ``do_sample=True`` is an error. As vLLM, ``temperature=0`` is greedy (top_k and top_p are
-    still checked, then have nothing to filter). Per request: ``sampling``, a list of one
+    ``do_sample=True`` is an error, except ``temperature=0``: as vLLM, it is greedy with or without
+    ``do_sample`` (top_k, top_p and seed are still checked, then have nothing to filter or key). Per request: ``sampling``, a list of one
     ``SamplingParams`` per request (temperature 0: a greedy request), which the call-wide
     arguments must then leave at their defaults; ``seed`` keys the requests without their own.
 
@@ -102,6 +120,8 @@ def sampling_params(do_sample, temperature, top_k, top_p, seed, sampling=None, *
                 raise ValueError(f"sampling[{index}] must be a SamplingParams "
                                  f"(rollout_lab.SamplingParams), got {params!r}")
         return list(sampling)
+    if not do_sample and _is_number(temperature, 0.0):
+        do_sample = True  # vLLM's greedy: SamplingParams(temperature=0) checks top_k and top_p, draws nothing
     if not do_sample:
         given.pop("do_sample", None)
         if seed is not None:

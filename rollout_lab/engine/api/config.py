@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from rollout_lab.engine.kernels.paged import BLOCK_SIZES
 from rollout_lab.engine.runner.steppers import DECODE_ATTENTIONS, DECODE_MODES
+from rollout_lab.engine.sched.progress import check_progress
 from rollout_lab.planner.checks import MAX_INT, as_int, check_int, is_int
 from rollout_lab.planner.cost import CostCoefficients, CostFile
 from rollout_lab.planner.decode_steps import check_prior_settings
@@ -54,6 +55,9 @@ class RolloutConfig:
     cache_capacity: int | None = None  # columns; None = longest prompt + max_new_tokens
     trim_cache: bool = False
     profile: bool = False
+    # a tqdm bar on calls longer than sched.progress.DELAY_S: True, False, or None (auto) where a
+    # person watches (stderr a terminal, or a Jupyter kernel) and CI is not set; generate(progress=) overrides
+    progress: bool | None = None
     decode: str = "auto"  # "graph" (CUDA-graph replay), "eager", or "auto": graph on CUDA
     max_decode_graphs: int = 24  # graph decode: row counts captured (1 = one graph over every slot)
     decode_widths: int = 8  # masked attention: windows over the capacity (1 = always the whole capacity)
@@ -191,6 +195,7 @@ class RolloutConfig:
                 or penalty == float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
         check_prior_settings(self.response_length_prior, self.prior_ewma)
+        check_progress(self.progress)
         check_window(self.online_window)
         for name in ("trim_cache", "profile", "share_prefill", "online_recalibration", "override_costs",
                      "compile_cache"):

@@ -76,6 +76,8 @@ class BatchSettings:
     # Auto's prefill plan over the call's unique prompts (in order of first appearance): the first
     # admission of all of them runs it instead of planning again (``planner.routes.RoutePlan.plan``)
     first_plan: BucketPlan | None = None
+    # called after each retirement pass with the rows it retired, maybe none (the call's progress bar)
+    on_retire: Callable[[Sequence[Request]], None] | None = None
 
 
 class ContinuousBatcher:
@@ -496,6 +498,7 @@ class ContinuousBatcher:
     def _retire(self) -> None:
         """Drop finished rows, fill their holes with the last live rows, then trim if asked."""
         keep = self._live_slots()
+        self._report_retired(keep)
         if len(keep) == len(self.rows):
             return
         self._compact(keep)
@@ -503,6 +506,12 @@ class ContinuousBatcher:
             front = self._choose_front(*self._live_needs())
             if front is not None:
                 self._set_front(front)
+
+    def _report_retired(self, keep: Sequence[int]) -> None:
+        """Tell ``settings.on_retire`` which rows leave: those outside the slots ``keep``."""
+        if self.settings.on_retire is not None:
+            kept = set(keep)
+            self.settings.on_retire([row for slot, row in enumerate(self.rows) if slot not in kept])
 
     def _compact(self, keep: Sequence[int]) -> None:
         """Only the rows in slots ``keep`` stay; the last of them fill the holes the others left."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -38,6 +38,7 @@ def run_nocb(
     model: torch.nn.Module, requests: Sequence[Request], *, pad_id: int, vocab_size: int, geometry: ModelGeometry,
     costs: CostCoefficients, profile: Profile, timer: Timer, sampling: RowSampling | None = None,
     penalties: RowPenalties | None = None, holds_stops_back: bool = False, logprobs_mode: str | None = None,
+    on_retire: Callable[[Sequence[Request]], None] | None = None,
 ) -> list[BucketPlan]:
     """One HF ``generate`` call over every row of ``requests``: fills each request's tokens (cut after
     its own first stop id, at its own budget, or at the token completing one of its stop strings)
@@ -49,7 +50,8 @@ def run_nocb(
     row is cut at its own afterwards. A row's token at step t depends only on its own earlier tokens,
     so the tokens are those of a call of that row alone; the extra steps are wasted. With
     ``holds_stops_back`` each row's stop ids are held back until its ``min_tokens``
-    (``_MinNewTokens``), stop strings too (``StopStrings.hits``)."""
+    (``_MinNewTokens``), stop strings too (``StopStrings.hits``). ``on_retire``, as the batchers'
+    (``BatchSettings.on_retire``), hears after every step which rows it ended."""
     device = next(model.parameters()).device
     prompts = [r.prompt for r in requests]
     budgets = [r.max_tokens for r in requests]
@@ -71,7 +73,7 @@ def run_nocb(
     if sampling is not None:  # HF's greedy argmax then picks our tokens
         key_t = torch.tensor([r.key for r in requests], dtype=torch.long, device=device)
         processors.append(_HashGumbelSampler(sampling, key_t, width))
-    criteria = _RowStops(requests, width, vocab_size, device)
+    criteria = _RowStops(requests, width, vocab_size, device, on_retire=on_retire)
     with _neutral_generation_config(model), _count_forwards(model, profile, timer):
         out = model.generate(
             input_ids=ids, attention_mask=mask, generation_config=gen_config,
@@ -136,10 +138,13 @@ class _RowStops(StoppingCriteria):
     """Each row's own stops inside HF ``generate``: after each token a row is done at one of its stop
     ids or its budget (on the device), or, checked on the host for the rows still open, at the token
     that completes one of its stop strings (``StopStrings.hits``, from its ``min_tokens`` on);
-    ``lengths`` keeps a row's tokens at such a hit. Generate ends once every row is done."""
+    ``lengths`` keeps a row's tokens at such a hit. Generate ends once every row is done. With
+    ``on_retire`` each open row's ``num_generated`` follows the steps and the rows each step ends are
+    reported (one host read of the closed rows a step)."""
 
-    def __init__(self, requests: Sequence[Request], prompt_width: int, vocab_size: int, device: torch.device):
-        self.requests, self.prompt_width = list(requests), prompt_width
+    def __init__(self, requests: Sequence[Request], prompt_width: int, vocab_size: int, device: torch.device, *,
+                 on_retire: Callable[[Sequence[Request]], None] | None = None):
+        self.requests, self.prompt_width, self.on_retire = list(requests), prompt_width, on_retire
         self.stop_mask = stop_id_mask([sorted(r.stop_ids) for r in requests], vocab_size, device)  # [rows, vocab]
         self.budgets = torch.tensor([r.max_tokens for r in requests], dtype=torch.long, device=device)
         self.has_strings = any(r.stop_strings is not None for r in requests)
@@ -161,8 +166,22 @@ class _RowStops(StoppingCriteria):
                 self.lengths[i] = generated
             if hit_rows:
                 done[torch.tensor(hit_rows, dtype=torch.long, device=done.device)] = True
+        if self.on_retire is not None:
+            self._report(done)
         self.closed |= done
         return self.closed.clone()
+
+    def _report(self, done: torch.Tensor) -> None:
+        """Count the step's token on every open row, then report the rows ``done`` ends."""
+        was_closed, now_done = self.closed.tolist(), done.tolist()
+        ended = []
+        for i, request in enumerate(self.requests):
+            if was_closed[i]:
+                continue
+            request.num_generated += 1
+            if now_done[i]:
+                ended.append(request)
+        self.on_retire(ended)
 
 
 class _HashGumbelSampler(LogitsProcessor):

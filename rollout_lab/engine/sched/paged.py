@@ -360,6 +360,7 @@ class PagedBatcher(ContinuousBatcher):
     # -- retirement -------------------------------------------------------------------------
     def _retire(self) -> None:
         keep = self._live_slots()
+        self._report_retired(keep)
         if len(keep) < len(self.rows):
             self._compact(keep)
 
