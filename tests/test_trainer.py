@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import get_tiny, one_fast
@@ -108,8 +109,41 @@ def test_group_advantages_and_the_loss():
     response_mask = torch.tensor([[False, True, True], [False, True, False]])
     loss = policy_gradient_loss(logprobs, torch.tensor([1.0, -1.0]), response_mask)
     assert loss.item() == pytest.approx(-(-1.0 - 2.0 + 3.0) / 3)
-    with pytest.raises(ValueError, match=r"multiple of num_samples=3 rows, got shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"rewards has 4 rows, not a multiple of num_samples=3"):
         group_advantages(torch.zeros(4), num_samples=3)
+
+
+def test_rewards_and_advantages_may_be_lists_or_numpy_arrays():
+    rewards = [1.0, 3.0, 2.0, 2.0, 0.0, 1.0]
+    expected = group_advantages(torch.tensor(rewards), num_samples=2)
+    for given in (rewards, tuple(rewards), np.array(rewards), np.array(rewards, dtype=np.float32),
+                  [1, 3, 2, 2, 0, 1], [np.float64(r) for r in rewards]):
+        got = group_advantages(given, num_samples=2)
+        assert got.dtype == torch.float32 and torch.allclose(got, expected), given
+    assert torch.equal(group_advantages([True, False], num_samples=2), group_advantages([1.0, 0.0], num_samples=2))
+    logprobs = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]])
+    response_mask = torch.tensor([[False, True, True], [False, True, False]])
+    for loss_of in (lambda a: policy_gradient_loss(logprobs, a, response_mask),
+                    lambda a: clipped_policy_loss(logprobs, logprobs, a, response_mask)):
+        assert torch.equal(loss_of([1.0, -1.0]), loss_of(torch.tensor([1.0, -1.0])))
+        assert torch.equal(loss_of(np.array([1.0, -1.0])), loss_of(torch.tensor([1.0, -1.0])))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: group_advantages("1 0", num_samples=2), TypeError,
+     "rewards must be a 1-D tensor, a numpy array or a list of numbers, got str"),
+    (lambda: group_advantages({0: 1.0}, num_samples=1), TypeError, "got dict"),
+    (lambda: group_advantages([1.0, "a"], num_samples=2), ValueError, "rewards must hold one real number per row"),
+    (lambda: group_advantages([[1.0, 2.0]], num_samples=2), ValueError, r"1-D real numbers, one per row, got shape \(1, 2\)"),
+    (lambda: group_advantages([1.0, 2.0, 3.0], num_samples=2), ValueError,
+     "rewards has 3 rows, not a multiple of num_samples=2"),
+    (lambda: group_advantages([1.0, 2.0], num_samples=0), ValueError, "num_samples must be an int >= 1, got 0"),
+    (lambda: policy_gradient_loss(torch.zeros(2, 3), [1.0, 2.0, 3.0], torch.ones(2, 3, dtype=torch.bool)),
+     ValueError, r"advantages has 3 rows, logprobs shape \(2, 3\)"),
+])
+def test_bad_rewards_and_advantages_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def test_the_clipped_loss_starts_as_the_policy_gradient_and_clips_past_the_trust_region():

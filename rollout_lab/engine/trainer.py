@@ -18,10 +18,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.planner.checks import check_int
 
 # LM-head positions per chunk: [8192, 151936] logits are 2.5 GB in bf16, 5 GB in fp32 (fp32_head, and the
 # backward's probabilities); the chunks are rows of the batch
@@ -235,8 +237,9 @@ def rollout_logprobs(
     pad_token_id: int, fp32_head: bool = False,
 ) -> list[list[float]]:
     """Per row, ``sequence_logprobs`` of its response tokens in ``padded_batch(prompts, responses)``,
-    in eval mode under ``no_grad`` (the model's train/eval state is restored after): what
-    ``Rollout.generate`` returns for ``logprobs_mode`` "trainer" ("trainer_fp32": ``fp32_head``).
+    in eval mode under ``no_grad`` (the model's train/eval state is restored after), the mode
+    ``Rollout.generate`` decodes in: what it returns for ``logprobs_mode`` "trainer" ("trainer_fp32":
+    ``fp32_head``).
 
     Cost: one forward over prompt + response of every row, after the decode (~ the prefill's cost
     plus a forward over the generated tokens; the head only over the response columns)."""
@@ -248,32 +251,67 @@ def rollout_logprobs(
     return [row[: len(r)] for row, r in zip(logprobs.tolist(), responses)]
 
 
-def group_advantages(rewards: torch.Tensor, *, num_samples: int, eps: float = 1e-6) -> torch.Tensor:
-    """[rows] GRPO advantages: each reward minus its group's mean, over the group's std (+ ``eps``);
-    rows request-major (row = request * num_samples + sample), as ``Rollout.generate`` returns them."""
-    if rewards.dim() != 1 or num_samples < 1 or rewards.shape[0] % num_samples:
-        raise ValueError(f"rewards must be 1-D with a multiple of num_samples={num_samples!r} rows, "
-                         f"got shape {tuple(rewards.shape)}")
+def _row_values(values: torch.Tensor | np.ndarray | Sequence[float], *, name: str) -> torch.Tensor:
+    """[rows] ``values``, one real number per row (rewards, advantages), as a tensor: a tensor as it
+    is (its device kept), a list, tuple or numpy array converted on the CPU; TypeError for any other
+    type, ValueError unless 1-D and real."""
+    if isinstance(values, (list, tuple, np.ndarray)):
+        try:
+            values = torch.as_tensor(np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray)
+                                     else values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name} must hold one real number per row, got {values!r:.200}") from error
+    elif not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D tensor, a numpy array or a list of numbers, "
+                        f"got {type(values).__name__}")
+    if values.dim() != 1 or values.is_complex():
+        raise ValueError(f"{name} must be 1-D real numbers, one per row, got shape {tuple(values.shape)} "
+                         f"of {values.dtype}")
+    return values
+
+
+def group_advantages(rewards: torch.Tensor | np.ndarray | Sequence[float], *, num_samples: int,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """[rows] float32 GRPO advantages: each reward minus its group's mean, over the group's std (+ ``eps``);
+    rows request-major (row = request * num_samples + sample), as ``Rollout.generate`` returns them.
+    ``rewards``: a 1-D tensor (its device kept), a numpy array or a list of numbers."""
+    num_samples = check_int(num_samples, name="num_samples")
+    rewards = _row_values(rewards, name="rewards")
+    if rewards.shape[0] % num_samples:
+        raise ValueError(f"rewards has {rewards.shape[0]} rows, not a multiple of num_samples={num_samples}: "
+                         "give every request's num_samples rewards, request-major")
     groups = rewards.float().view(-1, num_samples)  # [requests, samples]
     std = groups.std(dim=1, keepdim=True) if num_samples > 1 else torch.ones_like(groups[:, :1])
     return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
 
 
-def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor | Sequence[float],
+                         response_mask: torch.Tensor) -> torch.Tensor:
     """The on-policy GRPO loss: minus each row's advantage times its response tokens' log-probabilities,
     averaged over the response tokens. ``logprobs``, ``response_mask`` [rows, width] or [rows, R];
-    ``advantages`` [rows]."""
+    ``advantages`` [rows] (a tensor, a numpy array or a list)."""
+    advantages = _row_advantages(advantages, logprobs)
     weighted = advantages[:, None].to(logprobs.dtype) * torch.where(response_mask, logprobs, 0.0)  # [rows, width]
     return -weighted.sum() / response_mask.sum().clamp(min=1)
 
 
-def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+def _row_advantages(advantages: torch.Tensor | Sequence[float], logprobs: torch.Tensor) -> torch.Tensor:
+    """[rows] ``advantages`` as a tensor on ``logprobs``' device, one per row of ``logprobs``."""
+    advantages = _row_values(advantages, name="advantages").to(logprobs.device)
+    if logprobs.dim() != 2 or advantages.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"advantages has {advantages.shape[0]} rows, logprobs shape {tuple(logprobs.shape)}: "
+                         "give one advantage per row of a 2-D [rows, width] logprobs")
+    return advantages
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor | Sequence[float],
                         response_mask: torch.Tensor, *, clip: float = 0.2) -> torch.Tensor:
     """PPO's clipped surrogate, as GRPO trainers run it over several steps per rollout: the ratio
     r = exp(logprobs - old_logprobs) of each response token, and minus min(r A, clip(r, 1 - clip,
     1 + clip) A) averaged over the response tokens. ``old_logprobs`` are the rollout's
     (``to_tensors()["logprobs"]``): with ``logprobs_mode="trainer"`` they equal the trainer's first
-    forward bit for bit, so the first step's ratio is exactly 1 and its gradient is
+    forward bit for bit where that forward runs as the rollout did, in eval mode (or without
+    dropout: a dropout mask in train mode changes it), so the first step's ratio is exactly 1 and its gradient is
     ``policy_gradient_loss``'s; with the decode step's own logprobs the ratio starts off by their
     bf16 gap (the importance weight that corrects it). Shapes as ``policy_gradient_loss``."""
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < 1:
@@ -281,6 +319,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     if logprobs.shape != old_logprobs.shape or logprobs.shape != response_mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
                          f"response_mask {tuple(response_mask.shape)} must have one shape")
+    advantages = _row_advantages(advantages, logprobs)
     old = old_logprobs.detach().to(logprobs.dtype)
     ratio = torch.exp(torch.where(response_mask, logprobs - old, 0.0))  # [rows, width]: 1 off the responses
     gain = advantages[:, None].to(logprobs.dtype)
