@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import fcntl
 import glob
 import io
@@ -365,7 +366,9 @@ def output_lock(out: str | os.PathLike) -> Iterator[Path]:
     is released with its process, so a stale lock file is simply taken (no pid check, no takeover
     race). The holder writes its pid and start time into the file and removes it on exit; another
     live holder is a ValueError naming it (after ``LOCK_GRACE_S``: a ``check_not_locked`` probe
-    holds it for an instant). A lock file a dead holder left is reported on stderr when taken."""
+    holds it for an instant). A lock file a dead holder left is reported on stderr when taken. The
+    lock file is opened with ``O_NOFOLLOW`` and created without truncating one that is there: a
+    symlink at ``<out>.lock`` is refused with a ValueError (its target is never written or created)."""
     path = lock_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + LOCK_GRACE_S
@@ -397,10 +400,10 @@ def check_not_locked(out: str | os.PathLike) -> None:
     ``output_lock`` checks again when its writing starts. It probes the lock (takes and releases it
     at once), so it never reports a dead holder."""
     path = lock_path(out)
-    if not path.exists():
+    if not os.path.lexists(path):  # lexists: a dangling symlink is refused here too, before any work
         return
     try:
-        fd = os.open(path, os.O_RDONLY)  # flock needs no write access: another user's lock is probed too
+        fd = _open_lock(path, os.O_RDONLY)  # flock needs no write access: another user's lock is probed too
     except FileNotFoundError:  # its holder has just removed it
         return
     try:
@@ -415,7 +418,7 @@ def _try_lock(path: Path) -> int | None:
     """An open descriptor holding the ``flock`` of ``path`` (created if missing), or None when
     another holds it. A file its holder removed after we opened it is not the lock: opened again."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(path, os.O_RDWR | os.O_CREAT)  # never O_TRUNC: the holder's name stays until we hold it
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -427,6 +430,19 @@ def _try_lock(path: Path) -> int | None:
         if _same_file(path, fd):
             return fd
         os.close(fd)  # we locked a removed file: its holder had just released it
+
+
+def _open_lock(path: Path, flags: int) -> int:
+    """``os.open`` of a lock file that is never a symlink (``O_NOFOLLOW``): its holder truncates and
+    writes it, so a link planted at ``<out>.lock`` would have another file overwritten, or a dangling
+    one created outside the output's folder. A symlink is a ValueError naming it and its target."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise ValueError(f"lock file {str(path)!r} is a symbolic link (to {os.readlink(path)!r}); a lock is never "
+                         "followed: remove the link, or choose another --out") from None
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -455,7 +471,7 @@ def _read_fd(fd: int) -> dict[str, Any]:
 
 def _read_lock(path: Path) -> dict[str, Any]:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock(path, os.O_RDONLY)
     except FileNotFoundError:
         return {}
     try:

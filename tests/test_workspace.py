@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -257,3 +258,29 @@ def test_run_tag_names_model_dtype_and_device_type_for_every_record_kind(tmp_pat
     assert run_tag("qwen2.5-3b", "bfloat16", "cuda:1") == "qwen2.5-3b_bfloat16_cuda"  # the card's index dropped
     assert run_tag("tiny-qwen2", "float32", "cpu") == "tiny-qwen2_float32_cpu"
     assert calibration_path("m", "bfloat16", "cuda:0", Workspace(tmp_path)).name == "m_bfloat16_cuda.json"
+
+
+def test_output_lock_never_follows_a_symlink_at_its_lock_file(tmp_path):
+    """A link at <out>.lock had its target overwritten (a dangling one: created outside the folder)."""
+    target, missing = tmp_path / "elsewhere.txt", tmp_path / "outside" / "created.txt"
+    target.write_text("precious\n")
+    (tmp_path / "out").mkdir()
+    for pointed in (target, missing):
+        link = lock_path(tmp_path / "out" / "res")
+        link.symlink_to(pointed)
+        message = f"lock file {str(link)!r} is a symbolic link (to {str(pointed)!r}); a lock is never followed"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            with output_lock(tmp_path / "out" / "res"):
+                pytest.fail("took a lock through a symlink")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_not_locked(tmp_path / "out" / "res")
+        link.unlink()
+    assert target.read_text() == "precious\n" and not missing.parent.exists()
+
+
+def test_output_lock_takes_a_left_lock_file_without_truncating_it_first(tmp_path, capsys):
+    left = lock_path(tmp_path / "res")
+    left.write_text(json.dumps({"pid": 2**22 + 7, "started": "then"}))  # a pid no process has here
+    with output_lock(tmp_path / "res"):
+        assert json.loads(left.read_text())["pid"] == os.getpid()
+    assert "its holder (pid 4194311, started then) is no longer running" in capsys.readouterr().err
