@@ -143,3 +143,42 @@ def test_a_calibration_without_a_decode_probe_prices_a_captured_decode_by_the_pr
     model = get_tiny("qwen2")
     assert Rollout(model, RolloutConfig(costs=file_costs)).route_for(lengths, [16] * 32) == "nocb"
     assert Rollout(model, RolloutConfig(costs=costs)).route_for(lengths, [16] * 32) != "nocb"
+
+
+def test_the_compile_cache_is_used_only_when_no_one_else_can_write_it(cache, monkeypatch):
+    """compile_cache loads code from the cache folder: one another user owns or can write is warned of
+    once (naming it and why) and neither loaded from nor saved to; a private one is used."""
+    from types import SimpleNamespace
+
+    from rollout_lab.engine.runner import disk_cache
+    from rollout_lab.engine.runner.disk_cache import compiled_cache_path, load_compiled, save_compiled
+
+    loaded, saved = [], []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts",
+                        lambda data: loaded.append(data) or SimpleNamespace(artifacts={"inductor": ["k"]}))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: saved.append(1) or (b"artifacts", None))
+    monkeypatch.setattr(disk_cache, "_WARNED", set())
+    meta = model_metadata(get_tiny("qwen2"), prefill_graphs=True)
+    path = save_compiled(meta)
+    assert path == compiled_cache_path(meta) and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert load_compiled(meta) == 1 and loaded == [b"artifacts"]
+    root = cache.parent
+    root.chmod(0o777)
+    try:
+        with pytest.warns(UserWarning, match=f"not using the compile cache .*: {str(root)!r} is writable by group "
+                                             "and others \\(mode 777\\)") as warned:
+            assert load_compiled(meta) == 0 and save_compiled(meta) is None
+        assert len(warned) == 1  # once for both, and for every later call
+        assert loaded == [b"artifacts"] and saved == [1]
+    finally:
+        root.chmod(0o700)
+    (path.parent).chmod(0o720)
+    with pytest.warns(UserWarning, match=f"{str(path.parent)!r} is writable by group \\(mode 720\\)"):
+        assert load_compiled(meta) == 0
+    path.parent.chmod(0o700)
+    me = disk_cache.os.getuid()
+    monkeypatch.setattr(disk_cache.os, "getuid", lambda: me + 1)
+    with pytest.warns(UserWarning, match=f"{str(root)!r} is owned by uid {me}, not this user \\(uid {me + 1}\\)"):
+        assert load_compiled(meta) == 0
+    assert loaded == [b"artifacts"]

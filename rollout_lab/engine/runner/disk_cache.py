@@ -23,6 +23,12 @@ The folder is ``$ROLLOUT_LAB_CACHE``, else ``~/.cache/rollout_lab``: ``costs/`` 
 file's name is the model's dtype, device and a hash of its checked provenance; writes are atomic,
 and a file that does not read is skipped with a warning (never deleted).
 
+**Trust.** Compiled artifacts are code: whoever can write ``compiled/`` runs code in every process
+that loads it. So they are loaded and saved only when the cache folder, ``compiled/`` and the file
+are owned by the current user and not writable by group or others (``untrusted_cache``); otherwise
+the rollout compiles fresh, with one warning per folder naming it and why. The folders this module
+creates are mode 0700.
+
     path = cached_cost_file(model_metadata(model, prefill_graphs=True))   # None when none matches
     save_costs(costs, metadata, source="...")                            # the path written
     load_compiled(metadata); ...; save_compiled(metadata)                 # around the first compile
@@ -32,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -96,7 +103,7 @@ def save_costs(costs: CostCoefficients, metadata: Mapping[str, Any], *, source: 
     """Write ``costs`` with ``metadata`` (and ``source``: how they were found) to the setting's
     cache file, atomically; returns its path."""
     path = cost_cache_path(metadata)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _private_folder(path.parent)
     grid = {"prefill_graphs": bool(metadata.get("prefill_graphs", False))}  # checked as a calibration's grid
     return costs.to_json(path, {**metadata, "grid": grid, "source": source})
 
@@ -108,11 +115,53 @@ def compiled_cache_path(metadata: Mapping[str, Any]) -> Path:
     return cache_root() / "compiled" / f"{_name(metadata)}.bin"
 
 
+def untrusted_cache(path: Path) -> str | None:
+    """Why ``path`` under the cache folder may not be trusted as code (None: it may): the cache
+    folder, ``compiled/`` or ``path`` itself, where it exists, owned by another user or writable by
+    group or others. Symlinks are followed: what counts is the folder that would be read."""
+    root = cache_root()
+    for where in (root, root / "compiled", path):
+        try:
+            status = where.stat()
+        except FileNotFoundError:
+            continue
+        if status.st_uid != os.getuid():
+            return f"{str(where)!r} is owned by uid {status.st_uid}, not this user (uid {os.getuid()})"
+        if status.st_mode & 0o022:
+            who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if status.st_mode & bit)
+            return f"{str(where)!r} is writable by {who} (mode {stat.S_IMODE(status.st_mode):o})"
+    return None
+
+
+_WARNED: set[str] = set()  # the reasons already warned of: once per folder and process
+
+
+def _trusted(path: Path) -> bool:
+    """False, warning once per reason, when ``untrusted_cache(path)`` finds a reason."""
+    reason = untrusted_cache(path)
+    if reason is None:
+        return True
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"not using the compile cache {str(path.parent)!r}: {reason}, so another user could "
+                      f"plant code there; compiling fresh (chmod go-w the folder, or set ${CACHE_ENV} to a "
+                      "private one)", stacklevel=3)
+    return False
+
+
+def _private_folder(folder: Path) -> None:
+    """Create ``folder`` and the cache folder above it, each mode 0700 (an existing one is left as it is)."""
+    for where in (cache_root(), folder):
+        if not where.is_dir():
+            where.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
 def load_compiled(metadata: Mapping[str, Any]) -> int:
     """Load the setting's saved compile artifacts into torch.compile's caches (before compiling);
-    how many artifacts it loaded (0 when there is no file, or torch refused it: with a warning)."""
+    how many artifacts it loaded (0 when there is no file, when the cache may not be trusted
+    (``untrusted_cache``: warned once), or torch refused it: with a warning)."""
     path = compiled_cache_path(metadata)
-    if not path.is_file():
+    if not path.is_file() or not _trusted(path):
         return 0
     try:
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
@@ -127,10 +176,14 @@ def load_compiled(metadata: Mapping[str, Any]) -> int:
 
 def save_compiled(metadata: Mapping[str, Any]) -> Path | None:
     """Write every compile artifact this process made so far to the setting's file, atomically;
-    its path, or None when there is nothing to save."""
+    its path, or None when there is nothing to save or the cache may not be trusted (``untrusted_cache``)."""
+    path = compiled_cache_path(metadata)
+    if not _trusted(path):
+        return None
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
-    path = compiled_cache_path(metadata)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_bytes_atomic(path, saved[0])
+    _private_folder(path.parent)
+    written = write_bytes_atomic(path, saved[0])
+    os.chmod(written, 0o600)  # never group-writable, whatever the umask: untrusted_cache would refuse it
+    return written
