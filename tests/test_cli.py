@@ -203,9 +203,10 @@ def test_commands_take_a_local_checkpoint(checkpoint, tmp_path, capsys):
 
 
 def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
-    for argv in (["sweep", "--model", str(tmp_path / "missing")], ["calibrate", "--model", str(tmp_path)]):
+    for argv, message in ((["sweep", "--model", str(tmp_path / "missing")], "no model folder at"),
+                          (["calibrate", "--model", str(tmp_path)], "has no config.json, so it is not a model folder")):
         assert main(argv) == 2
-        assert "is not a checkpoint folder" in one_error_line(capsys)
+        assert message in one_error_line(capsys)
     assert main(["plan", "16", "--model", str(tmp_path)]) == 2
     assert "no config.json" in one_error_line(capsys)
     assert main(["notebooks", "--preset", "qwen2.5-3b", "--model", str(tmp_path), "--out-dir", str(tmp_path / "o")]) == 2
