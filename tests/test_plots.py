@@ -129,8 +129,8 @@ def test_latency_figures_draw_medians_spreads_and_samples():
     assert "within spread" in _texts(fig) and "not measured: hf_static" in _texts(fig)
     assert ax.get_legend() is not None and ax.get_legend().get_bbox_to_anchor().bounds == ax.bbox.bounds
     assert plot_e2e(_rows({"nocb": 1.0, "auto": 100.0})).axes[0].get_yscale() == "log"  # 100x apart
-    memory = plot_throughput_memory(rows).axes[1]
-    assert not memory.axison and "peak memory (CUDA only): not measured" in _texts(memory.figure)
+    cpu = plot_throughput_memory(rows)  # no peak memory in any row: no empty panel, the reason in words
+    assert len(cpu.axes) == 1 and "peak memory not measured: it is read from the CUDA allocator" in _texts(cpu)
     assert len(plot_breakdown(rows[:6]).axes) == 2
 
 
@@ -220,6 +220,10 @@ def test_speed_words_say_slower_below_one():
 
     assert speed_words(2.5) == "2.50× faster" and speed_words(0.4) == "2.50× slower"
     assert speed_words(0.4, digits=1) == "2.5× slower" and speed_words(1.001) == "as fast"
+    # "as fast than hf_generate" was drawn: the other is named in each wording's own grammar
+    assert speed_words(1.001, than="hf_generate") == "as fast as hf_generate"
+    assert speed_words(2.5, digits=1, than="hf_generate") == "2.5× faster than hf_generate"
+    assert speed_words(0.4, digits=1, than="hf_generate") == "2.5× slower than hf_generate"
     for bad in (0, -1.0, float("nan"), float("inf"), True, None, "2"):
         with pytest.raises(ValueError, match="speedup must be a finite number > 0"):
             speed_words(bad)
@@ -308,3 +312,68 @@ def test_the_latency_figures_draw_nothing_over_anything():
                 plot_step_cost(steps, title="EOS long tail: decode time by live rows"),
                 plot_trainer_loop(loop[:1], title="trainer mode: exact")):
         assert _overlaps(fig) == [], fig.axes[0].get_ylabel()
+
+
+# ---------------------------------------------------------------- issue 53: words, axes and colour bars of the figures
+
+def _whole_rows(ours_and_best):
+    return [{"workload": f"w{i}", "model": "m", "git_sha": "abc1234", "ours_ms": ours, "hf_generate_ms": best,
+             "hf_static_ms": None, "hf_generate_batch_ms": None, "best_hf": "hf_generate",
+             "speedup_over_best_hf": best / ours} for i, (ours, best) in enumerate(ours_and_best)]
+
+
+def test_whole_table_says_as_fast_as_and_draws_speedups_linear_from_zero_around_one():
+    from rollout_lab.plots.latency import plot_whole_table
+
+    fig = plot_whole_table(_whole_rows([(121.5, 123.5), (89.3, 58.6), (78.8, 203.2)]), title="t")
+    texts = _texts(fig)
+    assert "as fast as hf_generate" in texts and "as fast than" not in texts
+    seconds, ratios = fig.axes
+    assert seconds.get_xscale() == "linear" and seconds.get_xlim()[0] == 0  # 0.06 .. 0.2 s: bars from 0
+    assert ratios.get_xscale() == "linear" and ratios.get_xlim()[0] == 0 < 1 < ratios.get_xlim()[1]
+    widths = sorted(round(p.get_width(), 3) for p in ratios.patches)
+    assert widths == sorted(round(b / o, 3) for o, b in ((121.5, 123.5), (89.3, 58.6), (78.8, 203.2)))
+    assert any(line.get_xdata()[0] == 1.0 for line in ratios.get_lines())  # the "as fast" line
+    assert _overlaps(fig) == []
+
+
+def test_whole_table_seconds_spanning_decades_start_at_a_decade():
+    """The seconds' log axis started at matplotlib's margin (0.018 s), so bar lengths meant nothing:
+    it starts at the decade below the fastest call."""
+    from rollout_lab.plots.latency import plot_whole_table
+
+    seconds = plot_whole_table(_whole_rows([(18.0, 600.0), (40.0, 4000.0)])).axes[0]
+    assert seconds.get_xscale() == "log" and seconds.get_xlim()[0] == pytest.approx(0.01)
+
+
+def test_throughput_memory_draws_both_panels_where_memory_was_measured():
+    rows = [dict(r, peak_mem_bytes=2**30 * (1 + i)) for i, r in enumerate(_rows({"nocb": 20.0, "auto": 10.0}))]
+    fig = plot_throughput_memory(rows)
+    assert len(fig.axes) == 2 and all(ax.axison and ax.patches for ax in fig.axes)
+    assert fig.axes[1].get_ylabel() == "peak memory (MiB)" and "not measured" not in _texts(fig)
+
+
+@pytest.mark.parametrize("lo, hi, want", [(-7.0, 3.6, [-6, -4, -2, 0, 1, 2, 3]), (-7.0, 0.25, [-6, -4, -2, 0, 0.25]),
+                                          (-0.25, 0.25, [-0.25, 0, 0.25]), (-0.1, 0.2, [-0.1, 0, 0.2])])
+def test_colour_bar_ticks_number_both_sides(lo, hi, want):
+    from rollout_lab.plots.buckets import both_sides_ticks
+
+    assert both_sides_ticks(lo, hi) == pytest.approx(want)
+
+
+@pytest.mark.slow  # three route maps drawn and measured
+def test_route_map_colour_bars_are_numbered_on_both_sides(dists):
+    """The two slopes fill half a bar each: the shallow bucketed side had one number or none
+    (short_similar's had none)."""
+    similar = resolve_distributions([{"kind": "seed", "name": "short_similar"}], batch_size=16, seeds=[0, 1])
+    maps = [route_map(d.label, d.lengths, GEO, COSTS, max_lengths=[16, 64, 256, 1024, 2048], budgets=[1, 8, 64, 1024])
+            for d in [*similar, *dists]]
+    fig = plot_route_maps(maps)
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == len(maps)
+    fig.canvas.draw()
+    for bar in bars:
+        low, high = bar.get_ylim()
+        shown = [float(t.get_text().replace("−", "-")) for t, y in zip(bar.get_yticklabels(), bar.get_yticks())
+                 if t.get_text() and low - 1e-9 <= y <= high + 1e-9]  # the locator also lists ticks off the bar
+        assert min(shown) < 0 < max(shown) and 0 in shown, (shown, low, high)

@@ -148,6 +148,19 @@ def plot_bucket_map_vs_fixed_cost(label: str, lengths: Sequence[int], rows: Sequ
     return fig
 
 
+def both_sides_ticks(lo: float, hi: float, *, per_side: int = 4) -> list[float]:
+    """Colour-bar ticks for a ``TwoSlopeNorm`` centred on 0 over ``lo < 0 < hi``: 0 and, on each side,
+    at most ``per_side`` multiples of a step of its own (the side's end where it is shorter than the
+    smallest step). Each side fills half the bar however long it is, so matplotlib's locator, which
+    spaces ticks by value, numbered the short side once or not at all."""
+    ticks = [0.0]
+    for sign, extent in ((-1, -lo), (1, hi)):
+        step = next((s for s in (0.25, 0.5, 1, 2, 3, 4, 5, 10, 20, 50) if extent / s <= per_side), extent / per_side)
+        count = int(extent / step + 1e-9)
+        ticks += [sign * k * step for k in range(1, count + 1)] if count else [sign * extent]
+    return sorted(ticks)
+
+
 def plot_route_maps(maps: Sequence[Any], *, ncols: int = 3) -> Figure:
     """log2(nocb / bucketed CB) over max prompt length × generation budget; the line is the switch.
 
@@ -173,7 +186,9 @@ def plot_route_maps(maps: Sequence[Any], *, ncols: int = 3) -> Figure:
         ax.set_xlabel("longest prompt (tokens; lengths scaled)")
         ax.set_ylabel("max_new_tokens")
         ax.set_title(f"{m.label}: bucketed {is_cb.mean():.0%} of the map", fontsize=9)
-        fig.colorbar(mesh, ax=ax, label="log2(nocb / bucketed)")
+        bar = fig.colorbar(mesh, ax=ax, label="log2(nocb / bucketed)")
+        ticks = both_sides_ticks(lo, hi)
+        bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     fig.suptitle("Route map: blue = bucketed CB cheaper, red = nocb cheaper; black line: Auto's switch; "
                  "dashed: the unscaled lengths", fontsize=10)
     fig.tight_layout()

@@ -103,16 +103,19 @@ def plot_e2e(rows: Sequence[Mapping[str, Any]], summary: Sequence[Mapping[str, A
 
 
 def plot_throughput_memory(rows: Sequence[Mapping[str, Any]]) -> Figure:
-    """Generated tokens/s and peak memory (MiB) per path and workload."""
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.2))
-    _grouped_bars(ax_t, rows, "tokens_per_s")
-    ax_t.set_ylabel("generated tokens / s")
-    if all(r.get("peak_mem_bytes") in (None, "") for r in rows):
-        draw_not_measured(ax_m, "peak memory (CUDA only)")
-    else:
+    """Generated tokens/s and peak memory (MiB) per path and workload. Peak memory is a CUDA
+    allocator reading: where no row has one (a CPU run) the figure is tokens/s alone, and says why."""
+    has_memory = any(r.get("peak_mem_bytes") not in (None, "") for r in rows)
+    if has_memory:
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.2))
         _grouped_bars(ax_m, rows, "peak_mem_bytes", scale=1 / 2**20)
         ax_m.set_ylabel("peak memory (MiB)")
-    # one legend above both panels: inside either one it covered bars of every path
+    else:  # an empty half was drawn here: the reason goes in the title instead
+        fig, ax_t = plt.subplots(figsize=(8, 4.2))
+        ax_t.set_title("peak memory not measured: it is read from the CUDA allocator", fontsize=9, color="0.3")
+    _grouped_bars(ax_t, rows, "tokens_per_s")
+    ax_t.set_ylabel("generated tokens / s")
+    # one legend above the panels: inside either one it covered bars of every path
     handles, labels = ax_t.get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1.0), ncol=min(len(labels), 9),
                fontsize=7, frameon=False)
@@ -333,32 +336,47 @@ WHOLE_TABLE_COLUMNS = (("ours_ms", "ours"), ("hf_static_ms", "HF static + compil
 
 
 def plot_whole_table(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
-    """The whole table (``measure.records.whole_table_rows``): per workload, seconds of the whole call for
-    ours and each HF peer its record holds (log axis), and the speedup over the fastest peer."""
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * max(3, len(rows))))
+    """The whole table (``measure.records.whole_table_rows``), one row per workload. Left: seconds of the
+    whole call for ours and each HF peer its record holds, bars from 0 (a log axis, from the decade
+    below the fastest, only where the seconds span ``LOG_SPAN``). Right: the speedup over the fastest
+    peer, its time over ours, on a linear axis from 0 with a line at 1 (as fast), in words beside it."""
+    fig, (ax, ratio_ax) = plt.subplots(1, 2, sharey=True, figsize=(12, 1.6 + 0.55 * max(3, len(rows))),
+                                       gridspec_kw={"width_ratios": (3, 2)})
     height = 0.8 / len(WHOLE_TABLE_COLUMNS)
     labels = [f"{r['workload']} ({r['model']}, @{r['git_sha']})" for r in rows]
+    seconds = []
     for j, (key, name) in enumerate(WHOLE_TABLE_COLUMNS):
-        xs = [math.nan if r.get(key) is None else float(r[key]) / 1e3 for r in rows]
+        xs = [math.nan if r.get(key) in (None, "") else float(r[key]) / 1e3 for r in rows]
         if all(math.isnan(x) for x in xs):  # no record holds this peer: no bars, no legend entry
             continue
+        seconds += xs
         ys = [i - 0.4 + height * (j + 0.5) for i in range(len(rows))]
         ax.barh(ys, xs, height=height, color=PALETTE(j), label=name)
-    for i, r in enumerate(rows):
-        if r.get("speedup_over_best_hf"):
-            ax.annotate(f"{speed_words(float(r['speedup_over_best_hf']), digits=1)} than {r['best_hf']}",
-                        (float(r["ours_ms"]) / 1e3, i - 0.3),
-                        xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
-        else:
-            ax.annotate("no HF peer in this record", (float(r["ours_ms"]) / 1e3, i - 0.3), xytext=(4, 0),
-                        textcoords="offset points", va="center", fontsize=7, color="0.4")
+    if choose_scale(ax, seconds, axis="x") == "log":  # bars then start at a round decade, not at matplotlib's margin
+        ax.set_xlim(left=10 ** math.floor(math.log10(min(x for x in seconds if x > 0))))
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("seconds of the whole call (log)")
-    # beside the axes, not below them: an offset under the axes is a fraction of its height, and
-    # a figure of two rows put the legend over the axis label
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("seconds of the whole call")
+    ax.grid(axis="x", alpha=0.3)
+    # above the axes, left-aligned: beside them it named bars a whole panel away
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(WHOLE_TABLE_COLUMNS), frameon=False)
+
+    speedups = [float(r["speedup_over_best_hf"]) if r.get("speedup_over_best_hf") not in (None, "") else math.nan
+                for r in rows]
+    ratio_ax.barh(range(len(rows)), speedups, height=0.5, color=PALETTE(0))
+    ratio_ax.axvline(1.0, color="0.2", linewidth=1.0, linestyle="--")
+    for i, (r, speedup) in enumerate(zip(rows, speedups)):
+        if math.isnan(speedup):
+            ratio_ax.annotate("no HF peer in this record", (1.0, i), xytext=(4, 0), textcoords="offset points",
+                              va="center", fontsize=7, color="0.4")
+        else:  # right of the bar, or of the line at 1 for a shorter bar
+            ratio_ax.annotate(speed_words(speedup, digits=1, than=r["best_hf"]), (max(speedup, 1.0), i),
+                              xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
+    drawn = [x for x in speedups if not math.isnan(x)]
+    ratio_ax.set_xlim(0, max([1.0, *drawn]) * 1.7)  # room for the words right of the longest bar
+    ratio_ax.set_xlabel("speedup over the fastest HF peer (its time / ours; dashed: as fast)")
+    ratio_ax.grid(axis="x", alpha=0.3)
+    ratio_ax.tick_params(axis="y", left=False)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -75,17 +75,19 @@ def slanted_ticks(ax: Any, *, fontsize: float = 8, rotation: float = 30) -> None
     plt.setp(ax.get_xticklabels(), rotation=rotation, ha="right", rotation_mode="anchor")
 
 
-def speed_words(speedup: float, *, digits: int = 2) -> str:
+def speed_words(speedup: float, *, digits: int = 2, than: str | None = None) -> str:
     """A speedup (the other's time over ours) in words, the one wording of every figure: 2.5 is
-    "2.5× faster", 0.4 "2.5× slower" (never "0.4x faster"), and one at ``digits`` "as fast".
-    ValueError unless ``speedup`` is a finite number > 0."""
+    "2.5× faster", 0.4 "2.5× slower" (never "0.4x faster"), and one at ``digits`` "as fast". With
+    ``than`` the other is named in the grammar each takes: "2.5× faster than hf_generate", "as fast as
+    hf_generate". ValueError unless ``speedup`` is a finite number > 0."""
     if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 0 < speedup < math.inf:
         raise ValueError(f"speedup must be a finite number > 0 (the other's time over ours), got {speedup!r}")
     factor = speedup if speedup >= 1 else 1 / speedup
     shown = f"{factor:.{digits}f}"
     if shown == f"{1:.{digits}f}":
-        return "as fast"
-    return f"{shown}× {'faster' if speedup >= 1 else 'slower'}"
+        return "as fast" if than is None else f"as fast as {than}"
+    words = f"{shown}× {'faster' if speedup >= 1 else 'slower'}"
+    return words if than is None else f"{words} than {than}"
 
 
 def draw_not_measured(ax: Any, what: str) -> None:
