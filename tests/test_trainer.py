@@ -138,8 +138,15 @@ def test_rewards_and_advantages_may_be_lists_or_numpy_arrays():
     (lambda: group_advantages([1.0, 2.0, 3.0], num_samples=2), ValueError,
      "rewards has 3 rows, not a multiple of num_samples=2"),
     (lambda: group_advantages([1.0, 2.0], num_samples=0), ValueError, "num_samples must be an int >= 1, got 0"),
+    (lambda: group_advantages([1.0, float("nan")], num_samples=2), ValueError,
+     "rewards\\[1\\] is nan: every reward must be a finite number"),
+    (lambda: group_advantages(np.array([float("inf"), 1.0]), num_samples=2), ValueError, r"rewards\[0\] is inf"),
+    (lambda: group_advantages([1.0, 2.0], num_samples=2, eps=-1.0), ValueError,
+     "eps must be a finite number >= 0, got -1.0"),
     (lambda: policy_gradient_loss(torch.zeros(2, 3), [1.0, 2.0, 3.0], torch.ones(2, 3, dtype=torch.bool)),
      ValueError, r"advantages has 3 rows, logprobs shape \(2, 3\)"),
+    (lambda: policy_gradient_loss(torch.zeros(2, 3), [1.0, 2.0], torch.ones(2, 3, dtype=torch.long)),
+     ValueError, r"response_mask must be a bool tensor of logprobs' shape \(2, 3\), got torch.int64 \(2, 3\)"),
 ])
 def test_bad_rewards_and_advantages_are_named(call, error, message):
     with pytest.raises(error, match=message):

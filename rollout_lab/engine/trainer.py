@@ -276,7 +276,13 @@ def group_advantages(rewards: torch.Tensor | np.ndarray | Sequence[float], *, nu
     rows request-major (row = request * num_samples + sample), as ``Rollout.generate`` returns them.
     ``rewards``: a 1-D tensor (its device kept), a numpy array or a list of numbers."""
     num_samples = check_int(num_samples, name="num_samples")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     rewards = _row_values(rewards, name="rewards")
+    finite = torch.isfinite(rewards) if rewards.is_floating_point() else None
+    if finite is not None and not bool(finite.all()):  # one NaN would make its whole group's advantages NaN
+        row = int((~finite).nonzero()[0, 0])
+        raise ValueError(f"rewards[{row}] is {rewards[row].item()}: every reward must be a finite number")
     if rewards.shape[0] % num_samples:
         raise ValueError(f"rewards has {rewards.shape[0]} rows, not a multiple of num_samples={num_samples}: "
                          "give every request's num_samples rewards, request-major")
@@ -290,17 +296,24 @@ def policy_gradient_loss(logprobs: torch.Tensor, advantages: torch.Tensor | Sequ
     """The on-policy GRPO loss: minus each row's advantage times its response tokens' log-probabilities,
     averaged over the response tokens. ``logprobs``, ``response_mask`` [rows, width] or [rows, R];
     ``advantages`` [rows] (a tensor, a numpy array or a list)."""
-    advantages = _row_advantages(advantages, logprobs)
+    advantages = _row_advantages(advantages, logprobs, response_mask)
     weighted = advantages[:, None].to(logprobs.dtype) * torch.where(response_mask, logprobs, 0.0)  # [rows, width]
     return -weighted.sum() / response_mask.sum().clamp(min=1)
 
 
-def _row_advantages(advantages: torch.Tensor | Sequence[float], logprobs: torch.Tensor) -> torch.Tensor:
-    """[rows] ``advantages`` as a tensor on ``logprobs``' device, one per row of ``logprobs``."""
+def _row_advantages(advantages: torch.Tensor | Sequence[float], logprobs: torch.Tensor,
+                    response_mask: torch.Tensor) -> torch.Tensor:
+    """[rows] ``advantages`` as a tensor on ``logprobs``' device, one per row of ``logprobs``; a
+    ValueError unless ``response_mask`` is a bool tensor of ``logprobs``' shape."""
     advantages = _row_values(advantages, name="advantages").to(logprobs.device)
     if logprobs.dim() != 2 or advantages.shape[0] != logprobs.shape[0]:
         raise ValueError(f"advantages has {advantages.shape[0]} rows, logprobs shape {tuple(logprobs.shape)}: "
                          "give one advantage per row of a 2-D [rows, width] logprobs")
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dtype != torch.bool \
+            or response_mask.shape != logprobs.shape:
+        raise ValueError(f"response_mask must be a bool tensor of logprobs' shape {tuple(logprobs.shape)}, got "
+                         + (f"{response_mask.dtype} {tuple(response_mask.shape)}" if isinstance(response_mask, torch.Tensor)
+                            else type(response_mask).__name__))
     return advantages
 
 
@@ -319,7 +332,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     if logprobs.shape != old_logprobs.shape or logprobs.shape != response_mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
                          f"response_mask {tuple(response_mask.shape)} must have one shape")
-    advantages = _row_advantages(advantages, logprobs)
+    advantages = _row_advantages(advantages, logprobs, response_mask)
     old = old_logprobs.detach().to(logprobs.dtype)
     ratio = torch.exp(torch.where(response_mask, logprobs - old, 0.0))  # [rows, width]: 1 off the responses
     gain = advantages[:, None].to(logprobs.dtype)
