@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from rollout_lab.planner.checks import as_int
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms, prefill_cost_ms
+from rollout_lab.planner.checks import as_int, check_int
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, check_pricing, per_row_cost_ms, prefill_cost_ms
 
 # Tie-break: each bucket carries an extra TIE_REL * (one-bucket cost of all prompts), so that on
 # equal cost (to that tolerance, well above float noise) fewer buckets win.
@@ -67,6 +67,8 @@ class BucketPlan:
 def validate_lengths(lengths: Sequence[int], costs: CostCoefficients | None = None) -> list[int]:
     """Positive ints, each within ``prefill_max_tokens`` (no limit when ``costs`` is None);
     the error names the index and value."""
+    if isinstance(lengths, (str, bytes, Mapping)) or not isinstance(lengths, Iterable):
+        raise ValueError(f"lengths must be a list of prompt lengths (ints >= 1), got {lengths!r}")
     out = []
     for index, length in enumerate(lengths):
         if as_int(length) is None:
@@ -87,6 +89,7 @@ def validate_lengths(lengths: Sequence[int], costs: CostCoefficients | None = No
 def _sorted_problem(lengths, geometry, costs):
     """The DP's inputs: sort order, sorted widths, per-row costs f, fixed cost (with the
     tie-break), and the token window's starts."""
+    check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, costs)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     widths = [lengths[i] for i in order]
@@ -205,9 +208,9 @@ def plans_by_num_buckets(
     Layered DP over the sorted lengths: best_k[j] = min_i best_{k-1}[i] + C(j - i, w_j), with each
     bucket within ``prefill_max_tokens``. O(k n^2) time, numpy over i. k is capped at n.
     """
+    check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, costs)
-    if max_num_buckets < 1:
-        raise ValueError(f"max_num_buckets must be >= 1, got {max_num_buckets}")
+    max_num_buckets = check_int(max_num_buckets, name="max_num_buckets")
     n = len(lengths)
     if n == 0:
         return [BucketPlan((), (), 0.0)] + [None] * (max_num_buckets - 1)
@@ -256,4 +259,5 @@ def plan_buckets_k(
     lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, num_buckets: int
 ) -> BucketPlan | None:
     """The cheapest plan with exactly ``num_buckets`` contiguous buckets; None when infeasible."""
+    num_buckets = check_int(num_buckets, name="num_buckets")
     return plans_by_num_buckets(lengths, geometry, costs, num_buckets)[num_buckets - 1]

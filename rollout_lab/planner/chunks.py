@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, validate_lengths
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, attention_gflops, prefill_cost_ms
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, attention_gflops, check_pricing, prefill_cost_ms
 from rollout_lab.planner.shape_classes import ShapeClasses, plan_buckets_classed
 
 # -- chunked prefill ---------------------------------------------------------------------------
@@ -37,6 +37,7 @@ def plan_chunked(
     """``plan_buckets`` with over-limit prompts chunked (module docstring): the DP buckets the
     heads with the short prompts; ``chunks`` lists each long prompt's tail widths. With
     ``classes`` the heads are bucketed at their class shapes (``plan_buckets_classed``)."""
+    check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, None)
     limit = costs.prefill_max_tokens
     splits = [split_prompt(n, limit) for n in lengths]

@@ -270,6 +270,16 @@ def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[name]
 
 
+def check_pricing(geometry: object, costs: object) -> None:
+    """ValueError naming ``geometry`` or ``costs`` unless they are a ``ModelGeometry`` and a
+    ``CostCoefficients``, the two every planner function prices with."""
+    if not isinstance(geometry, ModelGeometry):
+        raise ValueError(f"geometry must be a ModelGeometry, got {geometry!r}")
+    if not isinstance(costs, CostCoefficients):
+        raise ValueError(f"costs must be a CostCoefficients (a cost file's: CostFile.read(path).check(...)), "
+                         f"got {costs!r}")
+
+
 @dataclass(frozen=True)
 class ModelGeometry:
     """The shape facts of a decoder that the cost model needs."""

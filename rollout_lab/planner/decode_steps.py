@@ -34,23 +34,39 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from rollout_lab.planner.checks import as_int, check_max_new_tokens
+from rollout_lab.planner.checks import as_int, check_int, check_max_new_tokens
 
 LengthPrior = Sequence[int] | Mapping[int, float]  # response lengths, or length -> weight
 
 
-def length_cdf(prior: LengthPrior, max_new_tokens: int) -> list[float]:
-    """F(k) = P(l <= k) for k = 0..max_new_tokens, lengths clipped at ``max_new_tokens``."""
+def cdf_steps(prior: LengthPrior, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """F(k) = P(l <= k), lengths clipped at ``max_new_tokens``, as its steps: the ascending lengths
+    where it rises and its value from each on (0 before the first). Its size is the prior's, not
+    the budget's: a budget of 10**9 tokens costs nothing more."""
     weights = _prior_weights(prior)
-    mass = [0.0] * (max_new_tokens + 1)
+    mass: dict[int, float] = {}
     for length, weight in weights.items():
-        mass[min(length, max_new_tokens)] += weight
-    total = sum(mass)
-    cdf, running = [], 0.0
-    for m in mass:
-        running += m
-        cdf.append(min(1.0, running / total))
-    return cdf
+        clipped = min(length, max_new_tokens)
+        mass[clipped] = mass.get(clipped, 0.0) + weight
+    points = sorted(mass)
+    total = sum(mass[k] for k in points)
+    values, running = [], 0.0
+    for k in points:
+        running += mass[k]
+        values.append(min(1.0, running / total))
+    return points, values
+
+
+def _sum_over_steps(points: list[int], values: list[float], end: int, term) -> float:
+    """sum of term(F(k)) for k = 1..end - 1, run by run of F's steps."""
+    total, k, f = 0.0, 1, 0.0
+    for point, value in [*zip(points, values), (end, 0.0)]:
+        stop = min(point, end)
+        if stop > k:
+            total += (stop - k) * term(f)
+            k = stop
+        f = value
+    return total
 
 
 def _prior_weights(prior: LengthPrior) -> dict[int, float]:
@@ -74,14 +90,16 @@ def expected_decode_steps(
     """Expected decode forwards of one call (see the module docstring); ``max_new_tokens - 1``
     without a prior. ``num_slots`` below ``num_requests`` means refill (an estimate)."""
     check_max_new_tokens(max_new_tokens)
+    if num_slots is not None:
+        check_int(num_slots, name="num_slots", or_none=True)
     if prior is None or num_requests <= 0:
         return float(max(0, max_new_tokens - 1)) if num_requests > 0 else 0.0
-    cdf = length_cdf(prior, max_new_tokens)
+    points, values = cdf_steps(prior, max_new_tokens)
     slots = num_requests if num_slots is None else min(num_slots, num_requests)
-    steps_max = sum(1.0 - cdf[k] ** slots for k in range(1, max_new_tokens))
+    steps_max = _sum_over_steps(points, values, max_new_tokens, lambda f: 1.0 - f ** slots)
     if slots >= num_requests:
         return steps_max
-    steps_mean = sum(1.0 - cdf[k] for k in range(1, max_new_tokens))
+    steps_mean = _sum_over_steps(points, values, max_new_tokens, lambda f: 1.0 - f)
     return (num_requests - slots) / slots * steps_mean + steps_max
 
 
@@ -128,7 +146,7 @@ class ResponseLengthPrior:
     """A fixed prior, or an EWMA of the normalised response-length histogram across calls."""
 
     def __init__(self, initial: Sequence[int] | None = None, ewma: float | None = None):
-        check_prior_settings(None if initial is None else tuple(initial), ewma)
+        check_prior_settings(tuple(initial) if isinstance(initial, (list, tuple)) else initial, ewma)
         self.initial = None if initial is None else tuple(initial)
         self.ewma = ewma
         self.weights: dict[int, float] | None = None if initial is None else histogram(self.initial)

@@ -36,7 +36,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from rollout_lab.planner.decode_steps import LengthPrior, length_cdf
+from rollout_lab.planner.bucket_dp import validate_lengths
+from rollout_lab.planner.decode_steps import LengthPrior, cdf_steps
 
 LAYOUTS = ("aligned", "paged")
 
@@ -71,11 +72,12 @@ def response_quantiles(prior: LengthPrior, budgets: Sequence[int]) -> list[int]:
     n = len(budgets)
     if n == 0:
         return []
-    cdf = length_cdf(prior, max(budgets))
+    points, values = cdf_steps(prior, max(budgets))
     quantiles = []
     for i in range(n):
         q = (i + 0.5) / n
-        quantiles.append(bisect.bisect_left(cdf, q - 1e-12) or 1)  # the first length whose F reaches q
+        index = bisect.bisect_left(values, q - 1e-12)  # the first length whose F reaches q
+        quantiles.append(points[index] if index < len(points) else max(budgets) + 1)
     order = sorted(range(n), key=lambda i: (i * 0.6180339887) % 1.0)  # golden-ratio spread of the ranks
     return [max(1, min(quantiles[rank], budget)) for rank, budget in zip(order, budgets)]
 
@@ -100,6 +102,7 @@ def simulate_refill(
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if pool_blocks is not None and layout != "paged":
         raise ValueError(f"pool_blocks is the paged pool's size; layout {layout!r} has no pool")
+    prompt_lengths = validate_lengths(prompt_lengths)
     n = len(prompt_lengths)
     if not (len(response_lengths) == len(budgets) == n):
         raise ValueError(f"one response length and budget per prompt: {n} prompts, "

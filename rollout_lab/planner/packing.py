@@ -17,7 +17,7 @@ from typing import Sequence
 
 from rollout_lab.planner.bucket_dp import BucketPlan, validate_lengths
 from rollout_lab.planner.chunks import chunk_cost_ms, split_prompt
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, packed_prefill_cost_ms
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, check_pricing, packed_prefill_cost_ms
 
 
 def pack_first_fit(lengths: Sequence[int], limit: int | None) -> list[list[int]]:
@@ -48,6 +48,7 @@ def min_forwards(lengths: Sequence[int], limit: int | None) -> int:
 def plan_packed(lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients) -> BucketPlan:
     """Packs of prompt indices (``buckets``), the tokens of each (``widths``), the estimated cost,
     and the tail chunks of prompts over the limit."""
+    check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, None)
     limit = costs.prefill_max_tokens
     splits = [split_prompt(n, limit) for n in lengths]

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rollout_lab.planner.bucket_dp import BucketPlan, plan_buckets, validate_lengths
-from rollout_lab.planner.checks import budgets_of
+from rollout_lab.planner.checks import as_int, budgets_of
 from rollout_lab.planner.chunks import plan_chunked
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, kv_mib, per_row_cost_ms, prefill_cost_ms
+from rollout_lab.planner.cost import (CostCoefficients, ModelGeometry, check_pricing, kv_mib, per_row_cost_ms,
+                                      prefill_cost_ms)
 from rollout_lab.planner.decode_steps import LengthPrior, budget_decode_steps, expected_decode_steps
 from rollout_lab.planner.occupancy import pool_misfit, response_quantiles, simulate_refill
 from rollout_lab.planner.packing import plan_packed
@@ -140,8 +141,11 @@ def choose_route(
     ``rows_per_prompt`` (``choose_shared_route``): prompt i fills that many rows of the decode, so
     the decode steps, refill and the paged replay count rows while the prefill plans count prompts.
     """
+    check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, None if chunk_long_prompts else costs)
     budgets = budgets_of(max_new_tokens, len(lengths))
+    if classes is not None and not isinstance(classes, ShapeClasses):
+        raise ValueError(f"classes must be a ShapeClasses or None, got {classes!r}")
     if continuous_batch_size is not None and (
         isinstance(continuous_batch_size, bool)
         or not isinstance(continuous_batch_size, int)
@@ -155,6 +159,8 @@ def choose_route(
         return RoutePlan("bucketed", (), None, 0.0)
     if rows_per_prompt is not None and len(rows_per_prompt) != n:
         raise ValueError(f"rows_per_prompt must hold one count per prompt ({n}), got {len(rows_per_prompt)}")
+    if rows_per_prompt is not None and any(as_int(k) is None or k < 1 for k in rows_per_prompt):
+        raise ValueError(f"rows_per_prompt must hold ints >= 1, got {list(rows_per_prompt)!r}")
     if rows_per_prompt is None:
         row_lengths, row_budgets = lengths, budgets
     else:  # the decode's rows: prompt i's length and budget, rows_per_prompt[i] times

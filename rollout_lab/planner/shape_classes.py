@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from rollout_lab.planner.bucket_dp import BucketPlan, _fixed_with_tie_break, validate_lengths
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms, prefill_cost_ms
+from rollout_lab.planner.checks import check_int, is_int
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, check_pricing, per_row_cost_ms, prefill_cost_ms
 
 
 def _ascending(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"ShapeClasses.{name} must be strictly ascending positive ints, got {values!r}")
     values = tuple(values)
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values) or \
             list(values) != sorted(set(values)):
@@ -34,6 +37,9 @@ def _ascending(name: str, values: Sequence[int]) -> tuple[int, ...]:
     return values
 
 
+# the largest width or row count a ladder reaches: 65536 width rungs (past any model's context), and
+# its lists stay small where a mistyped 10**12 would build billions of rungs
+MAX_LADDER_TOP = 2**24
 CAPTURE_PAYBACK_CALLS = 16  # a class not captured yet is priced at a capture's ms over this many calls
 
 
@@ -99,8 +105,9 @@ class ShapeClasses:
         repeat): a compiled forward specialises a size of 1, so that rung alone would cost a whole
         compile of its own (data/results/defaults_qwen2.5-3b_bfloat16_cuda_warm.json: long_tail's 1x512
         class), where every other class shares one."""
-        if max_width < 1 or (max_rows is not None and max_rows < 1):
-            raise ValueError(f"max_width and max_rows must be >= 1, got {max_width}, {max_rows}")
+        max_width = check_int(max_width, name="max_width", maximum=MAX_LADDER_TOP)
+        max_rows = None if max_rows is None else check_int(max_rows, name="max_rows", maximum=MAX_LADDER_TOP,
+                                                           or_none=True)
         if smallest_rows not in (1, 2):
             raise ValueError(f"smallest_rows must be 1 or 2, got {smallest_rows!r}")
         widths = [w for w in (16, 32, 64, 128) if w < max_width] + list(range(256, max_width, 256)) + [max_width]
@@ -117,8 +124,10 @@ class ShapeClasses:
         shapes get the same ladder, and a larger call only adds rungs on top, so the shapes (and the
         graphs captured at them) of earlier calls stay in use. ``RolloutConfig(prefill_classes="auto")``
         (``smallest_rows=2`` where the prefill graphs are compiled)."""
-        if longest < 1 or max_rows < 1:
-            raise ValueError(f"longest and max_rows must be >= 1, got {longest}, {max_rows}")
+        if not is_int(longest) or not is_int(max_rows) or longest < 1 or max_rows < 1:
+            raise ValueError(f"longest and max_rows must be >= 1, got {longest!r}, {max_rows!r}")
+        longest = check_int(longest, name="longest", maximum=MAX_LADDER_TOP)
+        max_rows = check_int(max_rows, name="max_rows", maximum=MAX_LADDER_TOP)
         return cls.ladder(max_width=-(-longest // 256) * 256, max_rows=max(32, -(-max_rows // 16) * 16),
                           smallest_rows=smallest_rows)
 
@@ -171,6 +180,9 @@ def plan_buckets_classed(
     captured one; ``widths`` and ``rows`` hold those shapes. That cost stays monotone in the bucket's
     rows and longest prompt (a captured shape that holds a bucket holds every smaller one), so the
     contiguous DP stays exact. O(n^2 log k) for k captured shapes."""
+    check_pricing(geometry, costs)
+    if not isinstance(classes, ShapeClasses):
+        raise ValueError(f"classes must be a ShapeClasses, got {classes!r}")
     lengths = validate_lengths(lengths, costs)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     widths = [lengths[i] for i in order]

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 from rollout_lab.planner.bucket_dp import validate_lengths
 from rollout_lab.planner.checks import budgets_of
-from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, per_row_cost_ms
+from rollout_lab.planner.cost import CostCoefficients, ModelGeometry, check_pricing, per_row_cost_ms
 from rollout_lab.planner.routes import cb_decode_cost_ms, choose_route
 
 METHODS = ("balanced", "round_robin", "karmarkar_karp")
@@ -62,6 +62,7 @@ def shard_requests(
     not allowed with an explicit cache capacity or trimming), so the predicted costs match its plan.
     ``max_new_tokens``: one budget, or one per request.
     """
+    check_pricing(geometry, costs)
     lengths = _validate(lengths, world_size, costs, method)
     budgets = budgets_of(max_new_tokens, len(lengths))
     if method == "round_robin":
