@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any, Callable, Sequence
 
-from rollout_lab.cli.model import build_model
+from rollout_lab.cli.model import build_model, device_type, model_limits
 from rollout_lab.cli.options import Parser, positive_int, record_out
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.records import decode_step_rows, grpo_rows, rl_throughput_rows
@@ -38,7 +38,7 @@ def cmd_bench_rl(args: argparse.Namespace) -> int:
     from rollout_lab.measure.rl import RL_DEFAULTS, check_rl_settings, run_rl  # torch
 
     settings = {k: getattr(args, k) for k in RL_DEFAULTS}
-    check_rl_settings(**{k: v for k, v in settings.items() if k not in ("seed", "decode", "decode_widths")})
+    check_rl_settings(**settings, limits=_model_limits(args))
     _run_bench(args, rl_throughput_rows, lambda model, name, save: run_rl(
         model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
         **settings))
@@ -66,7 +66,7 @@ def cmd_bench_grpo(args: argparse.Namespace) -> int:
     from rollout_lab.measure.grpo import GRPO_DEFAULTS, check_grpo_settings, run_grpo  # torch, as above
 
     settings = {k: getattr(args, k) for k in GRPO_DEFAULTS}
-    check_grpo_settings(**settings)
+    check_grpo_settings(**settings, limits=_model_limits(args))
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as --threads)
         import torch  # torch, as above
 
@@ -98,7 +98,7 @@ def cmd_bench_decode_step(args: argparse.Namespace) -> int:
                                                  check_decode_step_settings, run_decode_step)
 
     settings = {k: getattr(args, k) for k in DECODE_STEP_DEFAULTS}
-    check_decode_step_settings(**settings)
+    check_decode_step_settings(**settings, limits=_model_limits(args))
     _run_bench(args, decode_step_rows, lambda model, name, save: run_decode_step(
         model, model_name=name, dtype=args.dtype, save=save, **_bench_provenance(args), **settings))
     return 0
@@ -131,11 +131,13 @@ def _prefill_routes_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_prefill_routes(args: argparse.Namespace) -> int:
     from rollout_lab.measure.calibrate import load_calibration  # torch
-    from rollout_lab.measure.prefill_routes import PREFILL_ROUTES_DEFAULTS, run_prefill_routes  # torch, as above
+    from rollout_lab.measure.prefill_routes import (PREFILL_ROUTES_DEFAULTS,  # torch, as above
+                                                    check_prefill_routes_settings, run_prefill_routes)
 
     if args.prefill_graphs and args.tiny:
         raise ValueError("--prefill-graphs captures CUDA graphs: give a preset on a CUDA device, not --tiny")
     settings = {k: getattr(args, k) for k in PREFILL_ROUTES_DEFAULTS}
+    check_prefill_routes_settings(**settings, limits=_model_limits(args))
 
     def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:
         costs = load_calibration(args.costs, model=model, model_name=name,
@@ -165,7 +167,7 @@ def cmd_bench_logits(args: argparse.Namespace) -> int:
                                               check_logits_settings, logits_rows, run_logits_check)
 
     settings = {k: getattr(args, k) for k in LOGITS_DEFAULTS}
-    check_logits_settings(**settings)
+    check_logits_settings(**settings, limits=_model_limits(args))
     _run_bench(args, logits_rows, lambda model, name, save: run_logits_check(
         model, model_name=name, dtype=args.dtype, save=save, **_bench_provenance(args), **settings))
     return 0
@@ -193,7 +195,7 @@ def cmd_bench_long_tail(args: argparse.Namespace) -> int:
                                               check_long_tail_settings, long_tail_rows, run_long_tail)
 
     settings = {k: getattr(args, k) for k in LONG_TAIL_DEFAULTS}
-    check_long_tail_settings(**settings)
+    check_long_tail_settings(**settings, limits=_model_limits(args))
     compiled = [p for p in args.paths if LONG_TAIL_PATHS[p].get("compile") in (True, "layers")]
     if compiled and (args.device or ("cpu" if args.tiny else "cuda")) == "cpu":
         raise ValueError(f"paths {compiled} compile the CUDA-graph decode step; --device is cpu "
@@ -239,7 +241,7 @@ def cmd_bench_trainer_loop(args: argparse.Namespace) -> int:
                                                   check_trainer_loop_settings, run_trainer_loop, trainer_loop_rows)
 
     settings = {k: getattr(args, k) for k in TRAINER_LOOP_DEFAULTS}
-    check_trainer_loop_settings(**settings)
+    check_trainer_loop_settings(**settings, limits=_model_limits(args))
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
         import torch  # torch, as above
 
@@ -272,7 +274,8 @@ def cmd_bench_defaults(args: argparse.Namespace) -> int:
                                              check_defaults_settings, defaults_rows, run_defaults)
 
     settings = {k: getattr(args, k) for k in DEFAULTS_BENCH_DEFAULTS}
-    check_defaults_settings(**settings)  # a missing --tuned-costs file too, before the model loads
+    # a missing --tuned-costs file too, and the sizes against the model's config, before the model loads
+    check_defaults_settings(**settings, limits=_model_limits(args))
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
         import torch  # torch, as above
 
@@ -311,8 +314,7 @@ def _run_bench(args: argparse.Namespace, rows: Callable[[dict], list[dict]],
     <out>.json and <out>.csv (the runs save after every path or case); then write it once more,
     print its rows and where they went. The unset model options: fp32 on the CPU for --tiny, else
     bf16 on CUDA."""
-    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
-    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    _resolve_model_options(args)
     model, name = build_model(args)
 
     def save(record: dict[str, Any]) -> str:
@@ -322,6 +324,24 @@ def _run_bench(args: argparse.Namespace, rows: Callable[[dict], list[dict]],
     print(save(record), end="")
     print(f"wrote {args.out[0]} and {args.out[1]}")
     return record
+
+
+def _resolve_model_options(args: argparse.Namespace) -> None:
+    """Fill the unset model options in place: fp32 on the CPU for --tiny, else bf16 on CUDA; a
+    --device that is neither cpu nor cuda[:N] is a ValueError."""
+    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    device_type(args.device)
+
+
+def _model_limits(args: argparse.Namespace) -> Any:
+    """The bench model's ``engine.limits.ModelLimits``, read from its config before it is built, so
+    a bench's sizes are checked before the model and the prompts take any memory."""
+    from rollout_lab.engine.limits import ModelLimits  # torch: a bench's run, when it starts
+
+    _resolve_model_options(args)
+    config, _, _ = model_limits(args)
+    return ModelLimits.of_config(config, dtype=args.dtype, device=args.device)
 
 
 def _bench_config(args: argparse.Namespace) -> dict[str, Any]:

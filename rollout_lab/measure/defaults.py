@@ -36,9 +36,10 @@ from typing import Any, Callable, Mapping, Sequence
 from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.measure.calibrate import load_calibration
 from rollout_lab.measure.models import special_token_ids
-from rollout_lab.measure.paths import timed_call
+from rollout_lab.measure.paths import check_timed_calls, timed_call
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.sweep import class_ladder_settings, resolve_workloads
@@ -56,25 +57,32 @@ DEFAULTS_BENCH_DEFAULTS: dict[str, Any] = {
 
 
 def check_defaults_settings(*, workloads: Sequence[str], max_new_tokens: int, repetitions: int, scale: float,
-                            tuned_costs: str | os.PathLike | None, seed: int) -> None:
+                            tuned_costs: str | os.PathLike | None, seed: int, limits: ModelLimits | None = None) -> None:
     """ValueError naming the first bad setting of ``run_defaults`` and what would be valid; a
-    ``tuned_costs`` file is read (it must exist and hold a cost file), not yet checked against a model."""
+    ``tuned_costs`` file is read (it must exist and hold a cost file), not yet checked against a model.
+    With ``limits`` (the model's) every workload's longest prompt and ``max_new_tokens`` within the
+    context, and its rows at once within the device's memory."""
     if isinstance(workloads, (str, Mapping)) or not isinstance(workloads, Sequence):
         raise ValueError(f"workloads must be a list of workload names, got {workloads!r}")
     repeated = sorted({w for w in workloads if list(workloads).count(w) > 1})
     if repeated:
         raise ValueError(f"workloads must each be given once, got {repeated} more than once")
     check_int(max_new_tokens, name="max_new_tokens")
-    check_int(repetitions, name="repetitions")
+    check_timed_calls(repetitions, name="repetitions")
     check_int(seed, name="seed", minimum=0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
-    resolve_workloads(list(workloads), scale=scale)  # unknown names, or none
+    lengths = resolve_workloads(list(workloads), scale=scale)  # unknown names, or none
     if tuned_costs is not None:
         if not isinstance(tuned_costs, (str, os.PathLike)):
             raise ValueError(f"tuned_costs must be None (the reference's coefficients) or a cost file path, "
                              f"got {tuned_costs!r}")
         CostFile.read(tuned_costs)  # "cost file '<path>' does not exist", or what is wrong in it
+    if limits is None:
+        return
+    for name, lens in lengths.items():
+        check_context(max(lens), max_new_tokens, limits.max_positions, what=f"workload {name!r}")
+        limits.check_kv("max_new_tokens", max_new_tokens, rows=len(lens), positions=max(lens) + max_new_tokens)
 
 
 def prompt_seed(workload: str, seed: int) -> int:
@@ -96,7 +104,7 @@ def run_defaults(
     longer than the model's context and a cost file that is not this model's are a ValueError
     before any work."""
     check_defaults_settings(workloads=workloads, max_new_tokens=max_new_tokens, repetitions=repetitions, scale=scale,
-                            tuned_costs=tuned_costs, seed=seed)
+                            tuned_costs=tuned_costs, seed=seed, limits=ModelLimits.of_model(model))
     workloads = list(workloads)
     settings = {"workloads": workloads, "max_new_tokens": max_new_tokens, "repetitions": repetitions,
                 "scale": scale, "tuned_costs": None if tuned_costs is None else str(tuned_costs), "seed": seed}
@@ -106,9 +114,6 @@ def run_defaults(
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     special = special_token_ids(cfg)
     lengths = resolve_workloads(workloads, scale=scale)
-    for name, lens in lengths.items():
-        check_context(max(lens), max_new_tokens, getattr(cfg, "max_position_embeddings", None),
-                      what=f"workload {name!r}")
     prompts = {name: lengths_to_prompts(lens, vocab_size=vocab, seed=prompt_seed(name, seed), special_ids=special)
                for name, lens in lengths.items()}
     graphs = device.type == "cuda"

@@ -35,6 +35,7 @@ from transformers import GenerationConfig
 from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import LOGIT_BYTES, ModelLimits
 from rollout_lab.engine.runner.steppers import StepperKey, graph_capacity, make_stepper
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
@@ -141,8 +142,11 @@ def teacher_forced_check(model: torch.nn.Module, prompts: Sequence[Sequence[int]
 
 
 def check_logits_settings(*, num_seqs: int, min_len: int, max_len: int, steps: int, variants: Sequence[str],
-                          cache: str) -> None:
-    """ValueError naming the first bad setting of ``run_logits_check`` and what would be valid."""
+                          cache: str, limits: ModelLimits | None = None) -> None:
+    """ValueError naming the first bad setting of ``run_logits_check`` and what would be valid; with
+    ``limits`` (the model's) the longest prompt and its forced steps within the context, the prompts
+    within the host's memory, and every row's KV cache and fp32 logits (ours and the reference's)
+    within the device's."""
     for name, value in (("num_seqs", num_seqs), ("min_len", min_len), ("max_len", max_len), ("steps", steps)):
         if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -153,6 +157,17 @@ def check_logits_settings(*, num_seqs: int, min_len: int, max_len: int, steps: i
         raise ValueError(f"unknown decode variants {unknown or '(none given)'}; valid: {', '.join(DECODE_VARIANTS)}")
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {list(CACHES)}, got {cache!r}")
+    if limits is None:
+        return
+    positions = max_len + steps
+    name, value, other = ("steps", steps, max_len) if steps >= max_len else ("max_len", max_len, steps)
+    limits.check_context(name, value, positions=positions, what=f"a prompt of max_len {max_len} and {steps} forced steps",
+                         most=None if limits.max_positions is None else limits.max_positions - other)
+    row_bytes = positions * limits.kv_bytes_per_token + 2 * steps * limits.vocab_size * LOGIT_BYTES
+    limits.check_memory("num_seqs", num_seqs, unit_bytes=row_bytes, unit="rows",
+                        what=f"the KV cache ({positions} positions) and fp32 logits ({steps} steps x "
+                             f"{limits.vocab_size} ids, ours and the reference's) of {num_seqs} rows")
+    limits.check_host_tokens("num_seqs", num_seqs, rows=num_seqs, tokens_per_row=positions)
 
 
 @torch.no_grad()
@@ -175,7 +190,7 @@ def run_logits_check(
     after each variant; ``prov`` adds to its provenance (the command and its argv)."""
     variants = list(variants)
     check_logits_settings(num_seqs=num_seqs, min_len=min_len, max_len=max_len, steps=steps, variants=variants,
-                          cache=cache)
+                          cache=cache, limits=ModelLimits.of_model(model))
     model.generation_config = GenerationConfig()  # nothing from the model's defaults (EOS) stops the oracle
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]

@@ -36,11 +36,13 @@ from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.runner.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import LOGIT_BYTES, ModelLimits, rows_at_once
+from rollout_lab.engine.sample.params import MAX_SAMPLES
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.paths import release_memory
+from rollout_lab.measure.paths import check_timed_calls, release_memory
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, padding_share, sample_lengths, scale_lengths
-from rollout_lab.planner.checks import check_int, is_int
+from rollout_lab.planner.checks import check_int
 from rollout_lab.planner.cost import CostCoefficients
 
 GRPO_PATHS = ("shared", "unshared", "hf_generate", "shared_unfused")
@@ -54,15 +56,16 @@ GRPO_DEFAULTS: dict[str, Any] = {"dataset": "gsm8k", "num_prompts": 64, "num_sam
 
 def check_grpo_settings(*, dataset: str, num_prompts: int, num_samples: int, max_new_tokens: int, scale: float,
                         temperature: float, top_p: float, seed: int, mode: str, reps: int,
-                        paths: Sequence[str]) -> None:
-    """ValueError naming the first bad setting of ``run_grpo`` and what would be valid."""
+                        paths: Sequence[str], limits: ModelLimits | None = None) -> None:
+    """ValueError naming the first bad setting of ``run_grpo`` and what would be valid; with
+    ``limits`` (the model's) the sizes too (``check_group_limits``)."""
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {list(DATASETS)}, got {dataset!r}")
-    for name, value in (("num_prompts", num_prompts), ("num_samples", num_samples),
-                        ("max_new_tokens", max_new_tokens), ("reps", reps)):
+    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         check_int(value, name=name)
-    if not is_int(seed):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_samples(num_samples)
+    check_timed_calls(reps, name="reps")
+    check_int(seed, name="seed", minimum=0)
     for name, value in (("scale", scale), ("temperature", temperature)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
@@ -73,6 +76,46 @@ def check_grpo_settings(*, dataset: str, num_prompts: int, num_samples: int, max
     unknown = [p for p in paths if p not in GRPO_PATHS]
     if unknown or not paths or len(set(paths)) != len(paths):
         raise ValueError(f"GRPO paths must be distinct names from {', '.join(GRPO_PATHS)}; got {list(paths)}")
+    lengths = scale_lengths(sample_lengths(dataset, num_prompts, seed=seed), scale)  # num_prompts within the dataset
+    if limits is not None:
+        check_group_limits(limits, lengths, num_samples=num_samples, max_new_tokens=max_new_tokens, scale=scale,
+                           mode="bucketed" if "hf_generate" in paths else mode)
+
+
+def check_samples(num_samples: object) -> int:
+    """``num_samples`` (samples of each prompt) as an int; ValueError unless it is in [1, ``MAX_SAMPLES``]."""
+    number = check_int(num_samples, name="num_samples")
+    if number > MAX_SAMPLES:
+        raise ValueError(f"num_samples={number}: more samples of one prompt than a call takes (each is a row with "
+                         f"its own slot); give at most {MAX_SAMPLES}")
+    return number
+
+
+def check_group_limits(limits: ModelLimits, lengths: Sequence[int], *, num_samples: int, max_new_tokens: int,
+                       scale: float, mode: str, trainer: bool = False, train_rows: int | None = None) -> None:
+    """The sizes of ``num_samples`` samples of each prompt of ``lengths`` (a GRPO group each),
+    ``max_new_tokens`` each, against ``limits``: the longest prompt and its budget within the
+    context, every row's prompt and output within the host's memory, the rows ``mode`` decodes at
+    once within the device's; with ``trainer`` also the fp32 logits of the trainer's micro-batch
+    (``train_rows``; None: every row). ValueError naming the setting and the most that fits."""
+    longest = max(lengths)
+    positions = longest + max_new_tokens
+    if max_new_tokens >= longest:
+        name, value, most = "max_new_tokens", max_new_tokens, \
+            None if limits.max_positions is None else limits.max_positions - longest
+    else:
+        name, value, most = "scale", scale, None
+    limits.check_context(name, value, positions=positions, most=most,
+                         what=f"the longest prompt ({longest} tokens at scale {scale:g}) and {max_new_tokens} new tokens")
+    rows = len(lengths) * num_samples
+    limits.check_kv("num_samples", num_samples, rows=rows_at_once(rows, mode=mode, slots=None), positions=positions)
+    limits.check_host_tokens("num_samples", num_samples, rows=rows, tokens_per_row=positions)
+    if trainer:
+        batch = rows if train_rows is None else min(train_rows, rows)
+        name, value = ("num_samples", num_samples) if batch == rows else ("train_rows", train_rows)
+        limits.check_memory(name, value, count=batch, unit_bytes=positions * limits.vocab_size * LOGIT_BYTES,
+                            unit="rows", what=f"the trainer's fp32 logits of {batch} rows x {positions} positions x "
+                                              f"{limits.vocab_size} ids")
 
 
 class _Paths:
@@ -159,7 +202,7 @@ def run_grpo(
     settings = {"dataset": dataset, "num_prompts": num_prompts, "num_samples": num_samples,
                 "max_new_tokens": max_new_tokens, "scale": scale, "temperature": temperature, "top_p": top_p,
                 "seed": seed, "mode": mode, "reps": reps, "paths": paths}
-    check_grpo_settings(**settings)
+    check_grpo_settings(**settings, limits=ModelLimits.of_model(model))
     device = next(model.parameters()).device
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -225,8 +268,8 @@ def grpo_or_load(
     if grpo_shape is None:
         return None
     shape = shape_settings("grpo_shape", grpo_shape, GRPO_DEFAULTS)
-    check_grpo_settings(**shape)
-    _, name = model_config(model)
+    config, name = model_config(model)
+    check_grpo_settings(**shape, limits=ModelLimits.of_config(config, dtype=dtype, device=device))
     out = record_paths(Workspace.resolve(output_dir).results / f"grpo_{run_tag(name, dtype, device)}")
     net, name = load_model(model, dtype=dtype, device=device)
     costs = None if cost_file is None else load_calibration(cost_file, model=net, model_name=name,

@@ -40,13 +40,14 @@ import torch
 from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import ModelLimits, rows_at_once
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.rl import peak_memory_over
-from rollout_lab.measure.paths import release_memory
+from rollout_lab.measure.paths import check_timed_calls, release_memory
 from rollout_lab.measure.records import load_record, shape_settings
-from rollout_lab.measure.workloads import EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts
-from rollout_lab.planner.checks import is_int
+from rollout_lab.measure.workloads import DATASETS, EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts, load_lengths
+from rollout_lab.planner.checks import check_int, is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # path name -> engine settings; ``slots`` replaces the continuous_batch_size of the *_128 paths
@@ -81,18 +82,41 @@ def path_settings(path: str, *, slots: int) -> dict[str, Any]:
 
 
 def check_long_tail_settings(*, num_prompts: int, dataset: str, hazard: float, max_new_tokens: int, slots: int,
-                             seed: int, reps: int, paths: Sequence[str]) -> None:
-    """ValueError naming the first bad setting of ``run_long_tail`` and what would be valid."""
-    for name, value in (("max_new_tokens", max_new_tokens), ("slots", slots), ("reps", reps)):
+                             seed: int, reps: int, paths: Sequence[str], limits: ModelLimits | None = None) -> None:
+    """ValueError naming the first bad setting of ``run_long_tail`` and what would be valid; with
+    ``limits`` (the model's) the dataset's longest prompt and ``max_new_tokens`` within the context,
+    the prompts and outputs within the host's memory, and the rows the paths decode at once (their
+    slots; every row for ``aligned_all``) within the device's."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("slots", slots)):
         if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_timed_calls(reps, name="reps")
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     unknown = [p for p in paths if p not in LONG_TAIL_PATHS]
     if unknown or not paths:
         raise ValueError(f"unknown long-tail paths {unknown or '(none given)'}; valid: {', '.join(LONG_TAIL_PATHS)}")
-    # the workload's own checks (num_prompts, dataset, hazard): a vocabulary of one id is enough to run them
-    eos_long_tail(1, num_prompts=num_prompts, dataset=dataset, hazard=hazard, seed=seed)
+    # the workload's own checks (num_prompts, dataset, hazard) on one prompt and a vocabulary of one id:
+    # drawing num_prompts lengths waits for the limits below
+    check_int(num_prompts, name="num_prompts")
+    eos_long_tail(1, num_prompts=1, dataset=dataset, hazard=hazard, seed=seed)
+    if limits is None:
+        return
+    longest = {name: max(load_lengths(name)) for name in DATASETS}  # drawn with replacement: any may come
+    positions = longest[dataset] + max_new_tokens
+    what = f"{dataset}'s longest prompt ({longest[dataset]} tokens) and {max_new_tokens} new tokens"
+    if limits.max_positions is not None and longest[dataset] >= limits.max_positions:
+        fitting = [name for name, n in longest.items() if n < limits.max_positions]
+        limits.check_context("dataset", dataset, positions=positions, what=what,
+                             valid=f"a dataset whose prompts fit: {', '.join(fitting)}" if fitting
+                             else "a model with a longer context")
+    limits.check_context("max_new_tokens", max_new_tokens, positions=positions, what=what,
+                         most=None if limits.max_positions is None else limits.max_positions - longest[dataset])
+    at_once = max(rows_at_once(num_prompts, mode=settings["mode"], slots=settings.get("continuous_batch_size"))
+                  for settings in (path_settings(path, slots=slots) for path in paths))
+    limits.check_kv("num_prompts" if at_once == num_prompts else "slots",
+                    num_prompts if at_once == num_prompts else slots, rows=at_once, positions=positions)
+    limits.check_host_tokens("num_prompts", num_prompts, rows=num_prompts, tokens_per_row=positions)
 
 
 def run_long_tail(
@@ -107,7 +131,7 @@ def run_long_tail(
     provenance (the script and its argv). Bad settings are a ValueError before any work."""
     paths = list(paths)
     check_long_tail_settings(num_prompts=num_prompts, dataset=dataset, hazard=hazard, max_new_tokens=max_new_tokens,
-                             slots=slots, seed=seed, reps=reps, paths=paths)
+                             slots=slots, seed=seed, reps=reps, paths=paths, limits=ModelLimits.of_model(model))
     device = next(model.parameters()).device
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -249,9 +273,10 @@ def long_tail_or_load(
             return None
         return str(long_tail_results_file), load_record(Path(long_tail_results_file), "eos_long_tail")
     shape = shape_settings("long_tail_shape", long_tail_shape, LONG_TAIL_DEFAULTS)
+    config, name = model_config(model)
     check_long_tail_settings(**{k: shape[k] for k in ("num_prompts", "dataset", "hazard", "max_new_tokens", "slots",
-                                                      "seed", "reps", "paths")})
-    _, name = model_config(model)
+                                                      "seed", "reps", "paths")},
+                             limits=ModelLimits.of_config(config, dtype=dtype, device=device))
     out = record_paths(Workspace.resolve(output_dir).results / f"long_tail_{run_tag(name, dtype, device)}")
     net, name = load_model(model, dtype=dtype, device=device)
     record = run_long_tail(net, model_name=name, dtype=dtype, save=lambda r: write_record(out, r, long_tail_rows(r)),

@@ -21,8 +21,12 @@ from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.peers import hf_generate, hf_generate_batch
 from rollout_lab.measure.records import PEER_PATHS
+from rollout_lab.planner.checks import check_int
 
 PATHS = MODES + PEER_PATHS  # our routes, then the HF peers
+# timed calls of one measurement (reps, repetitions, iterations): each is kept in the record, and
+# past this many a run takes days, not a better estimate
+MAX_TIMED_CALLS = 10_000
 # the decode levers, as RolloutConfig settings over the engine's defaults (on CUDA: span attention,
 # the compiled step, the row ladder); each ablation takes one more away (rollout-lab bench rl,
 # decode-step, logits)
@@ -43,6 +47,14 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
 }
 # the levers the decode-step and logits benches compare unless told: ours, then the compile and the spans taken away
 LEVER_VARIANTS = ("ours", "ours_no_compile", "ours_masked")
+
+
+def check_timed_calls(value: object, *, name: str) -> int:
+    """``value`` as an int; ValueError naming ``name`` unless it is an int in [1, ``MAX_TIMED_CALLS``]."""
+    number = check_int(value, name=name)
+    if number > MAX_TIMED_CALLS:
+        raise ValueError(f"{name}={number}: more timed calls than one record keeps; give at most {MAX_TIMED_CALLS}")
+    return number
 
 
 def check_paths(paths: Sequence[str] | None) -> tuple[str, ...]:

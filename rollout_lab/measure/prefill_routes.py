@@ -25,12 +25,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rollout_lab.engine.api.config import RolloutConfig
+from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.paths import check_timed_calls
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.workloads import crossing_batches, lengths_to_prompts
+from rollout_lab.planner.checks import is_int
 from rollout_lab.planner.cost import CostCoefficients
 from rollout_lab.planner.shape_classes import ShapeClasses
 
@@ -42,8 +45,30 @@ PREFILL_ROUTES_DEFAULTS: dict[str, Any] = {"batch_sizes": (32, 64, 128, 256, 512
 
 def longest_prompt(model: torch.nn.Module) -> int:
     """The longest prompt the crossing batches draw: the context less one token, at most 2048."""
-    config = model.config.get_text_config(decoder=True)
-    return min((getattr(config, "max_position_embeddings", None) or 2049) - 1, 2048)
+    return longest_prompt_within(ModelLimits.of_model(model).max_positions)
+
+
+def longest_prompt_within(max_positions: int | None) -> int:
+    """``longest_prompt`` of a model whose context is ``max_positions`` (None: no limit)."""
+    return min((max_positions or 2049) - 1, 2048)
+
+
+def check_prefill_routes_settings(*, batch_sizes: Sequence[int], repetitions: int, routes: Sequence[str],
+                                  limits: ModelLimits | None = None) -> None:
+    """ValueError naming the first bad setting of ``prefill_route_rows`` and what would be valid; with
+    ``limits`` (the model's) every batch's prompts (up to ``longest_prompt`` tokens each) within the
+    host's memory and its KV cache, every row at once, within the device's."""
+    if not batch_sizes or not all(is_int(n) and n >= 1 for n in batch_sizes) or not is_int(repetitions) \
+            or repetitions < 1:
+        raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
+    check_timed_calls(repetitions, name="repetitions")
+    if not routes or not set(routes) <= set(PREFILL_ROUTES):
+        raise ValueError(f"routes must be some of {list(PREFILL_ROUTES)}, got {list(routes)}")
+    if limits is None:
+        return
+    longest, largest = longest_prompt_within(limits.max_positions), max(batch_sizes)
+    limits.check_kv("batch_sizes", largest, rows=largest, positions=longest + 1)
+    limits.check_host_tokens("batch_sizes", largest, rows=largest, tokens_per_row=longest)
 
 
 def prefill_route_rows(
@@ -59,12 +84,10 @@ def prefill_route_rows(
     cut run keeps them); ``routes`` picks some of ``PREFILL_ROUTES`` (a padded nocb forward of 512
     prompts up to 2048 tokens does not fit an H200); ``log`` gets a line per warm-up call (where a
     long compile went)."""
-    if repetitions < 1 or not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"need repetitions >= 1 and batch sizes >= 1, got {repetitions}, {list(batch_sizes)}")
-    if not routes or not set(routes) <= set(PREFILL_ROUTES):
-        raise ValueError(f"routes must be some of {list(PREFILL_ROUTES)}, got {list(routes)}")
+    limits = ModelLimits.of_model(model)
+    check_prefill_routes_settings(batch_sizes=batch_sizes, repetitions=repetitions, routes=routes, limits=limits)
     config = model.config.get_text_config(decoder=True)
-    limit = longest_prompt(model)
+    limit = longest_prompt_within(limits.max_positions)
     vocab = model.get_input_embeddings().weight.shape[0]
     special = special_token_ids(config)
     settings = dict(ignore_eos=True, **({} if costs is None else {"costs": costs}), **(engine or {}))
@@ -115,6 +138,8 @@ def run_prefill_routes(
     ladder of every batch drawn, each class's forward captured (CUDA, as ``rollout-lab sweep
     --prefill-graphs`` runs); ``prov`` adds to the provenance (the command and its argv)."""
     batch_sizes, routes = list(batch_sizes), list(routes)
+    check_prefill_routes_settings(batch_sizes=batch_sizes, repetitions=repetitions, routes=routes,
+                                  limits=ModelLimits.of_model(model))
     engine: dict[str, Any] = {}
     if prefill_graphs:  # the ladder over every batch this bench draws
         engine = {"prefill_classes": ShapeClasses.ladder(max_width=longest_prompt(model), max_rows=max(batch_sizes)),

@@ -30,13 +30,14 @@ from rollout_lab.engine.runner.compiling import compile_counts
 from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import ModelLimits, rows_at_once
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.paths import DECODE_VARIANTS, release_memory
+from rollout_lab.measure.paths import DECODE_VARIANTS, check_timed_calls, release_memory
 from rollout_lab.measure.peers import cb_sizing
 from rollout_lab.measure.trainer_loop import decode_captures
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
-from rollout_lab.planner.checks import is_int
+from rollout_lab.planner.checks import check_int, is_int
 
 RL_PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
 # what runs by default: every ablation and the peer, not the whole-model compile (a CUDA-only variant of ours)
@@ -47,21 +48,38 @@ NANO_VLLM_MODEL = "qwen3-0.6b"
 
 
 def check_rl_settings(*, num_seqs: int, min_len: int, max_len: int, mode: str, slots: int | None, reps: int,
-                      peer_calls: int, paths: Sequence[str]) -> None:
-    """ValueError naming the first bad setting of ``run_rl`` and what would be valid."""
-    for name, value in (("num_seqs", num_seqs), ("min_len", min_len), ("max_len", max_len), ("reps", reps),
-                        ("peer_calls", peer_calls)):
+                      peer_calls: int, paths: Sequence[str], seed: int = 0, decode: str = "auto",
+                      decode_widths: int | None = None, limits: ModelLimits | None = None) -> None:
+    """ValueError naming the first bad setting of ``run_rl`` and what would be valid; with ``limits``
+    (the model's, read before it is built or from it) the sizes too: every request's prompt and
+    budget (each up to ``max_len``) within the context, the prompts and outputs within the host's
+    memory and the rows decoded at once (``slots``, else every request on an aligned route) within
+    the device's."""
+    for name, value in (("num_seqs", num_seqs), ("min_len", min_len), ("max_len", max_len)):
         if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_timed_calls(reps, name="reps")
+    check_timed_calls(peer_calls, name="peer_calls")
+    check_int(seed, name="seed", minimum=0)
     if max_len < min_len:
         raise ValueError(f"max_len {max_len} is below min_len {min_len}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     if slots is not None and (not is_int(slots) or slots < 1):
         raise ValueError(f"slots must be None or an int >= 1, got {slots!r}")
+    RolloutConfig(mode=mode, decode=decode, **({} if decode_widths is None else {"decode_widths": decode_widths}))
     unknown = [p for p in paths if p not in RL_PATHS]
     if unknown or not paths:
         raise ValueError(f"unknown RL paths {unknown or '(none given)'}; valid: {', '.join(RL_PATHS)}")
+    if limits is None:
+        return
+    positions = 2 * max_len  # a prompt and a budget, each drawn up to max_len
+    limits.check_context("max_len", max_len, positions=positions, what="a request's prompt and budget, each up to "
+                         "max_len,", most=None if limits.max_positions is None else limits.max_positions // 2)
+    at_once = rows_at_once(num_seqs, mode=mode, slots=slots)
+    limits.check_kv("num_seqs" if at_once == num_seqs else "slots", num_seqs if at_once == num_seqs else slots,
+                    rows=at_once, positions=positions)
+    limits.check_host_tokens("num_seqs", num_seqs, rows=num_seqs, tokens_per_row=positions)
 
 
 def run_rl(
@@ -77,7 +95,8 @@ def run_rl(
     provenance (the script and its argv). Bad settings are a ValueError before any work."""
     paths = list(paths)
     check_rl_settings(num_seqs=num_seqs, min_len=min_len, max_len=max_len, mode=mode, slots=slots, reps=reps,
-                      peer_calls=peer_calls, paths=paths)
+                      peer_calls=peer_calls, paths=paths, seed=seed, decode=decode, decode_widths=decode_widths,
+                      limits=ModelLimits.of_model(model))
     device = next(model.parameters()).device
     if "ours_compile_model" in paths and device.type != "cuda":
         raise ValueError(f"ours_compile_model compiles the CUDA-graph decode step; the model is on {device}")
@@ -255,9 +274,10 @@ def rl_or_load(
     workloads = [(name, (r["workload"]["lengths"], r["workload"]["budgets"])) for name, r in runs]
     if rl_shape is not None:
         shape = shape_settings("rl_shape", rl_shape, RL_DEFAULTS)
+        config, name = model_config(model)
         check_rl_settings(**{k: shape[k] for k in ("num_seqs", "min_len", "max_len", "mode", "slots", "reps",
-                                                   "peer_calls", "paths")})
-        _, name = model_config(model)
+                                                   "peer_calls", "paths", "seed", "decode", "decode_widths")},
+                          limits=ModelLimits.of_config(config, dtype=dtype, device=device))
         out = record_paths(Workspace.resolve(output_dir).results / f"rl_{run_tag(name, dtype, device)}")
         lengths, budgets = uniform_workload(shape["num_seqs"], low=shape["min_len"], high=shape["max_len"],
                                             seed=shape["seed"])

@@ -40,9 +40,11 @@ from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.sample.processors import LOGPROB_MODES
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.engine.trainer import group_advantages, policy_gradient_loss, sequence_logprobs
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
-from rollout_lab.measure.paths import timed_call
+from rollout_lab.measure.grpo import check_group_limits, check_samples
+from rollout_lab.measure.paths import check_timed_calls, timed_call
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.records import load_record, shape_settings
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, sample_lengths, scale_lengths
@@ -60,13 +62,15 @@ TRAINER_LOOP_DEFAULTS: dict[str, Any] = {
 def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: int, max_new_tokens: int,
                                 scale: float, iterations: int, lr: float, train_rows: int | None, logprobs_mode: str,
                                 train_mode: str, gradient_checkpointing: bool, assign: bool, mode: str,
-                                seed: int) -> None:
-    """ValueError naming the first bad setting of ``run_trainer_loop`` and what would be valid."""
+                                seed: int, limits: ModelLimits | None = None) -> None:
+    """ValueError naming the first bad setting of ``run_trainer_loop`` and what would be valid; with
+    ``limits`` (the model's) the sizes too (``grpo.check_group_limits``, the trainer's logits included)."""
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {list(DATASETS)}, got {dataset!r}")
-    for name, value in (("num_prompts", num_prompts), ("num_samples", num_samples),
-                        ("max_new_tokens", max_new_tokens), ("iterations", iterations)):
+    for name, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         check_int(value, name=name)
+    check_samples(num_samples)
+    check_timed_calls(iterations, name="iterations")
     if train_rows is not None and (not is_int(train_rows) or train_rows < 1):
         raise ValueError(f"train_rows must be None (every row at once) or an int >= 1, got {train_rows!r}")
     if not is_int(seed) or seed < 0:
@@ -83,6 +87,10 @@ def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: 
             raise ValueError(f"{name} must be a bool, got {value!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    lengths = scale_lengths(sample_lengths(dataset, num_prompts, seed=seed), scale)  # num_prompts within the dataset
+    if limits is not None:
+        check_group_limits(limits, lengths, num_samples=num_samples, max_new_tokens=max_new_tokens, scale=scale,
+                           mode=mode, trainer=True, train_rows=train_rows)
 
 
 def even_token_reward(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -172,7 +180,7 @@ def run_trainer_loop(
                 "max_new_tokens": max_new_tokens, "scale": scale, "iterations": iterations, "lr": lr,
                 "train_rows": train_rows, "logprobs_mode": logprobs_mode, "train_mode": train_mode,
                 "gradient_checkpointing": gradient_checkpointing, "assign": assign, "mode": mode, "seed": seed}
-    check_trainer_loop_settings(**settings)
+    check_trainer_loop_settings(**settings, limits=ModelLimits.of_model(model))
     device = next(model.parameters()).device
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -278,8 +286,8 @@ def trainer_loop_or_load(
             return None
         return str(trainer_loop_results_file), load_record(Path(trainer_loop_results_file), "trainer_loop")
     shape = shape_settings("trainer_loop_shape", trainer_loop_shape, TRAINER_LOOP_DEFAULTS)
-    check_trainer_loop_settings(**shape)
-    _, name = model_config(model)
+    config, name = model_config(model)
+    check_trainer_loop_settings(**shape, limits=ModelLimits.of_config(config, dtype=dtype, device=device))
     out = record_paths(Workspace.resolve(output_dir).results / f"trainer_loop_{run_tag(name, dtype, device)}")
     net, name = load_model(model, dtype=dtype, device=device)
     record = run_trainer_loop(net, model_name=name, dtype=dtype,
