@@ -965,14 +965,15 @@ HUGE_CLI = {  # id: (argv, the substring its one error line must hold)
     "plan-budget-1e9-refill": (["plan", "16", "16", "--continuous-batch-size", "1", "--max-new-tokens", "1000000000"],
                                "--max-new-tokens"),
     "plan-num-prompts-1e9": (["plan", "--dataset", "gsm8k", "--num-prompts", "1000000000"], "n=1000000000"),
-    "bench-rl-num-seqs-1e9": (_bench("rl", "--num-seqs", "1000000000"), "num_seqs"),
-    "bench-grpo-num-prompts-1e9": (_bench("grpo", "--num-prompts", "1000000000"), "num_prompts"),
+    "bench-rl-num-seqs-1e9": (_bench("rl", "--num-seqs", "1000000000", "--max-len", "200"), "num_seqs"),
+    "bench-grpo-num-prompts-1e9": (_bench("grpo", "--num-prompts", "1000000000"), "n=1000000000"),
     "bench-decode-step-cases-1e6": (_bench("decode-step", "--cases", "1000000x1000000"), "1000000x1000000"),
-    "bench-long-tail-slots-1e9": (_bench("long-tail", "--slots", "1000000000"), "slots"),
     "sweep-scale-1e12": (["sweep", "--device", "cpu", "--workloads", "long_tail", "--scale", "1e12"], "--scale"),
 }
 
 HUGE_XFAIL = {  # id: what is awaited
+    "generate-samples-65536-of-1000": "new: engine/api/call.py: no bound on requests x num_samples rows "
+                                      "(65M rows here); it runs past 10 s before any error",
     "refill-budget-1e9": "a fix in planner/occupancy.py: simulate_refill steps one decode step at a time "
                          "(2e9 turns here); it should jump to the next row end or admission",
     "plans-by-k-1e12": "a bound on max_num_buckets in planner/bucket_dp.py: the answer is a list of that length",
