@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,7 @@ def test_an_importable_torch_is_kept(monkeypatch, capsys):
     assert capsys.readouterr().out == "torch 9.9.9 already imports: kept\n"
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_the_makefile_installs_torch_with_the_script_before_the_package():
     recipe = subprocess.run(["make", "-n", "-B", "-f", "Makefile", ".venv/.installed"], cwd=ROOT, text=True,
                             capture_output=True, check=True).stdout.splitlines()
