@@ -415,8 +415,7 @@ TRAINER_CASES = [
       xfail("new: engine/trainer.py check_batch does not check ids against the vocabulary (IndexError)")),
     A("logprobs-not-a-causal-lm", "causal LM", lambda e, t: trainer.sequence_logprobs(
         torch.nn.Linear(2, 2), *e.batch())),
-    A("advantages-list", "rewards", lambda e, t: trainer.group_advantages([1.0, 2.0], num_samples=2),
-      xfail("another helper: group_advantages takes a list of rewards")),
+    A("advantages-list-with-a-word", "'x'", lambda e, t: trainer.group_advantages([1.0, "x"], num_samples=2)),
     A("advantages-not-a-multiple", "num_samples=3", lambda e, t: trainer.group_advantages(torch.ones(4), num_samples=3)),
     A("advantages-zero-samples", "num_samples", lambda e, t: trainer.group_advantages(torch.ones(4), num_samples=0)),
     A("advantages-float-samples", "num_samples", lambda e, t: trainer.group_advantages(torch.ones(4), num_samples=2.0)),
