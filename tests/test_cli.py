@@ -187,7 +187,7 @@ def test_commands_take_a_local_checkpoint(checkpoint, tmp_path, capsys):
 
     from rollout_lab.measure.presets import geometry_for
 
-    assert main(["plan", "512", "16", "--model", str(checkpoint)]) == 0
+    assert main(["plan", "480", "16", "--model", str(checkpoint)]) == 0  # within the tiny context of 512
     assert capsys.readouterr().out.startswith(f"2 prompts, {checkpoint} float32 geometry")
     config = json.loads((checkpoint / "config.json").read_text())
     geometry = geometry_for(str(checkpoint))
@@ -202,7 +202,7 @@ def test_commands_take_a_local_checkpoint(checkpoint, tmp_path, capsys):
                  "--no-progress", "--out", str(out)]) == 0
 
 
-def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
+def test_a_bad_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
     for argv, message in ((["sweep", "--model", str(tmp_path / "missing")], "no model folder at"),
                           (["calibrate", "--model", str(tmp_path)], "has no config.json, so it is not a model folder")):
         assert main(argv) == 2
@@ -211,6 +211,11 @@ def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
     assert "no config.json" in one_error_line(capsys)
     assert main(["notebooks", "--preset", "qwen2.5-3b", "--model", str(tmp_path), "--out-dir", str(tmp_path / "o")]) == 2
     assert "give --preset or --model, not both" in one_error_line(capsys)
+    # notebooks --model gets the loader's checks too: a folder is not enough
+    monkeypatch.setattr("rollout_lab.cli.main.run_notebooks", lambda *a, **k: pytest.fail("ran the notebooks"))
+    assert main(["notebooks", "--model", str(tmp_path), "--out-dir", str(tmp_path / "o")]) == 2
+    assert f"{str(tmp_path)!r} has no config.json, so it is not a model folder; expected a folder" in \
+        one_error_line(capsys)
 
 
 # ---------------------------------------------------------------- cost files checked, errors before work

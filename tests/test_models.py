@@ -10,6 +10,7 @@ from rollout_lab.measure.models import (
     from_preset,
     load_model,
     load_pretrained,
+    model_config,
     preset_config,
     tiny_model,
 )
@@ -46,7 +47,7 @@ def test_unknown_names_list_the_valid_ones():
         tiny_model("gpt2")
     with pytest.raises(ValueError, match="qwen2.5-0.5b"):
         from_preset("qwen-7b")
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="no model folder at '/nonexistent/checkpoint'; expected a folder"):
         load_pretrained("/nonexistent/checkpoint")
 
 
@@ -84,6 +85,21 @@ def test_load_pretrained_round_trip(tmp_path):
     ids = torch.tensor([[4, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_checkpoint_folder_gets_the_loaders_checks(tmp_path):
+    """load_model's and model_config's folders go through engine.api.loading, as
+    Rollout.from_pretrained's do: a folder without safetensors weights, or a file, is refused by name
+    before any weights are read."""
+    model = tiny_model("qwen2")
+    model.config.save_pretrained(tmp_path / "no-weights")
+    (tmp_path / "no-weights" / "pytorch_model.bin").write_bytes(b"")
+    for check in (model_config, load_model):
+        with pytest.raises(ValueError, match="'.*no-weights' has no safetensors weights .*pytorch_model.bin"):
+            check(str(tmp_path / "no-weights"))
+    (tmp_path / "file").write_text("{}")
+    with pytest.raises(ValueError, match="'.*file' is a file, not a model folder; expected a folder"):
+        load_model(str(tmp_path / "file"))
 
 
 def test_a_model_goes_by_the_name_load_model_gives_it(tmp_path):

@@ -276,8 +276,10 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
     names = None if not args.only else [next((n for n in NOTEBOOKS if n.startswith(o)), o) for o in args.only]
     if args.model is not None and args.preset is not None:
         raise ValueError("give --preset or --model, not both")
-    if args.model is not None and not os.path.isdir(args.model):
-        raise ValueError(f"--model {args.model!r} is not a checkpoint folder")
+    if args.model is not None:  # the loader's checks, before papermill starts a kernel
+        from rollout_lab.engine.api.loading import check_model  # torch: only with --model
+
+        check_model(args.model, hub=False)
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"unknown --preset {args.preset!r}; expected one of {sorted(PRESETS)}")
     device_type(args.device)

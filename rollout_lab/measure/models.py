@@ -13,8 +13,9 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
+from rollout_lab.engine.api.loading import check_model, load_model_and_tokenizer
 from rollout_lab.measure.presets import PRESETS, model_name
 
 TINY_VOCAB_SIZE = 384
@@ -121,17 +122,11 @@ def load_pretrained(
     *,
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
-    """A local Hugging Face checkpoint (no download), in eval mode: safetensors weights only (never a
-    pickled ``.bin``) and no code from the checkpoint (``trust_remote_code=False``)."""
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint directory {str(path)!r} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
-        use_safetensors=True, trust_remote_code=False,
-    )
-    return model.to(device).eval()
+    """A local checkpoint folder (no hub access), in eval mode, loaded as ``Rollout.from_pretrained``
+    loads it (``engine.api.loading``: safetensors only, no code from the checkpoint, the same checks
+    and messages); ``dtype`` "auto" is the checkpoint's own."""
+    return load_model_and_tokenizer(path, dtype=dtype, device=device, tokenizer=False, hub=False)[0]
 
 
 @torch.no_grad()
@@ -182,12 +177,8 @@ def model_config(model: str) -> tuple[Any, str]:
         return tiny_config(model[len("tiny-"):]), model
     if model in PRESETS:
         return preset_config(model), model
-    if os.path.isdir(model):
-        try:
-            config = AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"checkpoint folder {model!r} has no readable config.json: {err}") from None
-        return config, model_name(model)
+    if os.path.exists(model):  # a folder gets the loader's checks; a file, its message
+        return check_model(model, hub=False)[1], model_name(model)
     raise ValueError(
         f"model must be 'tiny-<family>' ({', '.join(TINY_FAMILIES)}), a preset "
         f"({', '.join(sorted(PRESETS))}) or a checkpoint folder; got {model!r}"
