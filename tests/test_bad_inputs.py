@@ -231,8 +231,7 @@ ROLLOUT_CASES = [
     A("rollout-model-name", "str", lambda e, t: Rollout("Qwen/Qwen2.5-0.5B")),
     A("rollout-config-dict", "config must be a RolloutConfig", lambda e, t: Rollout(e.model, {"mode": "auto"})),
     A("rollout-tokenizer-str", "tokenizer", lambda e, t: Rollout(e.model, tokenizer="gpt2")),
-    A("rollout-decoder-without-head", "causal LM", lambda e, t: Rollout(e.model.model),
-      xfail("new: engine/api/rollout.py check_causal_lm passes a decoder without an LM head")),
+    A("rollout-decoder-without-head", "causal LM", lambda e, t: Rollout(e.model.model)),
     A("rollout-graph-on-cpu", "graph", lambda e, t: Rollout(e.model, RolloutConfig(decode="graph"))),
     A("rollout-prefill-graphs-on-cpu", "prefill_graphs", lambda e, t: Rollout(e.model, RolloutConfig(prefill_graphs=True))),
     A("rollout-costs-of-another-model", "different setting", lambda e, t: Rollout(e.model, RolloutConfig(
@@ -384,19 +383,15 @@ GENERATE_CASES = [
     A("to-tensors-pad-negative", "pad_token_id", lambda e, t: _to_tensors(e, pad_token_id=-1)),
     A("to-tensors-pad-str", "pad_token_id", lambda e, t: _to_tensors(e, pad_token_id="0")),
     A("to-tensors-pad-float", "1.5", lambda e, t: _to_tensors(e, pad_token_id=1.5)),
-    A("to-tensors-device", "tpu", lambda e, t: _to_tensors(e, device="tpu"),
-      xfail("new: engine/api/result.py to_tensors passes a bad device to torch (RuntimeError)")),
+    A("to-tensors-device", "tpu", lambda e, t: _to_tensors(e, device="tpu")),
 ]
 
 TRAINER_CASES = [
     A("padded-batch-mismatch", "1 prompts but 2 responses",
       lambda e, t: trainer.padded_batch([[1]], [[2], [3]], pad_token_id=0)),
-    A("padded-batch-pad-negative", "pad_token_id", lambda e, t: trainer.padded_batch([[1]], [[2]], pad_token_id=-1),
-      xfail("new: engine/trainer.py padded_batch pads with any pad_token_id")),
-    A("padded-batch-str-id", "'a'", lambda e, t: trainer.padded_batch([[1, "a"]], [[2]], pad_token_id=0),
-      xfail("new: engine/trainer.py padded_batch leaves ids to torch.tensor")),
-    A("padded-batch-float-id", "2.5", lambda e, t: trainer.padded_batch([[1]], [[2.5]], pad_token_id=0),
-      xfail("new: engine/trainer.py padded_batch truncates float ids")),
+    A("padded-batch-pad-negative", "pad_token_id", lambda e, t: trainer.padded_batch([[1]], [[2]], pad_token_id=-1)),
+    A("padded-batch-str-id", "'a'", lambda e, t: trainer.padded_batch([[1, "a"]], [[2]], pad_token_id=0)),
+    A("padded-batch-float-id", "2.5", lambda e, t: trainer.padded_batch([[1]], [[2.5]], pad_token_id=0)),
     A("logprobs-float-ids", "input_ids must be an integer tensor", lambda e, t: trainer.sequence_logprobs(
         e.model, e.batch()[0].float(), *e.batch()[1:])),
     A("logprobs-mask-shape", "attention_mask has shape", lambda e, t: trainer.sequence_logprobs(
@@ -408,11 +403,9 @@ TRAINER_CASES = [
     A("logprobs-ids-list", "input_ids must be a 2-D tensor", lambda e, t: trainer.sequence_logprobs(
         e.model, [[1, 2]], *e.batch()[1:])),
     A("logprobs-id-outside-vocab", "384", lambda e, t: trainer.sequence_logprobs(
-        e.model, e.batch()[0].masked_fill(e.batch()[1].bool(), 384), *e.batch()[1:]),
-      xfail("new: engine/trainer.py check_batch does not check ids against the vocabulary (IndexError)")),
+        e.model, e.batch()[0].masked_fill(e.batch()[1].bool(), 384), *e.batch()[1:])),
     A("logprobs-id-negative", "-1", lambda e, t: trainer.sequence_logprobs(
-        e.model, e.batch()[0].masked_fill(e.batch()[1].bool(), -1), *e.batch()[1:]),
-      xfail("new: engine/trainer.py check_batch does not check ids against the vocabulary (IndexError)")),
+        e.model, e.batch()[0].masked_fill(e.batch()[1].bool(), -1), *e.batch()[1:])),
     A("logprobs-not-a-causal-lm", "causal LM", lambda e, t: trainer.sequence_logprobs(
         torch.nn.Linear(2, 2), *e.batch())),
     A("advantages-list-with-a-word", "'x'", lambda e, t: trainer.group_advantages([1.0, "x"], num_samples=2)),
@@ -436,8 +429,7 @@ TRAINER_CASES = [
         torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(5), torch.ones(2, 3, dtype=torch.bool))),
     A("token-logprobs-1d", "token_logprobs takes", lambda e, t: trainer.token_logprobs(torch.zeros(4), torch.zeros(4))),
     A("token-logprobs-target-outside", "targets", lambda e, t: trainer.token_logprobs(
-        torch.zeros(2, 4), torch.tensor([0, 9])),
-      xfail("new: engine/trainer.py token_logprobs does not check targets against the vocabulary")),
+        torch.zeros(2, 4), torch.tensor([0, 9]))),
 ]
 
 

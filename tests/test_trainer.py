@@ -198,6 +198,35 @@ def test_bad_arguments_are_errors_before_any_forward(change, message):
         padded_batch([[5], [6]], [[1]], pad_token_id=0)
 
 
+@pytest.mark.parametrize("prompts, responses, pad, message", [
+    ([[5, "a"]], [[1]], 0, r"prompts\[0\]\[1\] is 'a': a token id must be an int >= 0"),
+    ([[5]], [[1, 2.5]], 0, r"responses\[0\]\[1\] is 2.5"),  # dtype=torch.long would make it 2
+    ([[5]], [[-3]], 0, r"responses\[0\]\[0\] is -3"),
+    ([[5], [6]], [[1], [2**70]], 0, r"responses\[1\]\[0\] is 1180591620717411303424"),
+    ([[5]], [[1]], -1, "pad_token_id must be an int >= 0, got -1"),
+])
+def test_padded_batch_names_a_bad_id(prompts, responses, pad, message):
+    with pytest.raises(ValueError, match=message):
+        padded_batch(prompts, responses, pad_token_id=pad)
+
+
+@pytest.mark.parametrize("bad", [-1, 384])
+def test_ids_outside_the_vocabulary_are_named_with_one_host_sync_a_call(bad, monkeypatch):
+    model = get_tiny("qwen2")  # vocabulary 384
+    ids, mask, response_mask = padded_batch([[5, 6], [7]], [[1, 2], [3]], pad_token_id=0)
+    with pytest.raises(ValueError, match=rf"input_ids holds token id {bad}, outside the vocabulary \[0, 384\)"):
+        sequence_logprobs(model, ids.masked_fill(mask.bool(), bad), mask, response_mask)
+    with pytest.raises(ValueError, match=rf"targets holds token id {bad}, outside the vocabulary \[0, 4\)"):
+        token_logprobs(torch.zeros(2, 4), torch.tensor([0, bad]))
+    reductions = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: reductions.append(1) or aminmax(*a, **k))
+    monkeypatch.setattr("rollout_lab.engine.trainer.HEAD_CHUNK_TOKENS", 1)  # a chunk per row: the check is not per chunk
+    with torch.no_grad():
+        sequence_logprobs(model, ids, mask, response_mask)
+    assert len(reductions) == 1
+
+
 def plain_token_logprobs(logits, targets):
     """The head's log-softmax as plain torch: fp32 copy, gather, logsumexp."""
     x = logits.float()

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
-from rollout_lab.planner.checks import check_int
+from rollout_lab.planner.checks import MAX_INT, as_int, check_int
 
 # LM-head positions per chunk: [8192, 151936] logits are 2.5 GB in bf16, 5 GB in fp32 (fp32_head, and the
 # backward's probabilities); the chunks are rows of the batch
@@ -41,6 +41,7 @@ def padded_batch(
     ``attention_mask`` is 1 on every real token; ``response_mask`` (bool) on the response tokens."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: give one prompt per row")
+    pad_token_id = check_int(pad_token_id, name="pad_token_id", minimum=0)
     width_p = max((len(p) for p in prompts), default=0)
     width_r = max((len(r) for r in responses), default=0)
     ids = torch.full((len(prompts), width_p + width_r), pad_token_id, dtype=torch.long)  # [rows, P + R]
@@ -48,10 +49,39 @@ def padded_batch(
     response_mask = torch.zeros_like(ids, dtype=torch.bool)
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
         start, end = width_p - len(prompt), width_p + len(response)
-        ids[row, start:end] = torch.tensor([*prompt, *response], dtype=torch.long)
+        if end > start:
+            ids[row, start:end] = _id_row(prompt, response, row)
         mask[row, start:end] = 1
         response_mask[row, width_p:end] = True
+    if ids.numel() and int(ids.min()) < 0:  # on the CPU, before the copy to ``device``: no device sync
+        _check_ids(prompts, "prompts")
+        _check_ids(responses, "responses")
     return ids.to(device), mask.to(device), response_mask.to(device)
+
+
+def _id_row(prompt: Sequence[int], response: Sequence[int], row: int) -> torch.Tensor:
+    """[len(prompt) + len(response)] int64 of one row's ids. ``torch.tensor`` infers the dtype (one C
+    pass over the row); only a row it refuses, or infers as float or bool, is scanned id by id for
+    the ValueError naming the bad one (``dtype=torch.long`` would truncate 2.5 to 2)."""
+    try:
+        tokens = torch.tensor([*prompt, *response])
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        tokens = None
+    if tokens is None or tokens.dtype != torch.long:
+        _check_ids([prompt], f"prompts[{row}]", single=True)
+        _check_ids([response], f"responses[{row}]", single=True)
+        raise ValueError(f"row {row}: its ids must be ints >= 0, got {[*prompt, *response]!r:.200}")
+    return tokens
+
+
+def _check_ids(rows: Sequence[Sequence[int]], name: str, *, single: bool = False) -> None:
+    """ValueError naming the first id of ``rows`` that is not an int >= 0, and where it is."""
+    for row, tokens in enumerate(rows):
+        for column, token in enumerate(tokens):
+            number = as_int(token)
+            if number is None or not 0 <= number <= MAX_INT:
+                where = f"{name}[{column}]" if single else f"{name}[{row}][{column}]"
+                raise ValueError(f"{where} is {token!r}: a token id must be an int >= 0 (and < 2**63)")
 
 
 def check_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -84,11 +114,26 @@ def check_batch(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
         raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     if response_mask.dtype != torch.bool:
         raise ValueError(f"response_mask must be a bool tensor, got {response_mask.dtype}")
+    vocab_size = min(model.get_input_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0])
+    check_ids_in_vocabulary(input_ids, vocab_size, name="input_ids")
     response_mask = full_width(response_mask, input_ids.shape[1])
     if input_ids.numel() and bool(response_mask[:, 0].any()):
         raise ValueError("response_mask is set in column 0: a response token needs a prompt token before it")
     if bool((response_mask & (attention_mask == 0)).any()):
         raise ValueError("response_mask is set where attention_mask is 0: response tokens must be attended to")
+
+
+def check_ids_in_vocabulary(ids: torch.Tensor, vocab_size: int, *, name: str) -> None:
+    """ValueError naming the smallest or largest of ``ids`` (an integer tensor) when it is outside
+    [0, vocab_size): the embedding's IndexError, or the kernel's read past a row, otherwise.
+    A trainer calls this every step on device tensors: reading the bounds is a host sync, so they
+    come in one reduction (``aminmax``) and one ``.tolist()``."""
+    if ids.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} holds token id {low if low < 0 else high}, outside the vocabulary "
+                         f"[0, {vocab_size})")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -106,6 +151,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs takes logits [N, vocab] and targets [N], got {tuple(logits.shape)} "
                          f"and {tuple(targets.shape)}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    check_ids_in_vocabulary(targets, logits.shape[1], name="targets")
     return _TokenLogprobs.apply(logits, targets)
 
 
@@ -214,7 +262,7 @@ def sequence_logprobs(
     for start in range(0, rows, step):
         h = hidden[start: start + step]
         logits = F.linear(h.float() if fp32_head else h, weight, bias)  # [chunk, span, vocab]
-        chunk = token_logprobs(logits.flatten(0, 1), targets[start: start + step].flatten())
+        chunk = _TokenLogprobs.apply(logits.flatten(0, 1), targets[start: start + step].flatten())  # ids checked
         pieces.append(chunk.view(logits.shape[:2]))  # [chunk, span]
     full = F.pad(torch.cat(pieces), (lo, width - hi))  # [rows, width]
     return torch.where(response_mask, full, out)[:, width - num_columns:]

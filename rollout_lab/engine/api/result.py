@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout_lab.engine.api.loading import resolve_device
 from rollout_lab.engine.profile import Profile
 from rollout_lab.engine.trainer import padded_batch
 from rollout_lab.planner.bucket_dp import BucketPlan
@@ -103,9 +104,10 @@ class RolloutResult:
         ``P - 1 .. P + R - 2``; ``engine.trainer.sequence_logprobs`` runs it with each row's own positions.
         """
         pad = self.pad_token_id if pad_token_id is None else check_int(pad_token_id, name="pad_token_id", minimum=0)
+        device = resolve_device("cpu" if device is None else device)  # torch's own error is a RuntimeError
         prompts = [prompt for prompt, count in zip(self._prompts(), self.sample_counts()) for _ in range(count)]
         ids, attention_mask, response_mask = padded_batch(prompts, self.sequences, pad_token_id=pad,
-                                                          device=device or "cpu")
+                                                          device=device)
         width = max(map(len, prompts), default=0)  # P
         out = {"input_ids": ids, "attention_mask": attention_mask, "prompt_ids": ids[:, :width].contiguous(),
                "response_ids": ids[:, width:].contiguous(), "response_mask": response_mask[:, width:].contiguous()}

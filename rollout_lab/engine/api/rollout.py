@@ -77,13 +77,19 @@ def compiled_graphs() -> int:
 
 def check_causal_lm(model: object) -> None:
     """A ``ValueError`` naming what ``model`` lacks of a Hugging Face causal LM (the config with its
-    text geometry, input embeddings, parameters), before anything uses it."""
+    text geometry, input embeddings, an LM head, parameters), before anything uses it."""
     missing = []
     config = getattr(model, "config", None)
     if not callable(getattr(config, "get_text_config", None)):
         missing.append("a transformers config (model.config)")
     if not callable(getattr(model, "get_input_embeddings", None)):
         missing.append("get_input_embeddings()")
+    head = getattr(model, "get_output_embeddings", None)
+    if not callable(head):
+        missing.append("an LM head (get_output_embeddings())")
+    elif head() is None:  # a bare decoder (model.model) has the embeddings and weights but no head
+        missing.append("an LM head (its get_output_embeddings() is None: a bare decoder such as model.model? "
+                       "pass the AutoModelForCausalLM around it)")
     if not isinstance(model, torch.nn.Module) or next(model.parameters(), None) is None:
         missing.append("parameters (a torch.nn.Module with weights)")
     if missing:
