@@ -128,12 +128,13 @@ def test_plan_refuses_a_prompt_and_budget_past_the_context_before_planning(monke
 
 
 def test_plan_context_of_a_preset_is_the_one_its_model_has():
-    from rollout_lab.cli.main import plan_context
+    """plan reads a preset's context without torch (presets.context_for), from the table the built
+    model's config is made from."""
     from rollout_lab.measure.models import model_config
-    from rollout_lab.measure.presets import PRESETS
+    from rollout_lab.measure.presets import PRESETS, context_for
 
     for preset in PRESETS:
-        assert plan_context(preset) == model_config(preset)[0].max_position_embeddings, preset
+        assert context_for(preset) == model_config(preset)[0].max_position_embeddings, preset
 
 
 def test_plan_refuses_a_prompt_over_one_forward_in_the_clis_words(tmp_path, capsys):

@@ -6,6 +6,7 @@ import torch
 
 from rollout_lab.measure.models import (
     TINY_FAMILIES,
+    TINY_MAX_POSITIONS,
     TINY_VOCAB_SIZE,
     from_preset,
     load_model,
@@ -15,7 +16,7 @@ from rollout_lab.measure.models import (
     tiny_model,
 )
 from rollout_lab.engine.model_info import model_name_of
-from rollout_lab.measure.presets import PRESETS
+from rollout_lab.measure.presets import PRESETS, context_for, geometry_for
 from rollout_lab.planner.cost import ModelGeometry
 
 # hidden / layers / heads / kv heads / head_dim / intermediate / vocab (DESIGN.md)
@@ -58,6 +59,19 @@ def test_preset_shapes(name):
     shape = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
              ModelGeometry.from_config(cfg, "bfloat16").head_dim, cfg.intermediate_size, cfg.vocab_size)
     assert shape == PRESET_SHAPES[name]
+
+
+def test_a_folders_context_is_its_config_json(tmp_path):
+    tiny_model("qwen3").config.save_pretrained(tmp_path / "ckpt")
+    assert context_for(str(tmp_path / "ckpt")) == TINY_MAX_POSITIONS
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "qwen3"}')
+    assert context_for(str(tmp_path / "ckpt")) is None  # none given: no context to check against
+    (tmp_path / "ckpt" / "config.json").write_text("[1, 2]")
+    for read in (context_for, geometry_for):
+        with pytest.raises(ValueError, match=r"config.json holds a JSON list, not a config \(a JSON object\)"):
+            read(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="unknown preset 'qwen9'; expected one of .*'qwen2.5-3b'"):
+        context_for("qwen9")
 
 
 def test_qwen3_32b_builds_on_meta_with_the_right_size():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from rollout_lab.cli.model import (add_model_arguments, build_model, check_prefi
                                    model_limits, model_spec, read_costs_before_work, resolve_model_arguments)
 from rollout_lab.cli.options import DTYPES, Parser, add_out_dir, non_negative_int, out_path, positive_int
 from rollout_lab.measure.evidence import records_with_role
-from rollout_lab.measure.presets import PRESETS, geometry_for, model_name
+from rollout_lab.measure.presets import PRESETS, context_for, geometry_for, model_name
 from rollout_lab.measure.records import PROFILE_FIELDS, e2e_table, join_sweeps, load_results, summary_table
 from rollout_lab.measure.workloads import (DATASETS, MAX_LENGTHS_FILE_BYTES, SEED_FIVE, WORKLOADS,
                                            read_lengths_file, sample_lengths)
@@ -45,22 +44,6 @@ EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "no
 MAX_PLAN_PROMPTS = 65536  # the bucket DP takes ~2 s at this many on a CPU, and grows faster than linearly
 
 
-# a preset without its own max_position_embeddings has the context measure.models' preset configs
-# give it (their _PRESET_COMMON; tests/test_cli.py holds the two equal): plan reads it without transformers
-PRESET_CONTEXT = 32768
-
-
-def plan_context(model: str) -> int | None:
-    """The context (positions) of ``model``, a preset or a checkpoint folder, read without torch or
-    transformers: the preset's, or its config.json's ``max_position_embeddings`` (None: not given)."""
-    if model in PRESETS:
-        return PRESETS[model].get("max_position_embeddings", PRESET_CONTEXT)
-    config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))  # geometry_for has read it
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    context = text.get("max_position_embeddings")
-    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     lengths = list(args.lengths)  # ints already (_lengths_argument)
     if args.file:
@@ -81,7 +64,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "plan one batch at a time")
     model = args.model or args.preset
     geometry = geometry_for(model, args.dtype)
-    _check_plan_lengths(lengths, args.max_new_tokens, plan_context(model), model=model)
+    _check_plan_lengths(lengths, args.max_new_tokens, context_for(model), model=model)
     kind = None if args.device is None else device_type(args.device)
     costs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
     if args.costs:  # plan has no model: the preset (or config.json), dtype and device say what it would be

@@ -36,7 +36,7 @@ _TINY_COMMON = dict(
     tie_word_embeddings=False,
 )
 _PRESET_COMMON = dict(
-    vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    vocab_size=151936, rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
 )

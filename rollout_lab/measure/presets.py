@@ -2,6 +2,7 @@
 and the cost model's geometry. Pure data, no torch, so ``rollout-lab plan --preset`` stays fast.
 
     geometry_for("qwen2.5-3b", "bfloat16")   # ModelGeometry(36, 16, 2, 128, 2)
+    context_for("qwen2.5-3b")                # 32768 positions
     from rollout_lab.measure.models import from_preset   # builds the model itself (torch)
 """
 from __future__ import annotations
@@ -14,15 +15,18 @@ from typing import Any
 
 from rollout_lab.planner.cost import ModelGeometry
 
-# hidden / layers / heads / kv heads / head_dim / intermediate / vocab from the published configs
+# hidden / layers / heads / kv heads / head_dim / intermediate / context from the published configs
+# (measure.models adds what they share: vocabulary, norms, rope, special tokens)
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
         family="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
+        max_position_embeddings=32768,
     ),
     "qwen2.5-3b": dict(
         family="qwen2", hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
         num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True,
+        max_position_embeddings=32768,
     ),
     "qwen3-0.6b": dict(
         family="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
@@ -46,8 +50,21 @@ def model_name(model: str) -> str:
 def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
     """The cost model's geometry, with ``dtype`` KV elements, of a named preset or of a local
     checkpoint folder (only its ``config.json`` is read: no weights, no torch)."""
+    return ModelGeometry.from_config(SimpleNamespace(**_config_of(preset)), dtype)
+
+
+def context_for(preset: str) -> int | None:
+    """The context (``max_position_embeddings``, positions) of a named preset or of a local checkpoint
+    folder (its ``config.json``, no torch); None where the folder's config gives none."""
+    context = _config_of(preset).get("max_position_embeddings")
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+
+
+def _config_of(preset: str) -> dict[str, Any]:
+    """The config fields of a named preset, or of a checkpoint folder's decoder (its ``config.json``);
+    a ValueError naming ``preset`` and what would be valid."""
     if preset in PRESETS:
-        return ModelGeometry.from_config(SimpleNamespace(**PRESETS[preset]), dtype)
+        return PRESETS[preset]
     path = Path(preset)
     if path.is_dir():
         config = path / "config.json"
@@ -57,9 +74,11 @@ def geometry_for(preset: str, dtype: str = "float32") -> ModelGeometry:
             data = json.loads(config.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{config} is not a readable JSON config: {err}") from None
-        if isinstance(data.get("text_config"), dict):  # multimodal: the decoder's geometry
+        if not isinstance(data, dict):
+            raise ValueError(f"{config} holds a JSON {type(data).__name__}, not a config (a JSON object)")
+        if isinstance(data.get("text_config"), dict):  # multimodal: the decoder's
             data = data["text_config"]
-        return ModelGeometry.from_config(SimpleNamespace(**data), dtype)
+        return data
     if path.exists():
         raise ValueError(f"{preset!r} is a file, not a checkpoint folder; expected a folder with config.json "
                          f"or a preset, one of {sorted(PRESETS)}")
