@@ -152,10 +152,10 @@ def test_plan_refuses_a_prompt_over_one_forward_in_the_clis_words(tmp_path, caps
 def test_plan_file_that_is_empty_or_a_folder_says_so(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     assert main(["plan", "--file", str(tmp_path / "empty.txt")]) == 2
-    assert f"--file {str(tmp_path / 'empty.txt')!r} holds no prompt lengths; give a file of numbers" \
+    assert f"lengths file {str(tmp_path / 'empty.txt')!r} holds no prompt lengths; give numbers" \
         in one_error_line(capsys)
     assert main(["plan", "--file", str(tmp_path)]) == 2
-    assert f"--file {str(tmp_path)!r} is a folder; give a file of prompt lengths" in one_error_line(capsys)
+    assert f"lengths file {str(tmp_path)!r} is a folder; give a file of prompt lengths" in one_error_line(capsys)
 
 
 def test_out_dir_that_is_a_file_fails_before_any_work(tmp_path, capsys):

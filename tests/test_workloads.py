@@ -95,3 +95,15 @@ def test_lengths_to_prompts():
     assert prompts != wl.lengths_to_prompts([3, 1, 50], vocab_size=8, seed=3, special_ids=specials)
     with pytest.raises(ValueError, match="no token ids"):
         wl.lengths_to_prompts([2], vocab_size=2, special_ids=[0, 1])
+
+
+def test_a_lengths_file_that_is_a_folder_or_holds_none_is_refused_at_the_source(tmp_path):
+    with pytest.raises(ValueError, match=f"lengths file {str(tmp_path)!r} is a folder; give a file of prompt "
+                                         "lengths \\(numbers, or a CSV with a num_tokens, tokens or length column\\)"):
+        wl.read_lengths_file(tmp_path)
+    for name, text in (("empty.txt", ""), ("blank.txt", " \n\t\n"), ("header.csv", "num_tokens\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"lengths file '.*{name}' holds no prompt lengths; give numbers"):
+            wl.read_lengths_file(tmp_path / name)
+    (tmp_path / "two.csv").write_text("name,num_tokens\na,12\nb,7\n")
+    assert wl.read_lengths_file(tmp_path / "two.csv") == [12, 7]

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout_lab.cli.bench import BENCHES, BenchParser
+from rollout_lab.cli.bench import BENCHES, BenchParser, cost_file_path
 from rollout_lab.cli.model import (add_model_arguments, build_model, check_prefill_graphs_device, device_type,
                                    model_limits, model_spec, read_costs_before_work, resolve_model_arguments)
 from rollout_lab.cli.options import DTYPES, Parser, add_out_dir, non_negative_int, out_path, positive_int
@@ -42,33 +42,29 @@ EXTRAS = {"papermill": "notebooks", "matplotlib": "notebooks", "ipywidgets": "no
 # -- plan (no torch) -----------------------------------------------------------------------------
 
 MAX_PLAN_PROMPTS = 65536  # the bucket DP takes ~2 s at this many on a CPU, and grows faster than linearly
+PLAN_PRESET = "qwen2.5-3b"  # the geometry without --preset or --model
+PLAN_NUM_PROMPTS = 32  # prompts drawn with --dataset without --num-prompts
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    _check_plan_options(args)
     lengths = list(args.lengths)  # ints already (_lengths_argument)
     if args.file:
-        if Path(args.file).is_dir():
-            raise ValueError(f"--file {args.file!r} is a folder; give a file of prompt lengths (numbers, or a CSV "
-                             "with a num_tokens, tokens or length column)")
-        from_file = read_lengths_file(args.file)
-        if not from_file:
-            raise ValueError(f"--file {args.file!r} holds no prompt lengths; give a file of numbers, or a CSV "
-                             "with a num_tokens, tokens or length column and a row per prompt")
-        lengths += from_file
+        lengths += read_lengths_file(args.file)
     if args.dataset:
-        lengths += sample_lengths(args.dataset, args.num_prompts, seed=args.seed)
+        lengths += sample_lengths(args.dataset, args.num_prompts or PLAN_NUM_PROMPTS, seed=args.seed or 0)
     if not lengths:
         raise ValueError("give prompt lengths as arguments, with --file, or with --dataset")
     if len(lengths) > MAX_PLAN_PROMPTS:
         raise ValueError(f"plan takes at most {MAX_PLAN_PROMPTS} prompt lengths, got {len(lengths)}: "
                          "plan one batch at a time")
-    model = args.model or args.preset
+    model = args.model or args.preset or PLAN_PRESET
     geometry = geometry_for(model, args.dtype)
     _check_plan_lengths(lengths, args.max_new_tokens, context_for(model), model=model)
     kind = None if args.device is None else device_type(args.device)
     costs, costs_line = CostCoefficients(), "costs: the reference coefficients (no --costs)"
     if args.costs:  # plan has no model: the preset (or config.json), dtype and device say what it would be
-        expected = setting_metadata(geometry=geometry, dtype=args.dtype, model_name=model_name(args.model or args.preset),
+        expected = setting_metadata(geometry=geometry, dtype=args.dtype, model_name=model_name(model),
                                     device_type=kind)
         costs = CostFile.read(args.costs).check(expected, override=args.override_costs)
         costs_line = (f"costs: {args.costs} (" + ("provenance not checked: --override-costs" if args.override_costs
@@ -85,7 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          continuous_batch_size=args.continuous_batch_size,
                          geometry=geometry, costs=costs, paged_allowed=True,
                          response_lengths=args.response_lengths)
-    print(f"{len(lengths)} prompts, {args.model or args.preset} {args.dtype} geometry")
+    print(f"{len(lengths)} prompts, {model} {args.dtype} geometry")
     print(costs_line)
     print(f"{'bucket':>6} {'rows':>6} {'width':>6} {'padded':>7} {'est ms':>9}")
     for k, (bucket, width) in enumerate(zip(plan.buckets, plan.widths)):
@@ -105,6 +101,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"route for {args.max_new_tokens} new tokens: {route.route} "
           f"(nocb {nocb}, bucketed CB {route.cb_cost_ms:.2f} ms, packed CB {packed}, paged CB {paged})")
     return 0
+
+
+def _check_plan_options(args: argparse.Namespace) -> None:
+    """ValueError naming an option plan would otherwise ignore: one that only works with another."""
+    draw = [option for option, value in (("--num-prompts", args.num_prompts), ("--seed", args.seed))
+            if value is not None]
+    if draw and not args.dataset:
+        raise ValueError(f"{' and '.join(draw)} {'set' if len(draw) > 1 else 'sets'} the --dataset draw, and "
+                         f"no --dataset is given: add --dataset NAME ({', '.join(DATASETS)}) or leave "
+                         f"{' and '.join(draw)} out")
+    if args.override_costs and not args.costs:
+        raise ValueError("--override-costs accepts a --costs file of another setting, and no --costs is given: "
+                         "add --costs PATH or leave --override-costs out")
 
 
 def _check_plan_lengths(lengths: Sequence[int], max_new_tokens: int, context: int | None, *, model: str) -> None:
@@ -187,6 +196,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     # every check before the model is built: the workloads within its context, the output writable,
     # the cost file (the one given, else the workspace's calibration of this model) on what is known
     config, name, max_positions = model_limits(args)
+    repeated = sorted({w for w in args.workloads or () if args.workloads.count(w) > 1})
+    if repeated:  # resolve_workloads keys them by name: a repeat would run once
+        raise ValueError(f"--workloads names {', '.join(map(repr, repeated))} more than once; give each workload once")
     lengths = sweep.resolve_workloads(args.workloads or list(SEED_FIVE), scale=scale)
     for workload, workload_lengths in lengths.items():
         try:
@@ -212,13 +224,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         resolve_decode_mode(args.decode, args.device)
     workspace = _workspace(args)
     out = Path(args.out) if args.out else workspace.results / f"sweep_{run_tag(name, args.dtype, device_type(args.device))}"
-    check_writable(out.parent, what="the --out folder")
-    for path in (*pair_paths(out), lock_path(out)):  # a folder in a file's place, found before the sweep, not after
-        check_output_file(path, what="sweep's output")
-    check_not_locked(out)  # another sweep writing it now: refused before the model is built
     cost_path = Path(args.costs) if args.costs else calibration_path(name, args.dtype, args.device, workspace)
     cost_file = read_costs_before_work(str(cost_path), args, config, name) \
         if args.costs or cost_path.is_file() else None
+    # the output's checks create no folder (check_output_file): a sweep refused later leaves none behind;
+    # run_sweep creates it when it writes
+    for path in (*pair_paths(out), lock_path(out)):  # a folder in a file's place, found before the sweep, not after
+        check_output_file(path, what="sweep's output")
+    check_not_locked(out)  # another sweep writing it now: refused before the model is built
     if cost_file is None:
         print(f"costs: the engine's defaults (no calibration at {cost_path}; `rollout-lab calibrate` makes it)")
     else:
@@ -361,12 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      "num_tokens, tokens or length column (or a single column); at most "
                                      f"{MAX_LENGTHS_FILE_BYTES // 2**20} MiB, and {MAX_PLAN_PROMPTS} lengths in all")
     plan.add_argument("--dataset", choices=DATASETS, help="sample prompt lengths of a real dataset (shipped)")
-    plan.add_argument("--num-prompts", type=positive_int, default=32, help="prompts drawn with --dataset")
-    plan.add_argument("--seed", type=int, default=0, help="seed of the --dataset draw")
-    plan.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-3b", help="model geometry")
-    plan.add_argument("--model", metavar="PATH", help="a local checkpoint folder: its config.json gives the geometry")
+    plan.add_argument("--num-prompts", type=positive_int, default=None,
+                      help=f"prompts drawn with --dataset (default {PLAN_NUM_PROMPTS})")
+    plan.add_argument("--seed", type=non_negative_int, default=None, help="seed of the --dataset draw (default 0)")
+    geometry = plan.add_mutually_exclusive_group()
+    geometry.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                          help=f"model geometry (default {PLAN_PRESET})")
+    geometry.add_argument("--model", metavar="PATH",
+                          help="a local checkpoint folder: its config.json gives the geometry")
     plan.add_argument("--dtype", choices=DTYPES, default="float32", help="KV element type")
-    plan.add_argument("--costs", help="a cost file from `rollout-lab calibrate` (default: reference coefficients); "
+    plan.add_argument("--costs", type=cost_file_path, help="a cost file from `rollout-lab calibrate` (default: reference coefficients); "
                                       "its provenance must match --preset/--model, --dtype and --device")
     plan.add_argument("--device", default=None,
                       help="cpu or cuda[:N]: the device the plan is for, checked against --costs (default: not checked)")
@@ -413,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--resume", action="store_true",
                        help="keep the workloads the record at --out already holds (its settings must match)")
     sweep.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens generated per request")
-    sweep.add_argument("--costs", help="cost file from `rollout-lab calibrate` (default: this model's calibration "
+    sweep.add_argument("--costs", type=cost_file_path, help="cost file from `rollout-lab calibrate` (default: this model's calibration "
                                        "in the workspace, <out-dir>/data/calibration/, else the engine's defaults)")
     sweep.add_argument("--override-costs", action="store_true",
                        help="use the cost file even if its provenance does not match this run")

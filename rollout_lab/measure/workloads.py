@@ -101,6 +101,7 @@ def load_lengths(dataset: str) -> list[int]:
 LENGTH_COLUMNS = ("num_tokens", "tokens", "length")  # a lengths CSV's column, by name (the first present)
 # a lengths file is read whole: 8 MiB holds ~300k CSV rows like the shipped ones, far past any batch
 MAX_LENGTHS_FILE_BYTES = 8 * 2**20
+LENGTHS_FILE = f"numbers, or a CSV with a {', '.join(LENGTH_COLUMNS[:-1])} or {LENGTH_COLUMNS[-1]} column"
 
 
 def read_lengths_file(path: str | Path) -> list[int]:
@@ -108,6 +109,8 @@ def read_lengths_file(path: str | Path) -> list[int]:
     whose ``num_tokens``, ``tokens`` or ``length`` (``LENGTH_COLUMNS``, or only) column holds them,
     such as the shipped prompt-length CSVs; one over ``MAX_LENGTHS_FILE_BYTES`` is refused unread."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"lengths file {str(path)!r} is a folder; give a file of prompt lengths ({LENGTHS_FILE})")
     if not path.is_file():
         raise ValueError(f"lengths file {str(path)!r} does not exist")
     size = path.stat().st_size
@@ -138,6 +141,9 @@ def read_lengths_file(path: str | Path) -> list[int]:
             lengths.append(int(token))
         except (TypeError, ValueError):
             raise ValueError(f"{path}: prompt length {token!r} is not an integer") from None
+    if not lengths:
+        raise ValueError(f"lengths file {str(path)!r} holds no prompt lengths; give {LENGTHS_FILE}, a prompt's "
+                         "length a number or a row")
     return lengths
 
 
