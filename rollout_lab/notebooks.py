@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import math
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -93,29 +92,33 @@ class Parameter:
     or_none: bool = False
     check: Callable[[Any], Any] | None = None
 
-    def problem(self, value: Any) -> str | None:
-        """What is wrong with ``value`` (None: nothing)."""
+    def problem(self, value: Any, *, types_only: bool = False) -> str | None:
+        """What is wrong with ``value`` (None: nothing); with ``types_only`` its type alone (None where
+        it is not ``or_none``, not a list where ``items``), not its range, choices or ``check``."""
         if value is None:
             return None if self.or_none else "is None"
         if self.items:
             if not isinstance(value, (list, tuple)) or not value:
                 return "is not a non-empty list"
-            wrong = next(((k, p) for k, p in ((k, self._scalar_problem(v)) for k, v in enumerate(value)) if p), None)
+            wrong = next(((k, p) for k, p in ((k, self._scalar_problem(v, types_only=types_only))
+                                             for k, v in enumerate(value)) if p), None)
             if wrong is not None:
                 return f"has item {wrong[0]} {value[wrong[0]]!r}, which {wrong[1]}"
-        elif (found := self._scalar_problem(value)) is not None:
+        elif (found := self._scalar_problem(value, types_only=types_only)) is not None:
             return found
-        if self.check is not None:
+        if self.check is not None and not types_only:
             try:
                 self.check(value)
             except (ValueError, KeyError, TypeError) as err:
                 return f"is not valid ({type(err).__name__ + ': ' if not isinstance(err, ValueError) else ''}{err})"
         return None
 
-    def _scalar_problem(self, value: Any) -> str | None:
+    def _scalar_problem(self, value: Any, *, types_only: bool = False) -> str | None:
         types = self.types + ((int,) if float in self.types else ())
         if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             return f"has type {type(value).__name__}"
+        if types_only:
+            return None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value) or (self.minimum is not None and value < self.minimum) \
                     or (self.maximum is not None and value > self.maximum):
@@ -304,16 +307,17 @@ NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
 }
 
 
-def check_parameter(name: str, parameter: str, value: Any) -> None:
+def check_parameter(name: str, parameter: str, value: Any, *, types_only: bool = False) -> None:
     """ValueError naming notebook ``name``, ``parameter``, ``value`` and what it takes
-    (``NOTEBOOK_PARAMETERS``), or the notebook's parameters when it has no ``parameter``."""
+    (``NOTEBOOK_PARAMETERS``), or the notebook's parameters when it has no ``parameter``; with
+    ``types_only`` only ``value``'s type is checked (``Parameter.problem``)."""
     if name not in NOTEBOOK_PARAMETERS:
         raise ValueError(f"unknown notebook {name!r}; expected one of {list(NOTEBOOKS)}")
     spec = NOTEBOOK_PARAMETERS[name].get(parameter)
     if spec is None:
         raise ValueError(f"{name} has no parameter {parameter!r} (given {parameter}={value!r}); its parameters: "
                          f"{', '.join(sorted(NOTEBOOK_PARAMETERS[name]))}")
-    problem = spec.problem(value)
+    problem = spec.problem(value, types_only=types_only)
     if problem is not None:
         raise ValueError(f"{name}: parameter {parameter}={value!r} {problem}; {parameter} takes {spec.what}")
 
@@ -400,32 +404,11 @@ def check_kernel(kernel_name: str) -> None:
         raise ValueError(f"no Jupyter kernel named {kernel_name!r}; installed kernels: {', '.join(installed) or 'none'}")
 
 
-# the types a parameter's help may name (its leading "str | None:" annotation, or "... or a dict of ...")
-_TYPE_WORDS = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict,
-               "None": type(None)}
-
-
-def check_parameter_type(name: str, parameter: str, value: Any, declared: Mapping[str, Any]) -> None:
-    """ValueError naming ``parameter`` of notebook ``name``, ``value`` and the types it takes, when
-    ``value`` is not of one: its default's type (an int where a float is; a tuple where a list is)
-    or one its help names (papermill's ``inspect_notebook`` entry ``declared``). A parameter whose
-    default is None and whose help names no type but None takes anything."""
-    try:
-        default = ast.literal_eval(declared["default"])
-    except (ValueError, SyntaxError):
-        return  # not a literal: nothing to compare with
-    named = {_TYPE_WORDS[w] for w in re.findall(r"\b(?:str|int|float|bool|list|dict|None)\b", declared.get("help") or "")}
-    if default is None and not named - {type(None)}:
-        return
-    allowed = named | {type(default)}
-    if float in allowed:
-        allowed.add(int)
-    if list in allowed:
-        allowed.add(tuple)
-    if type(value) not in allowed:  # exact: a bool is not an int here
-        takes = " or ".join(sorted(w for w, t in _TYPE_WORDS.items() if t in allowed))
-        raise ValueError(f"{name}: parameter {parameter}={value!r} has type {type(value).__name__}; it takes "
-                         f"{takes} (default {declared['default']})")
+def check_parameter_type(name: str, parameter: str, value: Any) -> None:
+    """ValueError naming notebook ``name``, ``parameter``, ``value`` and what it takes when ``value``
+    is not of a type ``NOTEBOOK_PARAMETERS`` gives the parameter (an int where a float is; never a
+    bool for a number); its range is ``check_parameter``'s, which ``run_notebooks`` makes."""
+    check_parameter(name, parameter, value, types_only=True)
 
 
 def calibration_of(params: Mapping[str, Any], workspace: Workspace) -> str:
@@ -489,8 +472,6 @@ def run_notebooks(
         bad = sorted(set(more) - set(declared))
         if bad:
             raise ValueError(f"{name} has no parameters {bad}; it declares {sorted(declared)}")
-        for parameter, value in more.items():
-            check_parameter_type(name, parameter, value, declared[parameter])
         params = resolve_path_parameters({k: v for k, v in wanted.items() if k in declared}, cwd=os.getcwd())
         if name == "01_calibrate":  # what it runs with: its own defaults (literals) where nothing is passed
             calibrated = {**{k: ast.literal_eval(v["default"]) for k, v in declared.items()}, **params}

@@ -576,6 +576,27 @@ def test_notebook_parameters_take_no_nan_bool_or_none_where_a_number_is():
                             value)
 
 
+def test_a_notebook_parameters_type_is_checked_by_its_table_entry():
+    """check_parameter_type reads NOTEBOOK_PARAMETERS, as check_parameter does (one set of rules):
+    the type alone, so a value of the right type out of its range passes it."""
+    from rollout_lab.notebooks import NOTEBOOK_PARAMETERS, check_parameter, check_parameter_type
+
+    takes = NOTEBOOK_PARAMETERS["02_bucket_choices"]["max_num_buckets"].what
+    for value in ("4", True, 4.0, None):
+        with pytest.raises(ValueError, match=re.escape(f"02_bucket_choices: parameter max_num_buckets={value!r} "
+                                                       f"{'is None' if value is None else 'has type'}")
+                           + ".*" + re.escape(f"; max_num_buckets takes {takes}")):
+            check_parameter_type("02_bucket_choices", "max_num_buckets", value)
+    check_parameter_type("02_bucket_choices", "max_num_buckets", 10**9)  # the type is right
+    with pytest.raises(ValueError, match="max_num_buckets=1000000000 is out of range"):
+        check_parameter("02_bucket_choices", "max_num_buckets", 10**9)
+    check_parameter_type("02_bucket_choices", "fixed_costs_ms", [1, 2.5])  # an int where a float is
+    with pytest.raises(ValueError, match=re.escape("fixed_costs_ms=[1, 'a'] has item 1 'a', which has type str")):
+        check_parameter_type("02_bucket_choices", "fixed_costs_ms", [1, "a"])
+    with pytest.raises(ValueError, match="02_bucket_choices has no parameter 'nope'"):
+        check_parameter_type("02_bucket_choices", "nope", 1)
+
+
 @pytest.mark.parametrize("device", ["cuda", "cuda:7"])
 def test_notebooks_on_a_gpu_this_machine_lacks_is_one_line_before_papermill(device, tmp_path, monkeypatch, capsys):
     import torch
