@@ -53,9 +53,39 @@ def test_the_loop_records_every_iteration_and_the_logprob_mismatch(logprobs_mode
 def test_assign_and_checkpointing_run_and_leave_the_model_trainable():
     model = tiny_model("llama", seed=0)
     record = run_trainer_loop(model, model_name="tiny-llama", dtype="float32", assign=True,
-                              gradient_checkpointing=True, train_mode="train", progress=quiet, **TINY_SHAPE)
+                              gradient_checkpointing=True, train_mode="toggle", progress=quiet, **TINY_SHAPE)
     assert all(it["assign_ms"] > 0 for it in record["results"]["iterations"])
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and not model.training
+
+
+@pytest.mark.parametrize("train_mode, step_training", [("toggle", True), ("eval", False)])
+def test_train_mode_is_the_trainer_steps_and_the_rollout_is_in_eval_mode(train_mode, step_training, monkeypatch):
+    model = tiny_model("qwen2", seed=0)
+    seen = {"rollout": [], "step": []}
+    generate, step = trainer_loop_module.Rollout.generate, trainer_loop_module.train_step
+
+    def watched_generate(self, *args, **kwargs):
+        seen["rollout"].append(any(m.training for m in self.model.modules()))
+        return generate(self, *args, **kwargs)
+
+    def watched_step(net, *args, **kwargs):
+        seen["step"].append(net.training)
+        return step(net, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_loop_module.Rollout, "generate", watched_generate)
+    monkeypatch.setattr(trainer_loop_module, "train_step", watched_step)
+    record = run_trainer_loop(model, model_name="tiny-qwen2", dtype="float32", train_mode=train_mode, progress=quiet,
+                              **(TINY_SHAPE | {"iterations": 1}))
+    assert record["config"]["train_mode"] == train_mode
+    assert seen == {"rollout": [False] * 3, "step": [step_training]}  # warm-up, first and steady; one step
+
+
+def test_the_bench_explains_train_mode_train_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("rollout_lab.cli.bench.build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["bench", "trainer-loop", "--tiny", "qwen2", "--out", str(tmp_path / "x"), "--train-mode", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "train_mode='train' ran the rollouts in train mode" in err and "give 'toggle'" in err
 
 
 def test_replace_parameters_gives_new_storage_keeps_ties_and_moves_the_optimizer_state():
@@ -82,7 +112,9 @@ def test_decode_captures_count_a_rebuilt_steppers_own():
 
 @pytest.mark.parametrize("bad, message", [
     ({"logprobs_mode": "softmax"}, r"logprobs_mode must be one of \['raw', 'processed', 'trainer', 'trainer_fp32'\]"),
-    ({"train_mode": "train()"}, r"train_mode must be one of \['toggle', 'eval', 'train'\], got 'train\(\)'"),
+    ({"train_mode": "train()"}, r"train_mode must be one of \['toggle', 'eval'\], got 'train\(\)'"),
+    ({"train_mode": "train"}, r"train_mode='train' ran the rollouts in train mode, which Rollout.generate no longer "
+                              r"does .*give 'toggle' \(train\(\) for the trainer step, eval\(\) for the rollout\) or 'eval'"),
     ({"train_rows": 0}, "train_rows must be None .* or an int >= 1, got 0"),
     ({"iterations": 0}, "iterations must be an int >= 1, got 0"),
     ({"lr": float("nan")}, "lr must be a number > 0, got nan"),
@@ -120,7 +152,7 @@ def test_bench_trainer_loop_writes_the_record_and_refuses_an_existing_one(tmp_pa
     assert main(["bench", "trainer-loop", *argv]) == 2
     assert "already exist" in capsys.readouterr().err
     for bad, message in ((["--lr", "-1"], "lr must be a number > 0, got -1.0"),
-                         (["--train-mode", "both"], "invalid choice: 'both'")):
+                         (["--train-mode", "both"], "train_mode must be one of ['toggle', 'eval'], got 'both'")):
         assert main(["bench", "trainer-loop", "--tiny", "qwen2", "--out", str(tmp_path / "x"), *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err

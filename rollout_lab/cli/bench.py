@@ -7,14 +7,16 @@ adds them when that bench parses, so `plan` and `bench --help` import no torch."
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any, Callable, Sequence
 
-from rollout_lab.cli.model import build_model, device_type, model_limits
+from rollout_lab.cli.model import build_model, device_type, model_limits, read_costs_before_work
 from rollout_lab.cli.options import Parser, positive_int, record_out
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.records import decode_step_rows, grpo_rows, rl_throughput_rows
-from rollout_lab.measure.workloads import DATASETS, WORKLOADS
+from rollout_lab.measure.workloads import DATASETS, WORKLOADS, sample_lengths
+from rollout_lab.planner.cost import CostFile
 from rollout_lab.workspace import write_record
 
 
@@ -62,18 +64,19 @@ def _grpo_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_grpo(args: argparse.Namespace) -> int:
-    from rollout_lab.measure.calibrate import load_calibration  # torch
-    from rollout_lab.measure.grpo import GRPO_DEFAULTS, check_grpo_settings, run_grpo  # torch, as above
+    from rollout_lab.measure.grpo import GRPO_DEFAULTS, check_grpo_settings, run_grpo  # torch
 
     settings = {k: getattr(args, k) for k in GRPO_DEFAULTS}
     check_grpo_settings(**settings, limits=_model_limits(args))
+    _check_scale(args)
+    cost_file = _read_costs(args, prefill_graphs=None)
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as --threads)
         import torch  # torch, as above
 
         torch.set_num_threads(1)
 
     def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:  # one write, at the end
-        costs = load_calibration(args.costs, model=model, model_name=name) if args.costs else None
+        costs = _checked_costs(cost_file, model, name, prefill_graphs=None)
         return run_grpo(model, model_name=name, dtype=args.dtype, costs=costs, costs_source=args.costs,
                         config=_bench_config(args), **_bench_provenance(args), **settings)
 
@@ -104,6 +107,17 @@ def cmd_bench_decode_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_by(check: Callable[[str], None]) -> Callable[[str], str]:
+    """An argparse ``type`` taking a word ``check`` accepts, whose ValueError is argparse's message."""
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    return parse
+
+
 def _slots_by_span(text: str) -> tuple[int, int]:
     try:
         slots, span = (int(x) for x in text.lower().split("x"))
@@ -130,18 +144,17 @@ def _prefill_routes_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_prefill_routes(args: argparse.Namespace) -> int:
-    from rollout_lab.measure.calibrate import load_calibration  # torch
-    from rollout_lab.measure.prefill_routes import (PREFILL_ROUTES_DEFAULTS,  # torch, as above
+    from rollout_lab.measure.prefill_routes import (PREFILL_ROUTES_DEFAULTS,  # torch
                                                     check_prefill_routes_settings, run_prefill_routes)
 
     if args.prefill_graphs and args.tiny:
         raise ValueError("--prefill-graphs captures CUDA graphs: give a preset on a CUDA device, not --tiny")
     settings = {k: getattr(args, k) for k in PREFILL_ROUTES_DEFAULTS}
     check_prefill_routes_settings(**settings, limits=_model_limits(args))
+    cost_file = _read_costs(args, prefill_graphs=args.prefill_graphs)
 
     def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:
-        costs = load_calibration(args.costs, model=model, model_name=name,
-                                 prefill_graphs=args.prefill_graphs) if args.costs else None
+        costs = _checked_costs(cost_file, model, name, prefill_graphs=args.prefill_graphs)
         return run_prefill_routes(model, model_name=name, dtype=args.dtype, costs=costs, costs_source=args.costs,
                                   prefill_graphs=args.prefill_graphs, save=save, **_bench_provenance(args),
                                   **settings)
@@ -209,7 +222,7 @@ def cmd_bench_long_tail(args: argparse.Namespace) -> int:
 def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
     from rollout_lab.engine.sample.processors import LOGPROB_MODES  # torch: a bench's options, when it parses
     from rollout_lab.engine.api.config import MODES  # torch, as above
-    from rollout_lab.measure.trainer_loop import TRAIN_MODES, TRAINER_LOOP_DEFAULTS  # torch, as above
+    from rollout_lab.measure.trainer_loop import TRAIN_MODES, TRAINER_LOOP_DEFAULTS, check_train_mode  # torch, as above
 
     d = TRAINER_LOOP_DEFAULTS  # run_trainer_loop's own defaults
     _add_bench_options(p, preset="qwen2.5-0.5b")
@@ -227,8 +240,10 @@ def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
                    help="rows per trainer micro-batch (default: every row at once)")
     p.add_argument("--logprobs-mode", default=d["logprobs_mode"], choices=LOGPROB_MODES,
                    help="the rollout's logprobs, compared with the trainer's forward (default %(default)s)")
-    p.add_argument("--train-mode", default=d["train_mode"], choices=TRAIN_MODES,
-                   help="toggle: train() for the step, eval() for the rollout; or one mode throughout")
+    p.add_argument("--train-mode", default=d["train_mode"], type=_checked_by(check_train_mode),
+                   metavar="{" + ",".join(TRAIN_MODES) + "}",
+                   help="the trainer step's mode: toggle (train() for the step, eval() for the rollout) or eval "
+                        "throughout; the rollout is always in eval mode (default %(default)s)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF gradient checkpointing on")
     p.add_argument("--assign", action="store_true",
                    help="after each step, replace every parameter through load_state_dict(assign=True)")
@@ -242,6 +257,7 @@ def cmd_bench_trainer_loop(args: argparse.Namespace) -> int:
 
     settings = {k: getattr(args, k) for k in TRAINER_LOOP_DEFAULTS}
     check_trainer_loop_settings(**settings, limits=_model_limits(args))
+    _check_scale(args)
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
         import torch  # torch, as above
 
@@ -417,6 +433,53 @@ def _add_variants(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
                         help="decode levers to compare (default: %(default)s)")
 
 
+def cost_file_path(text: str) -> str:
+    """An argparse type for ``--costs`` (plan, sweep, the benches): not empty, which a command would
+    otherwise take for "not given" and price with its default costs."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a cost file's path, or leave --costs out "
+                                         "for the default costs")
+    return text
+
+
+def _read_costs(args: argparse.Namespace, *, prefill_graphs: bool | None) -> CostFile | None:
+    """``--costs`` read and checked on what is known before the model is built (its name, geometry,
+    dtype, device type; whether the prefill forwards are captured, unless None), so that a bad file
+    fails before the model loads; None without --costs. ``_checked_costs`` checks the rest against the
+    built model."""
+    if args.costs is None:
+        return None
+    config, name, _ = model_limits(args)
+    setting = argparse.Namespace(dtype=args.dtype, device=args.device, prefill_graphs=prefill_graphs,
+                                 override_costs=False)  # a bench has no --override-costs
+    return read_costs_before_work(args.costs, setting, config, name)
+
+
+def _checked_costs(cost_file: CostFile | None, model: Any, name: str, *, prefill_graphs: bool | None) -> Any:
+    """The coefficients of ``_read_costs``' file, checked against the built ``model`` as
+    ``measure.calibrate.load_calibration`` checks them; None without one."""
+    from rollout_lab.engine.model_info import model_metadata  # torch: a bench's run, when it starts
+
+    if cost_file is None:
+        return None
+    return cost_file.check(model_metadata(model, model_name=name, prefill_graphs=prefill_graphs))
+
+
+def _check_scale(args: argparse.Namespace) -> None:
+    """ValueError when ``--scale`` makes a drawn prompt (grpo, trainer-loop: ``--num-prompts`` of
+    ``--dataset`` at ``--seed``) shorter than one token before ``scale_lengths`` clips it to 1: at
+    --scale 1e-9 every prompt would be one token, whatever the dataset. Names the smallest scale that
+    keeps every prompt."""
+    shortest = min(sample_lengths(args.dataset, args.num_prompts, seed=args.seed))
+    if shortest * args.scale < 1:
+        smallest = 1 / shortest
+        digits = 2 - math.floor(math.log10(smallest))  # three significant digits, rounded up
+        raise ValueError(f"--scale {args.scale:g} makes the shortest of these prompts ({shortest} tokens of "
+                         f"{args.dataset}) {shortest * args.scale:.3g} tokens, which would be clipped to 1 (as would "
+                         f"every prompt under 1 token); give --scale >= "
+                         f"{math.ceil(smallest * 10**digits) / 10**digits:g} (1/{shortest})")
+
+
 def _add_bench_costs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--costs", default=None,
+    parser.add_argument("--costs", type=cost_file_path, default=None,
                         help="a calibration (`rollout-lab calibrate`) pricing our planner (default: reference coefficients)")

@@ -18,7 +18,8 @@ rollout's logprobs (``logprobs_mode``). One warm-up call (compile and capture), 
    exactly equal): "raw" is the decode step's, "trainer" the same forward as the trainer's.
 
 Levers: ``train_mode`` "toggle" (``model.train()`` for the step, ``eval()`` for the rollout, as an RL
-user does), "eval" or "train" throughout; ``gradient_checkpointing``; ``assign`` replaces every
+user does) or "eval" throughout (the rollout is always in eval mode: ``Rollout.generate`` decodes in
+eval mode whatever the model's); ``gradient_checkpointing``; ``assign`` replaces every
 parameter after each step through ``load_state_dict(assign=True)`` (new storage, as a sync from
 another process gives). Peak memory is the device's peak allocated during each phase (weights and
 optimizer state included). ``rollout-lab bench trainer-loop`` is its command line (``--preset
@@ -51,7 +52,9 @@ from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, sample_l
 from rollout_lab.planner.checks import check_int, is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
-TRAIN_MODES = ("toggle", "eval", "train")  # the model's mode: train() for the step and eval() for rollouts, or one
+# the trainer step's mode: train() ("toggle", eval() again for the rollouts) or eval(); generate decodes in eval
+# mode whatever the model's, so a rollout in train mode ("train", once) is no mode of this loop
+TRAIN_MODES = ("toggle", "eval")
 # run_trainer_loop's settings and their defaults (its signature's): the issue's 64 prompts x 8 samples x 256 tokens
 TRAINER_LOOP_DEFAULTS: dict[str, Any] = {
     "dataset": "gsm8k", "num_prompts": 64, "num_samples": 8, "max_new_tokens": 256, "scale": 1.0, "iterations": 4,
@@ -80,8 +83,7 @@ def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: 
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
     if logprobs_mode not in LOGPROB_MODES:
         raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
-    if train_mode not in TRAIN_MODES:
-        raise ValueError(f"train_mode must be one of {list(TRAIN_MODES)}, got {train_mode!r}")
+    check_train_mode(train_mode)
     for name, value in (("gradient_checkpointing", gradient_checkpointing), ("assign", assign)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -91,6 +93,18 @@ def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: 
     if limits is not None:
         check_group_limits(limits, lengths, num_samples=num_samples, max_new_tokens=max_new_tokens, scale=scale,
                            mode=mode, trainer=True, train_rows=train_rows)
+
+
+def check_train_mode(train_mode: str) -> None:
+    """ValueError naming ``train_mode`` when it is not one of ``TRAIN_MODES``; "train" (rollouts in
+    train mode) says why it is gone and what to give instead."""
+    if train_mode == "train":
+        raise ValueError("train_mode='train' ran the rollouts in train mode, which Rollout.generate no longer "
+                         "does (it decodes in eval mode whatever the model's mode, restoring each module's "
+                         "after the call); give 'toggle' (train() for the trainer step, eval() for the rollout) "
+                         "or 'eval' (eval() throughout)")
+    if train_mode not in TRAIN_MODES:
+        raise ValueError(f"train_mode must be one of {list(TRAIN_MODES)}, got {train_mode!r}")
 
 
 def even_token_reward(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -198,7 +212,7 @@ def run_trainer_loop(
     }
     if gradient_checkpointing:
         activation_checkpointing(model, True)
-    model.train(train_mode == "train")
+    model.eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rollout = Rollout(model, RolloutConfig(mode=mode, ignore_eos=True, pad_token_id=pad_id))
     fp32_head = logprobs_mode == "trainer_fp32"
@@ -212,14 +226,14 @@ def run_trainer_loop(
     progress(f"warm-up {record['results']['first_call_ms']:10.1f} ms (compile and capture included)")
     try:
         for iteration in range(iterations):
-            model.train(train_mode == "train")  # "toggle": eval() for the rollout
+            model.eval()  # as an RL user does before a rollout (generate would switch it for the call)
             info, counts = rollout.stepper_info, compile_counts()
             first_ms, result, peak_rollout = timed_call(lambda: generate(iteration), device)
             after_info, after_first = rollout.stepper_info, compile_counts()
             captures, rebuilt = decode_captures(info, after_info)
             steady_ms, steady, _ = timed_call(lambda: generate(iteration), device)
             steady_captures, _ = decode_captures(after_info, rollout.stepper_info)
-            model.train(train_mode != "eval")  # "toggle": train() for the step
+            model.train(train_mode == "toggle")  # the trainer step's mode
             rewards = even_token_reward(result.sequences)
             batch = result.to_tensors(device=device)
             advantages = group_advantages(rewards, num_samples=num_samples).to(device)
