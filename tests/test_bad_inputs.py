@@ -656,14 +656,12 @@ CLI_CASES_PLAN = [
     C("plan-dataset-unknown", "'mmlu'", "plan", "--dataset", "mmlu"),
     C("plan-num-prompts-zero", "--num-prompts", "plan", "--dataset", "gsm8k", "--num-prompts", "0"),
     C("plan-num-prompts-over-dataset", "n=5000", "plan", "--dataset", "gpqa_diamond", "--num-prompts", "5000"),
-    C("plan-num-prompts-without-dataset", "--num-prompts", "plan", "16", "--num-prompts", "5",
-      marks=xfail("new: cli/main.py plan ignores --num-prompts without --dataset")),
-    C("plan-seed-without-dataset", "--seed", "plan", "16", "--seed", "3",
-      marks=xfail("new: cli/main.py plan ignores --seed without --dataset")),
-    C("plan-seed-negative", "-1", "plan", "--dataset", "gsm8k", "--seed", "-1",
-      marks=xfail("new: cli/main.py plan --seed -1 is numpy's 'expected non-negative integer'")),
+    C("plan-num-prompts-without-dataset", "--num-prompts", "plan", "16", "--num-prompts", "5"),
+    C("plan-seed-without-dataset", "--seed", "plan", "16", "--seed", "3"),
+    C("plan-seed-negative", "-1", "plan", "--dataset", "gsm8k", "--seed", "-1"),
     C("plan-seed-word", "'x'", "plan", "--dataset", "gsm8k", "--seed", "x"),
     C("plan-preset-unknown", "'gpt5'", "plan", "16", "--preset", "gpt5"),
+    C("plan-preset-and-model", "not allowed with", "plan", "16", "--preset", "qwen2.5-3b", "--model", "{dir}"),
     C("plan-dtype-unknown", "'int8'", "plan", "16", "--dtype", "int8"),
     C("plan-model-missing", "{missing}", "plan", "16", "--model", "{missing}"),
     C("plan-model-file", "{file}", "plan", "16", "--model", "{file}"),
@@ -680,11 +678,9 @@ CLI_CASES_PLAN = [
     C("plan-costs-nan", "NaN", "plan", "16", "--costs", "{nancoef}"),
     C("plan-costs-null", "'coefficients' must be an object", "plan", "16", "--costs", "{nullcoef}"),
     C("plan-costs-other-model", "different setting", "plan", "16", "--costs", "{othercosts}"),
-    C("plan-costs-empty-path", "--costs", "plan", "16", "--costs", "",
-      marks=xfail("new: cli/main.py --costs '' is taken as no --costs")),
+    C("plan-costs-empty-path", "--costs", "plan", "16", "--costs", ""),
     C("plan-costs-symlink-to-nothing", "{link}", "plan", "16", "--costs", "{link}"),
-    C("plan-override-without-costs", "--override-costs", "plan", "16", "--override-costs",
-      marks=xfail("new: cli/main.py plan ignores --override-costs without --costs")),
+    C("plan-override-without-costs", "--override-costs", "plan", "16", "--override-costs"),
     C("plan-device-gpu", "'gpu'", "plan", "16", "--device", "gpu"),
     C("plan-device-index-word", "'cuda:x'", "plan", "16", "--device", "cuda:x"),
     C("plan-device-cpu-index", "'cpu:0'", "plan", "16", "--device", "cpu:0"),
@@ -743,8 +739,7 @@ CLI_CASES_CALIBRATE = [
 CLI_CASES_SWEEP = [
     C("sweep-workloads-none", "--workloads", "sweep", "--device", "cpu", "--workloads"),
     C("sweep-workloads-unknown", "'chat'", "sweep", "--device", "cpu", "--workloads", "chat"),
-    C("sweep-workloads-repeated", "long_tail", "sweep", "--device", "cpu", "--workloads", "long_tail", "long_tail",
-      marks=xfail("new: cli/main.py sweep runs a repeated workload name once, silently")),
+    C("sweep-workloads-repeated", "long_tail", "sweep", "--device", "cpu", "--workloads", "long_tail", "long_tail"),
     C("sweep-scale-zero", "scale", "sweep", "--device", "cpu", "--scale", "0"),
     C("sweep-scale-nan", "nan", "sweep", "--device", "cpu", "--scale", "nan"),
     C("sweep-scale-inf", "inf", "sweep", "--device", "cpu", "--scale", "inf"),
@@ -763,8 +758,7 @@ CLI_CASES_SWEEP = [
     C("sweep-costs-folder", "{dir}", "sweep", "--device", "cpu", "--costs", "{dir}"),
     C("sweep-costs-not-json", "{badjson}", "sweep", "--device", "cpu", "--costs", "{badjson}"),
     C("sweep-costs-other-model", "different setting", "sweep", "--device", "cpu", "--costs", "{othercosts}"),
-    C("sweep-costs-empty-path", "--costs", "sweep", "--device", "cpu", "--costs", "",
-      marks=xfail("new: cli/main.py --costs '' is taken as no --costs")),
+    C("sweep-costs-empty-path", "--costs", "sweep", "--device", "cpu", "--costs", ""),
     C("sweep-resume-truncated-record", "{badrecord}", "sweep", "--device", "cpu", "--resume", "--out", "{badrecord}"),
     C("sweep-resume-other-kind", "is not a sweep record", "sweep", "--device", "cpu", "--resume", "--out", "{otherrecord}"),
 ]
@@ -843,15 +837,15 @@ CLI_CASES_BENCH = [
     B("max-new-tokens-zero", "max_new_tokens", "grpo", "--max-new-tokens", "0"),
     B("scale-zero", "scale", "grpo", "--scale", "0"),
     B("scale-nan", "scale", "grpo", "--scale", "nan"),
+    B("scale-below-one-token", "--scale >= ", "grpo", "--scale", "1e-9"),
+    B("costs-empty-path", "--costs", "grpo", "--costs", ""),
     B("temperature-zero", "temperature", "grpo", "--temperature", "0"),
     B("temperature-negative", "-1", "grpo", "--temperature", "-1"),
     B("top-p-over", "1.5", "grpo", "--top-p", "1.5"),
     B("dataset-unknown", "'mmlu'", "grpo", "--dataset", "mmlu"),
     B("paths-repeated", "paths", "grpo", "--paths", "ours", "ours"),
-    B("costs-missing", "{missing}", "grpo", "--costs", "{missing}",
-      marks=xfail("new: cli/bench.py reads grpo's --costs after building the model")),
-    B("costs-not-json", "{badjson}", "grpo", "--costs", "{badjson}",
-      marks=xfail("new: cli/bench.py reads grpo's --costs after building the model")),
+    B("costs-missing", "{missing}", "grpo", "--costs", "{missing}"),
+    B("costs-not-json", "{badjson}", "grpo", "--costs", "{badjson}"),
     B("mode-unknown", "'fast'", "grpo", "--mode", "fast"),
     B("cases-zero-slots", "0x100", "decode-step", "--cases", "0x100"),
     B("cases-word", "'x'", "decode-step", "--cases", "x"),
@@ -862,8 +856,7 @@ CLI_CASES_BENCH = [
     B("batch-sizes-zero", "--batch-sizes", "prefill-routes", "--batch-sizes", "0"),
     B("repetitions-zero", "--repetitions", "prefill-routes", "--repetitions", "0"),
     B("routes-unknown", "'paged'", "prefill-routes", "--routes", "paged"),
-    B("costs-missing", "{missing}", "prefill-routes", "--costs", "{missing}",
-      marks=xfail("new: cli/bench.py reads prefill-routes' --costs after building the model")),
+    B("costs-missing", "{missing}", "prefill-routes", "--costs", "{missing}"),
     B("num-seqs-zero", "--num-seqs", "logits", "--num-seqs", "0"),
     B("steps-zero", "--steps", "logits", "--steps", "0"),
     B("variants-unknown", "'nope'", "logits", "--variants", "nope"),
@@ -887,6 +880,7 @@ CLI_CASES_BENCH = [
     B("mode-unknown", "'fast'", "trainer-loop", "--mode", "fast"),
     B("seed-negative", "seed", "trainer-loop", "--seed", "-1"),
     B("scale-zero", "scale", "trainer-loop", "--scale", "0"),
+    B("scale-below-one-token", "--scale 0.001", "trainer-loop", "--scale", "0.001"),
     B("iterations-zero", "--iterations", "trainer-loop", "--iterations", "0"),
     B("workloads-unknown", "'chat'", "defaults", "--workloads", "chat"),
     B("workloads-repeated", "more than once", "defaults", "--workloads", "long_tail", "long_tail"),
@@ -926,6 +920,14 @@ def test_cli_bad_input_is_one_error_line_and_status_2_before_any_work(argv, matc
     left = sorted(p for p in set(after) - set(before) if not after[p][0])  # files: an empty folder is no output
     changed = sorted(p for p in before if p in after and after[p] != before[p] and not after[p][0])
     assert not left and not changed, f"left behind: {left}, changed: {changed}"
+
+
+def test_a_sweep_refused_for_its_costs_leaves_no_folder(tmp_path, monkeypatch, capsys, no_work):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ROLLOUT_LAB_OUT", str(tmp_path / "default_ws"))
+    assert main(["sweep", "--device", "cpu", "--costs", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert not (tmp_path / "default_ws").exists()  # the output's checks create nothing
 
 
 # ================================================================ sizes that could take the machine down

@@ -273,7 +273,7 @@ def no_model(monkeypatch):
     (["sweep", "--device", "cpu", "--scale", "-1"], "scale must be a finite number > 0"),
     (["sweep", "--device", "cpu", "--oracle-max-tokens", "-5"], "argument --oracle-max-tokens: must be >= 0, got -5"),
     (["sweep", "--device", "cpu", "--costs", "{null}"], "'coefficients' must be an object"),
-    (["sweep", "--device", "cpu", "--out", "{file}/sub/x"], "is not writable"),
+    (["sweep", "--device", "cpu", "--out", "{file}/sub/x"], "is a file, not a folder"),
     (["sweep", "--device", "cpu", "--workloads", "nope"], "unknown workloads"),
     (["calibrate", "--device", "cpu", "--out", "{file}/sub/x.json"], "is not writable"),
     (["calibrate", "--device", "cpu", "--out", "."], "is a folder; give the cost file's path"),
@@ -391,7 +391,7 @@ def test_the_preflight_on_an_unwritable_output_is_fast(tmp_path, capsys, no_mode
     start = time.perf_counter()
     assert main(["sweep", "--device", "cpu", "--workloads", "long_tail", "--out", str(tmp_path / "a_file" / "o" / "x")]) == 2
     assert time.perf_counter() - start < 5.0
-    assert "the --out folder" in one_error_line(capsys)
+    assert "sweep's output" in one_error_line(capsys)
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes through chmod 0o500")
