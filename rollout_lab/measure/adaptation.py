@@ -53,8 +53,8 @@ def timed_calls(rollouts: Mapping[str, Rollout], prompts, *, max_new_tokens: int
     out = {name: {"samples_ms": []} for name in rollouts}
     for rep in range(repetitions + 1):
         for name, rollout in rollouts.items():
-            ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=max_new_tokens),
-                                  rollout.device)
+            ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=max_new_tokens,
+                                                                   progress=False), rollout.device)
             if rep > 0:
                 out[name]["samples_ms"].append(ms)
             out[name]["result"] = result
@@ -73,14 +73,14 @@ def chunked_prefill_rows(
     forwards and the most padded positions any prefill forward took."""
     vocab = model.get_input_embeddings().weight.shape[0]
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed, special_ids=[0])
-    reference = Rollout(model, RolloutConfig(mode="nocb")).generate(prompts, max_new_tokens=max_new_tokens)
+    reference = Rollout(model, RolloutConfig(mode="nocb")).generate(prompts, max_new_tokens=max_new_tokens, progress=False)
     costs = CostCoefficients(prefill_max_tokens=limit)
     rows, plan = [], None
     for mode in ("bucketed", "auto"):
         rollout = Rollout(model, RolloutConfig(mode=mode, costs=costs, profile=True))
         with forward_shapes(model) as shapes:
-            ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=max_new_tokens),
-                                  rollout.device)
+            ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=max_new_tokens,
+                                                                   progress=False), rollout.device)
         prefill = [b * w for b, w in shapes if w > 1]  # decode forwards take one token per row
         plan = plan or result.plans[0]
         rows.append({
@@ -101,7 +101,7 @@ def pick_eos_tokens(
     """Up to ``max_num_tokens`` EOS ids (a greedy cover) that end the greedy responses early: each
     pick lowers mean + max of the responses' first EOS most (a random tiny model has no EOS of its
     own, and one id rarely occurs early in every response)."""
-    free = Rollout(model, RolloutConfig(mode="nocb")).generate(prompts, max_new_tokens=max_new_tokens)
+    free = Rollout(model, RolloutConfig(mode="nocb")).generate(prompts, max_new_tokens=max_new_tokens, progress=False)
     first: dict[int, dict[int, int]] = {}
     for row, tokens in enumerate(free.sequences):
         for pos, token in enumerate(tokens):
@@ -141,13 +141,13 @@ def eos_prior_rows(
     for budget in budgets:
         base = dict(eos_token_id=eos, costs=costs)
         learner = Rollout(model, RolloutConfig(mode="auto", prior_ewma=1.0, **base))
-        learner.generate(last_round, max_new_tokens=budget)  # round k-1 gives the prior for round k
+        learner.generate(last_round, max_new_tokens=budget, progress=False)  # round k-1 gives the prior for round k
         ref = Rollout(model, RolloutConfig(mode="auto", **base))
         times = timed_calls({"nocb": Rollout(model, RolloutConfig(mode="nocb", **base)),
                              "bucketed": Rollout(model, RolloutConfig(mode="bucketed", **base))},
                             prompts, max_new_tokens=budget, repetitions=repetitions)
-        ref_route = ref.generate(prompts, max_new_tokens=budget).route
-        aware_route = learner.generate(prompts, max_new_tokens=budget).route
+        ref_route = ref.generate(prompts, max_new_tokens=budget, progress=False).route
+        aware_route = learner.generate(prompts, max_new_tokens=budget, progress=False).route
         responses = [len(s) for s in times["nocb"]["result"].sequences]
         best = min(("nocb", "bucketed"), key=lambda r: times[r]["mean_ms"])
         rows.append({
@@ -237,9 +237,9 @@ def online_rows(
     rows = []
     for call in range(num_calls):
         name = names[call % len(names)]
-        route = online.generate(prompts[name], max_new_tokens=max_new_tokens).route
+        route = online.generate(prompts[name], max_new_tokens=max_new_tokens, progress=False).route
         error = online.prediction_errors[-1]
-        default_route = defaults.generate(prompts[name], max_new_tokens=max_new_tokens).route
+        default_route = defaults.generate(prompts[name], max_new_tokens=max_new_tokens, progress=False).route
         right = truth[name]["right_route"]
         rows.append({
             "call": call, "workload": name, "route": route, "explored": error["explored"],

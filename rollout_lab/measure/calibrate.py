@@ -471,7 +471,7 @@ def measure_decode_overhead(
             for repeat in range(grid.decode_repeats + 1):
                 for mode in modes:
                     for n in budgets:
-                        ms, _ = timed_ms(lambda: engines[mode].generate(prompts, max_new_tokens=n), device)
+                        ms, _ = timed_ms(lambda: engines[mode].generate(prompts, max_new_tokens=n, progress=False), device)
                         if repeat > 0:
                             times[(mode, n)].append(ms)
                         bar.update()

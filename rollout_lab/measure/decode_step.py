@@ -115,7 +115,7 @@ def _run_case(model: Any, slots: int, span: int, *, variants: Sequence[str], ste
                                cache_capacity=span + 1, **DECODE_VARIANTS[variant])
         with Rollout(model, config) as rollout:
             built = time.perf_counter()
-            result = rollout.generate(prompts, max_new_tokens=NEW_TOKENS, profile=True)
+            result = rollout.generate(prompts, max_new_tokens=NEW_TOKENS, profile=True, progress=False)
             first_ms = (time.perf_counter() - built) * 1e3
             times = time_steps(rollout, slots, span, steps)
             info = rollout.stepper_info

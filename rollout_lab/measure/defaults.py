@@ -154,7 +154,7 @@ def run_defaults(
         for name in workloads:
             def call(which: str, batch: list[list[int]] = prompts[name]) -> tuple[float, Any]:
                 rollout = engine(which)
-                ms, result, _ = timed_call(lambda: rollout.generate(batch, max_new_tokens=max_new_tokens), device)
+                ms, result, _ = timed_call(lambda: rollout.generate(batch, max_new_tokens=max_new_tokens, progress=False), device)
                 return ms, result
 
             out = {which: {"samples_ms": [], "routes": []} for which in ENGINES}

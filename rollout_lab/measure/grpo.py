@@ -140,7 +140,7 @@ class _Paths:
             return self._hf(), None
         result = self.rollout(path, profile=profile).generate(
             self.prompts, max_new_tokens=s["max_new_tokens"], num_samples=s["num_samples"], do_sample=True,
-            temperature=s["temperature"], top_p=s["top_p"], seed=s["seed"])
+            temperature=s["temperature"], top_p=s["top_p"], seed=s["seed"], progress=False)
         return result.sequences, result
 
     @torch.no_grad()

@@ -169,15 +169,15 @@ def _run_path(model, prompts, config: RolloutConfig, generate: Mapping[str, Any]
     if baseline is not None:
         torch.cuda.reset_peak_memory_stats(device)
     rollout = Rollout(model, config)
-    first_ms, _ = timed_ms(lambda: rollout.generate(prompts, **generate), device)
+    first_ms, _ = timed_ms(lambda: rollout.generate(prompts, progress=False, **generate), device)
     print(f"{path:13s} warm-up {first_ms:10.1f} ms (compile and capture included)", file=sys.stderr)
     samples = []
     for rep in range(reps):
-        ms, result = timed_ms(lambda: rollout.generate(prompts, **generate), device)
+        ms, result = timed_ms(lambda: rollout.generate(prompts, progress=False, **generate), device)
         samples.append(ms)
         print(f"{path:13s} rep {rep + 1}  {ms:10.1f} ms", file=sys.stderr)
     peak = peak_memory_over(device, baseline)
-    prof = rollout.generate(prompts, profile=True, **generate).profile
+    prof = rollout.generate(prompts, profile=True, progress=False, **generate).profile
     rollout.close()
     response_lengths = [len(s) for s in result.sequences]
     num_tokens = sum(response_lengths)

@@ -107,7 +107,7 @@ class PathRunner:
 
     def call(self) -> Any:
         if self.path in MODES:
-            return self._engine().generate(self.prompts, max_new_tokens=self.max_new_tokens)
+            return self._engine().generate(self.prompts, max_new_tokens=self.max_new_tokens, progress=False)
         if self.path == "hf_static":
             return hf_generate(self.model, self.prompts, max_new_tokens=self.max_new_tokens,
                                      pad_token_id=self.pad, cache_implementation="static",
@@ -120,7 +120,8 @@ class PathRunner:
             return {"route": None, "buckets": None, "profile": None}
         # The timed calls' Rollout, profiling this call: its decode graph is already captured, so
         # the profile is a steady-state call's and no capture happens after the peers compiled.
-        result = self._engine().generate(self.prompts, max_new_tokens=self.max_new_tokens, profile=True)
+        result = self._engine().generate(self.prompts, max_new_tokens=self.max_new_tokens, profile=True,
+                                         progress=False)
         self.close()
         return _engine_info(result)
 

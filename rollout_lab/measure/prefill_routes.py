@@ -100,7 +100,7 @@ def prefill_route_rows(
             first, last = {}, {}
             for rep in range(repetitions + 1):  # pass 0 is the warm-up
                 for route, rollout in rollouts.items():
-                    ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=1), rollout.device)
+                    ms, result = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=1, progress=False), rollout.device)
                     if rep > 0:
                         samples[route].append(ms)
                     else:

@@ -148,11 +148,11 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
         torch.cuda.reset_peak_memory_stats(device)
     rollout = Rollout(model, config)
     calls: list[dict[str, Any]] = []  # the warm-up, then each timed call: what it captured or was timed for
-    first_ms, _ = _account(rollout, calls, lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
+    first_ms, _ = _account(rollout, calls, lambda: rollout.generate(prompts, max_new_tokens=budgets, progress=False), device)
     print(f"{variant:16s} warm-up {first_ms:10.1f} ms (compile and capture included)", file=sys.stderr)
     samples = []
     for rep in range(reps):
-        ms, result = _account(rollout, calls, lambda: rollout.generate(prompts, max_new_tokens=budgets), device)
+        ms, result = _account(rollout, calls, lambda: rollout.generate(prompts, max_new_tokens=budgets, progress=False), device)
         samples.append(ms)
         extra = calls[-1]
         print(f"{variant:16s} rep {rep + 1}  {ms:10.1f} ms ({extra['prefill_captures']} prefill captures, "
@@ -161,7 +161,7 @@ def _run_ours(model, prompts, budgets, config: RolloutConfig, device: torch.devi
     peak = peak_memory_over(device, baseline)
     if [len(s) for s in result.sequences] != list(budgets):
         raise RuntimeError(f"{variant}: a row did not run its own budget")
-    profiled = rollout.generate(prompts, max_new_tokens=budgets, profile=True)
+    profiled = rollout.generate(prompts, max_new_tokens=budgets, profile=True, progress=False)
     prof = profiled.profile
     stepper = rollout.stepper_info
     rollout.close()

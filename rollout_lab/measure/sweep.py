@@ -368,10 +368,10 @@ def route_table(*, max_new_tokens: int = 8) -> list[dict]:
                 for mode in MODES}
     for _ in range(ROUTE_TABLE_WARMUP_ROUNDS):  # warm every route up first: first calls are slow
         for rollout in rollouts.values():
-            rollout.generate(prompts, max_new_tokens=max_new_tokens)
+            rollout.generate(prompts, max_new_tokens=max_new_tokens, progress=False)
     rows, reference = [], None
     for mode, rollout in rollouts.items():
-        result = rollout.generate(prompts, max_new_tokens=max_new_tokens)
+        result = rollout.generate(prompts, max_new_tokens=max_new_tokens, progress=False)
         reference = result.sequences if reference is None else reference
         row = {"mode": mode, "route": result.route, "same_tokens": result.sequences == reference}
         row.update({k: getattr(result.profile, k) for k in PROFILE_FIELDS})

@@ -220,7 +220,7 @@ def run_trainer_loop(
     def generate(iteration: int):
         return rollout.generate(prompts, max_new_tokens=max_new_tokens, num_samples=num_samples, do_sample=True,
                                 temperature=1.0, seed=seed + iteration, return_logprobs=True,
-                                logprobs_mode=logprobs_mode)
+                                logprobs_mode=logprobs_mode, progress=False)
 
     record["results"]["first_call_ms"], _ = timed_ms(lambda: generate(0), device)  # compile and capture
     progress(f"warm-up {record['results']['first_call_ms']:10.1f} ms (compile and capture included)")
