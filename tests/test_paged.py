@@ -79,6 +79,7 @@ def test_preemption_with_eos_penalty_and_sampling(oracle):
     assert preemptions[0] > 0 and preemptions[1] == 0
 
 
+@pytest.mark.slow  # about 1 s on 2 CPU cores: make test runs it
 @pytest.mark.parametrize("mode", one_fast(["paged", "bucketed"], "bucketed"))
 def test_without_stops_the_host_reads_each_burst_after_queueing_the_next(mode, oracle, monkeypatch):
     """No EOS or stop strings: a burst's tokens are read only once the next burst is queued (the
@@ -147,6 +148,7 @@ def test_without_stops_the_host_reads_each_burst_after_queueing_the_next(mode, o
 EVERY_FEW_STEPS = {"paged": TIGHT | dict(kv_cache_tokens=64), "bucketed": dict(mode="bucketed", continuous_batch_size=3)}
 
 
+@pytest.mark.slow  # about 3 s on 2 CPU cores, the slowest of make test-fast: make test runs it
 @pytest.mark.parametrize("interval", one_fast([4, 7], 4))
 @pytest.mark.parametrize("route", one_fast(list(EVERY_FEW_STEPS), "bucketed"))
 def test_reading_tokens_every_few_steps_keeps_the_oracles_tokens(interval, route, oracle):

@@ -113,6 +113,7 @@ def every_field_case(family):
     return prompts, params, expected(model, prompts, params, seed=CALL["seed"], call_max=CALL["max_new_tokens"])
 
 
+@pytest.mark.slow  # over 1 s on 2 CPU cores: make test runs it
 @pytest.mark.parametrize("family", one_fast(["qwen2", "llama"], "qwen2"))
 @pytest.mark.parametrize("mode, slots", one_fast(
     [(mode, None) for mode in ROUTES] + [("bucketed", 2), ("paged", 2), ("paged", "tight")], ("paged", None)))
