@@ -965,8 +965,6 @@ HUGE_CLI = {  # id: (argv, the substring its one error line must hold)
 }
 
 HUGE_XFAIL = {  # id: what is awaited
-    "generate-samples-65536-of-1000": "new: engine/api/call.py: no bound on requests x num_samples rows "
-                                      "(65M rows here); it runs past 10 s before any error",
     "refill-budget-1e9": "a fix in planner/occupancy.py: simulate_refill steps one decode step at a time "
                          "(2e9 turns here); it should jump to the next row end or admission",
     "plans-by-k-1e12": "a bound on max_num_buckets in planner/bucket_dp.py: the answer is a list of that length",

@@ -76,6 +76,22 @@ def test_a_device_without_a_memory_query_gets_the_documented_cap(host_of):
         limits.check_memory("kv_cache_tokens", 10**12, unit_bytes=512, unit="tokens", what="a paged pool")
 
 
+def test_a_call_past_max_rows_is_refused_before_any_row_is_built(monkeypatch):
+    from rollout_lab import SamplingParams
+
+    monkeypatch.setattr(limits_module, "MAX_ROWS", 8)
+    monkeypatch.setattr("rollout_lab.engine.api.call.CallSpec.requests", lambda *_: pytest.fail("built the rows"))
+    rollout = Rollout(get_tiny("qwen2"))
+    with pytest.raises(ValueError, match=re.escape("num_samples=3 x 3 requests = 9 rows, more than the 8 rows one "
+                                                   "call takes: give at most num_samples=2 for 3 requests, or split")):
+        rollout.generate([[1, 2]] * 3, max_new_tokens=2, num_samples=3)
+    with pytest.raises(ValueError, match=re.escape("num_samples (SamplingParams.n) up to 7 x 2 requests = 9 rows")):
+        rollout.generate([[1], [2]], max_new_tokens=2, sampling=[SamplingParams(n=7), SamplingParams()], num_samples=2)
+    with pytest.raises(ValueError, match=re.escape("num_samples=1 x 9 requests = 9 rows, more than the 8 rows one "
+                                                   "call takes: split the requests over calls of at most 8 rows")):
+        rollout.generate([[1]] * 9, max_new_tokens=2)
+
+
 def test_format_bytes():
     assert [format_bytes(n) for n in (512, 1536, 24 * GIB, 2.1e12)] == ["512 B", "1.5 KiB", "24.0 GiB", "1.9 TiB"]
 

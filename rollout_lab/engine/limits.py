@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -30,6 +30,10 @@ from rollout_lab.planner.cost import ModelGeometry
 # the memory assumed of a device, or a host, that answers no memory query: a size past it is refused
 FALLBACK_MEMORY_BYTES = 64 * 2**30
 HOST_TOKEN_BYTES = 36  # a token id in a Python list: an 8-byte pointer and a 28-byte int object
+# rows (requests x samples) of one generate call at most: each row is a Request built, planned and
+# tracked in Python before and during the decode, so that share of a call grows with its rows whatever
+# the device; rows are independent, so a larger batch is several calls
+MAX_ROWS = 2**20
 LOGIT_BYTES = 4  # logits are compared and reduced in fp32
 
 
@@ -139,6 +143,20 @@ class ModelLimits:
         """``check_memory`` of ``rows`` x ``tokens_per_row`` token ids held on the host."""
         self.check_memory(name, value, count=rows, unit_bytes=tokens_per_row * HOST_TOKEN_BYTES, unit=unit,
                           what=f"{rows} rows of {tokens_per_row} token ids on the host", host=True)
+
+
+def check_call_rows(samples: Sequence[int]) -> None:
+    """ValueError when a call of ``samples[r]`` samples of request r holds more than ``MAX_ROWS`` rows,
+    naming num_samples, the requests, the rows and the most allowed; before any row is built."""
+    rows = sum(samples)
+    if rows <= MAX_ROWS:
+        return
+    counts = set(samples)
+    given = f"num_samples={counts.pop()}" if len(counts) == 1 else f"num_samples (SamplingParams.n) up to {max(samples)}"
+    most = MAX_ROWS // len(samples)
+    raise ValueError(f"{given} x {len(samples)} requests = {rows} rows, more than the {MAX_ROWS} rows one call "
+                     f"takes: " + (f"give at most num_samples={most} for {len(samples)} requests, or " if most else "")
+                     + f"split the requests over calls of at most {MAX_ROWS} rows")
 
 
 def rows_at_once(num_rows: int, *, mode: str, slots: int | None) -> int:

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from rollout_lab.engine.limits import check_call_rows
 from rollout_lab.engine.sample.params import MAX_SAMPLES, SamplingParams, check_seed
 from rollout_lab.engine.sample.sampler import sample_key
 from rollout_lab.engine.sample.stopping import StopStrings
@@ -348,6 +349,8 @@ def check_call(prompts: Any, *, attention_mask: Any = None, max_new_tokens: Any,
     call_strings, call_ids = stop_conditions(stop, stop_token_ids, tokenizer=tokenizer, vocab_size=vocab_size)
     prompts = prompt_lists(prompts, attention_mask, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
     own = sampling_params(do_sample, temperature, top_k, top_p, seed, sampling, num_requests=len(prompts))
+    # each request's n (its own, else the call's): before its SamplingParams and its rows are built
+    check_call_rows([num_samples if mine is None or mine.n is None else mine.n for mine in own or [None] * len(prompts)])
     if max_new_tokens is None and not (own is not None and sampling is not None and prompts
                                        and all(p.max_tokens is not None for p in own)):
         raise ValueError("max_new_tokens is required (as a keyword, in generation_config, or as every "
