@@ -452,3 +452,46 @@ def test_no_compile_reaches_the_decode_probe_and_the_cost_file(tmp_path, monkeyp
     assert set(built) == {"auto"}  # the default: the engine's own compile setting
     with pytest.raises(ValueError, match="CalibrationGrid.compile must be True or False, got 'no'"):
         CalibrationGrid(compile="no")
+
+
+def test_the_grid_is_checked_against_the_devices_memory_naming_the_max_batch_tokens_that_fits(monkeypatch):
+    import re
+
+    from rollout_lab.engine import limits as limits_module
+    from rollout_lab.engine.limits import ModelLimits
+
+    monkeypatch.setattr(limits_module, "host_available_bytes", lambda: 20000 * 1024)
+    limits = ModelLimits(max_positions=None, kv_bytes_per_token=1024, vocab_size=384, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=re.escape(
+            "max_batch_tokens=32768: the prefill probe's KV (32 rows x 1025 columns, and its largest forward's 32768 "
+            "tokens) would take 64.0 MiB; this host has 19.5 MiB available: at most 20000 KV tokens; "
+            "max_batch_tokens=512 fits")):
+        CalibrationGrid().check_limits(limits)
+    CalibrationGrid(max_batch_tokens=512).check_limits(limits)  # 32 x 513 + 512 KV tokens
+    with pytest.raises(ValueError, match=re.escape(
+            "decode_batches=(8, 1000): the KV cache of 1000 rows x 73 positions would take 71.3 MiB; this host has "
+            "19.5 MiB available: at most 273 rows")):
+        CalibrationGrid(max_batch_tokens=512, decode_batches=(8, 1000)).check_limits(limits)
+    with pytest.raises(ValueError, match="max_batch_tokens=32768: .*; no 3 of the grid's shapes fit: give smaller"):
+        CalibrationGrid().check_limits(dataclasses.replace(limits, kv_bytes_per_token=2**30))
+
+
+def test_calibrate_checks_the_grid_before_any_measuring_or_model(monkeypatch, tmp_path, capsys):
+    from rollout_lab.engine import limits as limits_module
+    from rollout_lab.measure import calibrate as calibrate_module
+
+    monkeypatch.setattr(limits_module, "host_available_bytes", lambda: 2**30)
+    monkeypatch.setattr(calibrate_module, "measure_prefill", lambda *a, **k: pytest.fail("measured first"))
+    monkeypatch.setattr(calibrate_module, "load_model", lambda *a, **k: pytest.fail("built the model first"))
+    monkeypatch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built the model first"))
+    # qwen2.5-3b in bfloat16 holds 36 KiB of KV a token: the default grid's 65568 tokens take 2.3 GiB
+    assert cli_main(["calibrate", "--preset", "qwen2.5-3b", "--device", "cpu", "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: max_batch_tokens=32768: the prefill probe's KV (32 rows x 1025 columns") \
+        and err.rstrip().endswith("this host has 1.0 GiB available: at most 29127 KV tokens; max_batch_tokens=512 fits")
+    with pytest.raises(ValueError, match="max_batch_tokens=32768: the prefill probe's KV"):
+        calibrate_module.calibrate_or_load(calibration_file=None, model="qwen2.5-3b", dtype="bfloat16", device="cpu",
+                                           grid="default", output_path=None, output_dir=tmp_path)
+    monkeypatch.setattr(limits_module, "host_available_bytes", lambda: 2**10)
+    with pytest.raises(ValueError, match="max_batch_tokens=32768: the prefill probe's KV"):
+        calibrate(tiny_model("qwen2"), grid=CalibrationGrid.tiny())

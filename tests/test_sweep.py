@@ -610,3 +610,40 @@ def test_resume_of_a_record_of_another_shape_says_what_is_wrong_before_any_work(
     with pytest.raises(ValueError, match="not a sweep record as run_sweep writes one"):
         run_sweep(tiny_model("qwen2"), workloads={"a": [3, 1]}, repetitions=1, out=tmp_path / "r", resume=True, **SMALL)
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_each_workloads_rows_are_checked_against_the_memory_before_the_model(monkeypatch, tmp_path, capsys):
+    """sweep's sizes meet engine.limits' checks, as the benches' do: the rows a path holds at once
+    (every row on an aligned route and HF's static cache) in the device's memory, from the config."""
+    from rollout_lab.engine import limits as limits_module
+    from rollout_lab.engine.limits import ModelLimits
+    from rollout_lab.measure import sweep as sweep_module
+    from rollout_lab.measure.models import model_config
+
+    monkeypatch.setattr(limits_module, "host_available_bytes", lambda: 2**20)
+    monkeypatch.setattr("rollout_lab.cli.main.build_model", lambda *a, **k: pytest.fail("built the model first"))
+    monkeypatch.setattr(sweep_module, "load_model", lambda *a, **k: pytest.fail("built the model first"))
+    monkeypatch.setattr(sweep_module, "_sweep", lambda *a, **k: pytest.fail("swept first"))
+    # tiny qwen2 in fp32 holds 512 bytes of KV a token; long_tail at scale 0.25 is 32 prompts up to 128 tokens
+    assert cli_main(["sweep", "--tiny", "qwen2", "--device", "cpu", "--workloads", "long_tail", "--scale", "0.25",
+                     "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: workload='long_tail': the KV cache of 32 rows x 144 positions would take 2.2 MiB; "
+                          "this host has 1.0 MiB available: at most 14 rows; lower --scale or --max-new-tokens, give "
+                          "--paths that hold fewer rows at once (paged, auto), or leave the workload out"), err
+    limits = ModelLimits.of_config(model_config("tiny-qwen2")[0], dtype="float32", device="cpu")
+    lengths = sweep_module.resolve_workloads(["long_tail"], scale=0.25)
+    sweep_module.check_sweep_limits(limits, lengths, paths=("paged", "auto", "hf_generate_batch"), max_new_tokens=16)
+    with pytest.raises(ValueError, match="workload='long_tail': the KV cache of 32 rows"):
+        sweep_module.check_sweep_limits(limits, lengths, paths=("paged", "hf_static"), max_new_tokens=16)
+    with pytest.raises(ValueError, match=r"max_new_tokens=500: workload 'long_tail'.s longest prompt \(128 tokens\) "
+                                         r"and max_new_tokens would take 628 positions, past the model's context of 512: "
+                                         r"at most max_new_tokens=384"):
+        sweep_module.check_sweep_limits(limits, lengths, paths=("paged",), max_new_tokens=500)
+    with pytest.raises(ValueError, match="workload='long_tail': the KV cache of 32 rows"):
+        run_sweep(get_tiny("qwen2"), workloads=lengths, paths=["bucketed"], max_new_tokens=16)
+    with pytest.raises(ValueError, match="workload='long_tail': the KV cache of 32 rows"):
+        sweep_module.sweep_or_load(results_file=None, model="tiny-qwen2", dtype="float32", device="cpu",
+                                   workloads=["long_tail"], workload_scale=0.25, paths_=None, repetitions=1,
+                                   max_new_tokens=16, cost_file=None, override_costs=False, results_stem=None,
+                                   output_dir=tmp_path)

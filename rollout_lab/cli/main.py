@@ -140,7 +140,8 @@ def _lengths_argument(text: str) -> int:
 # -- the commands that run a model ---------------------------------------------------------------
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from rollout_lab.measure.calibrate import (CalibrationGrid,  # torch
+    from rollout_lab.engine.limits import ModelLimits  # torch
+    from rollout_lab.measure.calibrate import (CalibrationGrid,  # torch, as above
                                                calibrate, calibration_path)
     from rollout_lab.measure.threads import MEASUREMENT_THREADS
 
@@ -158,8 +159,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, compile=False)
     if args.paged_decode:
         grid = dataclasses.replace(grid, paged_decode=True)
-    _, name, max_positions = model_limits(args)
-    grid.fitting_shapes(max_positions)  # before the model is built
+    config, name, _ = model_limits(args)
+    grid.check_limits(ModelLimits.of_config(config, dtype=args.dtype, device=args.device))  # before the model is built
     out = Path(args.out) if args.out else calibration_path(name, args.dtype, args.device, _workspace(args))
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a folder; give the cost file's path (e.g. {str(out / 'costs.json')!r})")
@@ -186,6 +187,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from rollout_lab.measure import \
         sweep  # torch: only the commands that run a model
+    from rollout_lab.engine.limits import ModelLimits  # torch, as above
     from rollout_lab.engine.model_info import model_metadata  # torch, as above
     from rollout_lab.engine.runner.steppers import resolve_decode_mode  # torch, as above
     from rollout_lab.measure.calibrate import calibration_path  # torch, as above
@@ -207,6 +209,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise ValueError(f"{err}; lower --scale or --max-new-tokens") from None
     paths = check_paths(args.paths)
+    try:  # each workload's rows in the device's memory and the host's, as the benches check theirs
+        sweep.check_sweep_limits(ModelLimits.of_config(config, dtype=args.dtype, device=args.device), lengths,
+                                 paths=paths, max_new_tokens=args.max_new_tokens)
+    except ValueError as err:
+        raise ValueError(f"{err}; lower --scale or --max-new-tokens, give --paths that hold fewer rows at once "
+                         "(paged, auto), or leave the workload out") from None
     engine: dict = {}
     if args.prefill_graphs:
         check_prefill_graphs_device(args)

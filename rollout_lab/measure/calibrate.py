@@ -49,13 +49,14 @@ import torch
 from tqdm.auto import tqdm
 
 from rollout_lab.engine.kv.aligned import AlignedKVCache
+from rollout_lab.engine.limits import ModelLimits, available_memory
 from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.runner.prefill import cache_kwarg_name, packed_backend, prefill_bucket, prefill_packed
 from rollout_lab.engine.runner.prefill_graphs import PrefillGraphs
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.model_info import model_metadata, model_name_of
-from rollout_lab.measure.models import load_model, special_token_ids
+from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.provenance import git_sha, provenance
 from rollout_lab.measure.spread import sample_spread
 from rollout_lab.measure.threads import MEASUREMENT_THREADS, measurement_threads
@@ -176,6 +177,7 @@ def calibrate(
         raise ValueError(f"dtype={dtype} but the model's parameters are {param.dtype}; convert the model first")
     if device is not None and torch.device(device).type != param.device.type:
         raise ValueError(f"device={device} but the model is on {param.device}; move the model first")
+    grid.check_limits(ModelLimits.of_model(model))
     with measurement_threads(threads, param.device):
         metadata = run_metadata(model, model_name=model_name)
         prefill = measure_prefill(model, grid, progress=progress)
@@ -234,10 +236,13 @@ def calibrate_or_load(
         if not path.is_file():
             raise ValueError(f"calibration_file {str(path)!r} does not exist")
         return CalibrationResult.load(path), path
+    grid = calibration_grid(grid)
+    config, _ = model_config(model)
+    grid.check_limits(ModelLimits.of_config(config, dtype=dtype, device=device))  # before the model is built
     net, name = load_model(model, dtype=dtype, device=device)
     path = Path(output_path) if output_path else calibration_path(name, dtype, device, Workspace.resolve(output_dir))
     with output_lock(path):  # one calibration at a time per cost file: a second one is refused
-        result = calibrate(net, grid=calibration_grid(grid), model_name=name, progress=progress, threads=threads)
+        result = calibrate(net, grid=grid, model_name=name, progress=progress, threads=threads)
         result.save(path)
     return result, path
 
@@ -314,8 +319,39 @@ class CalibrationGrid:
                              f"and the model's context of {max_width} positions; need >= 3: {self}")
         return shapes
 
+    def check_limits(self, limits: ModelLimits) -> None:
+        """This grid on a model of ``limits`` (before it is built, or before any measuring):
+        ``fitting_shapes`` within its context; within the device's available memory, the KV the
+        prefill probe holds (``prefill_kv_tokens``) and the decode probe's cache (its most rows by
+        ``decode_width + decode_steps + 1`` columns). ValueError naming the setting and what fits."""
+        shapes = self.fitting_shapes(limits.max_positions)
+        need = prefill_kv_tokens(shapes)
+        try:
+            limits.check_memory("max_batch_tokens", self.max_batch_tokens, count=need,
+                                unit_bytes=limits.kv_bytes_per_token, unit="KV tokens",
+                                what=f"the prefill probe's KV ({max(b for b, _ in shapes)} rows x "
+                                     f"{max(w for _, w in shapes) + 1} columns, and its largest forward's "
+                                     f"{max(b * w for b, w in shapes)} tokens)")
+        except ValueError as err:
+            available, _ = available_memory(limits.device)
+            smaller = (replace(self, max_batch_tokens=t).shapes(limits.max_positions)
+                       for t in sorted({b * w for b, w in shapes}, reverse=True)[1:])
+            fits = next((max(b * w for b, w in kept) for kept in smaller
+                         if len(kept) >= 3 and prefill_kv_tokens(kept) * limits.kv_bytes_per_token <= available), None)
+            raise ValueError(f"{err}; " + (f"max_batch_tokens={fits} fits" if fits is not None else
+                                           "no 3 of the grid's shapes fit: give smaller batches or widths")) from None
+        if self.decode_batches:
+            limits.check_kv("decode_batches", self.decode_batches, rows=max(self.decode_batches),
+                            positions=self.decode_width + self.decode_steps + 1)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def prefill_kv_tokens(shapes: Sequence[tuple[int, int]]) -> int:
+    """The KV tokens the prefill probe holds at once over ``shapes``: its cache of the most rows by
+    the widest shape's columns + 1, and the largest forward's own KV beside it."""
+    return max(b for b, _ in shapes) * (max(w for _, w in shapes) + 1) + max(b * w for b, w in shapes)
 
 
 def measure_prefill(model: Any, grid: CalibrationGrid, *, progress: bool = True) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from rollout_lab.engine.kernels.attention import set_attn_implementation
 from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import ModelLimits, rows_at_once
 from rollout_lab.engine.model_info import device_name
 from rollout_lab.engine.runner.steppers import resolve_decode_mode
 from rollout_lab.measure.calibrate import load_calibration, run_metadata
@@ -76,6 +77,28 @@ def resolve_workloads(
     if unknown or not workloads:
         raise ValueError(f"unknown workloads {unknown or '(none given)'}; valid names: {', '.join(WORKLOADS)}")
     return {name: get_workload(name, scale=scale) for name in workloads}
+
+
+# the route whose cache an HF peer's is like: a static cache of every row, or continuous batching's pool
+PEER_CACHES = {"hf_static": "aligned", "hf_generate_batch": "paged"}
+
+
+def check_sweep_limits(limits: ModelLimits, lengths_by_name: Mapping[str, Sequence[int]], *, paths: Sequence[str],
+                       max_new_tokens: int) -> None:
+    """Each workload of ``lengths_by_name`` against ``limits`` (the model's), before any work: its
+    longest prompt and ``max_new_tokens`` within the context; the rows the widest of ``paths`` holds
+    at once (every row on an aligned route and in HF's static cache; one on the paged and auto routes
+    and in HF's continuous batching, whose caches follow the memory) within the device's available
+    memory; every row's tokens within the host's. ValueError naming the workload and what fits."""
+    for name, lengths in lengths_by_name.items():
+        longest = max(lengths)
+        positions = longest + max_new_tokens
+        limits.check_context("max_new_tokens", max_new_tokens, positions=positions,
+                             what=f"workload {name!r}'s longest prompt ({longest} tokens) and max_new_tokens",
+                             most=None if limits.max_positions is None else limits.max_positions - longest)
+        rows = max(rows_at_once(len(lengths), mode=PEER_CACHES.get(path, path), slots=None) for path in paths)
+        limits.check_kv("workload", repr(name), rows=rows, positions=positions)
+        limits.check_host_tokens("workload", repr(name), rows=len(lengths), tokens_per_row=positions)
 
 
 def class_ladder_settings(lengths: Mapping[str, Sequence[int]], *, graphs: bool = False) -> dict[str, Any]:
@@ -132,6 +155,7 @@ def run_sweep(
     if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
         raise ValueError(f"repetitions must be an int >= 1, got {repetitions!r}")
     check_max_new_tokens(max_new_tokens)
+    check_sweep_limits(ModelLimits.of_model(model), lengths_by_name, paths=paths, max_new_tokens=max_new_tokens)
     if resume and out is None:
         raise ValueError("resume=True needs out (the record to resume)")
     if decode is not None:
@@ -409,7 +433,9 @@ def sweep_or_load(
         engine = class_ladder_settings(lengths, graphs=prefill_graphs) if prefill_classes or prefill_graphs else {}
         if prefill_graphs and torch.device(device).type != "cuda":
             raise ValueError(f"prefill_graphs=True captures CUDA graphs; device is {device!r}")
-        _, name = model_config(model)
+        config, name = model_config(model)
+        check_sweep_limits(ModelLimits.of_config(config, dtype=dtype, device=device), lengths, paths=check_paths(paths_),
+                           max_new_tokens=max_new_tokens)  # before the model is built
         if results_stem is None:
             results_stem = str(Workspace.resolve(output_dir).results / f"sweep_{run_tag(name, dtype, device)}")
         if resume:  # the saved record's settings, before the model is built
