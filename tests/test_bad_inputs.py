@@ -528,6 +528,8 @@ PLANNER_CASES = [
     A("refill-pool-zero", "pool_blocks", lambda e, t: _refill(layout="paged", pool_blocks=0)),
     A("refill-block-size-zero", "block_size", lambda e, t: _refill(layout="paged", pool_blocks=4, block_size=0)),
     A("refill-prompt-zero", "0", lambda e, t: _refill(prompt_lengths=[0])),
+    A("refill-capacity-below-a-row", "give at least 19", lambda e, t: _refill(capacity=5)),
+    A("refill-capacity-float", "capacity", lambda e, t: _refill(capacity=19.5)),
     A("decode-steps-budget-zero", "max_new_tokens", lambda e, t: decode_steps.expected_decode_steps([5], 4, 0)),
     A("decode-steps-prior-empty", "at least one length", lambda e, t: decode_steps.expected_decode_steps([], 4, 8)),
     A("decode-steps-weight-nan", "weights", lambda e, t: decode_steps.expected_decode_steps({5: NAN}, 4, 8)),
@@ -965,8 +967,6 @@ HUGE_CLI = {  # id: (argv, the substring its one error line must hold)
 }
 
 HUGE_XFAIL = {  # id: what is awaited
-    "refill-budget-1e9": "a fix in planner/occupancy.py: simulate_refill steps one decode step at a time "
-                         "(2e9 turns here); it should jump to the next row end or admission",
     "plans-by-k-1e12": "a bound on max_num_buckets in planner/bucket_dp.py: the answer is a list of that length",
 }
 

@@ -2,14 +2,16 @@
 taking the paged route where the aligned cache would wait (and only there)."""
 from __future__ import annotations
 
+import heapq
 import random
+import time
 
 import pytest
 from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
-from rollout_lab.planner.occupancy import response_quantiles, simulate_refill
+from rollout_lab.planner.occupancy import RefillSchedule, blocks_for, response_quantiles, simulate_refill
 from rollout_lab.planner.routes import choose_route, choose_shared_route
 
 
@@ -240,3 +242,194 @@ def test_the_replay_counts_the_engines_steps_and_row_steps(mode, layout, pool, i
         assert got.peak_blocks == prof.peak_kv_blocks  # blocks of 64 (16 with the pool) held at once
     if pool is not None:  # the watermark held rows back: fewer live than the slots at times
         assert prof.num_kv_blocks - 1 == pool and prof.peak_kv_blocks <= pool
+
+
+def turn_by_turn(prompt_lengths, response_lengths, budgets, *, num_slots, layout, capacity=None, pool_blocks=None,
+                 block_size=16, refill_rows=1, read_interval=1):
+    """``simulate_refill`` as it was before it jumped over quiet turns: one turn (an admission, a burst
+    of at most ``read_interval`` steps, the rows' ends) at a time, every turn replayed."""
+    if pool_blocks is not None:
+        return _turn_by_turn_pool(prompt_lengths, response_lengths, budgets, num_slots, pool_blocks, block_size,
+                                  refill_rows, read_interval)
+    n = len(prompt_lengths)
+    if capacity is None:
+        capacity = max(prompt_lengths) + max(budgets)
+    # a row that enters before step t's token has made 1 token (its prefill's) and makes one per step:
+    # it makes its last token at step t + length - 1 and reaches its budget at t + budget - 1. The
+    # aligned check only needs two maxima over the live rows: span = L + steps since entry =
+    # (L - t) + step, remaining budget = (B - 1 + t) - step.
+    live: dict[int, int] = {}  # row -> the step count when it entered
+    ends: list[tuple[int, int]] = []  # heap of (last step, row)
+    budget_ends: list[tuple[int, int]] = []  # heap of (the step its budget runs out, row); stale rows skipped
+    queue = step = row_steps = queued_steps = queued_row_steps = peak = 0
+    span_key = remaining_key = None  # max over live rows of L - t and B - 1 + t (None: recompute)
+
+    def enter(row: int) -> None:
+        if response_lengths[row] > 1:  # a row done at its prefill never takes a step
+            live[row] = step
+            heapq.heappush(ends, (step + response_lengths[row] - 1, row))
+            heapq.heappush(budget_ends, (step + budgets[row] - 1, row))
+
+    while queue < n or live:
+        if layout == "paged":  # one admission a turn, the next turn at once while nothing is live
+            while queue < n:
+                take = min(num_slots - len(live), n - queue)
+                if take == 0 or (live and take < min(refill_rows, n - queue, num_slots)):
+                    break
+                for row in range(queue, queue + take):
+                    enter(row)
+                queue += take
+                if live:
+                    break
+        else:
+            while queue < n and len(live) < num_slots:
+                if span_key is None:
+                    span_key = max((prompt_lengths[r] - t for r, t in live.items()), default=None)
+                    remaining_key = max((budgets[r] - 1 + t for r, t in live.items()), default=None)
+                span = max(prompt_lengths[queue], step + span_key if live else 0)
+                remaining = max(budgets[queue] - 1, remaining_key - step if live else 0)
+                if span > capacity - remaining:
+                    break
+                enter(queue)
+                span_key = None
+                queue += 1
+        if not live:
+            continue
+        while budget_ends[0][1] not in live:
+            heapq.heappop(budget_ends)  # a row that retired
+        burst = min(budget_ends[0][0] - step, read_interval)  # a burst: every live row makes a token a step
+        if layout == "paged":  # each live row's blocks for its tokens so far and the burst's, reserved before it
+            peak = max(peak, sum(blocks_for(prompt_lengths[r] + step - t + burst, block_size) for r, t in live.items()))
+        step += burst
+        kept = burst * len(live)  # row-steps that made a row's token (not those after its end)
+        while ends and ends[0][0] <= step:
+            last, row = heapq.heappop(ends)
+            kept -= step - last
+            del live[row]
+            span_key = None
+        row_steps += kept
+        if queue < n:
+            queued_steps += burst
+            queued_row_steps += kept
+    return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps, peak_blocks=peak)
+
+
+def _turn_by_turn_pool(prompts, lengths, budgets, num_slots, pool, size, refill_rows, read_interval):
+    def blocks(tokens):
+        return blocks_for(tokens, size)
+
+    n = len(prompts)
+    fresh = 0  # the next row never admitted
+    waiting: list[int] = []  # preempted rows, the next to return first
+    made = [0] * n  # tokens each row has made
+    held: dict[int, int] = {}  # live row -> its blocks, in admission order (dicts keep it)
+    free = pool
+    step = row_steps = queued_steps = queued_row_steps = peak = 0
+    recompute: list[int] = []
+
+    def queue_head(count: int) -> list[int]:
+        """The first ``count`` rows of the queue: the preempted ones (the newest first), then the fresh."""
+        head = waiting[::-1][:count]
+        return head + list(range(fresh, min(n, fresh + count - len(head))))
+
+    while fresh < n or waiting or held:
+        while fresh < n or waiting:  # one admission a turn, the next turn at once while nothing is live
+            queued = n - fresh + len(waiting)
+            chosen, budget = [], free
+            for row in queue_head(num_slots - len(held)):
+                need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
+                # the watermark: one free block per live row stays after it (never blocking an empty pool)
+                if need > budget - (len(held) + len(chosen) + 1):
+                    break
+                budget -= need
+                chosen.append((row, need))
+            if not chosen and not held:
+                row = queue_head(1)[0]
+                need = blocks(prompts[row] + max(1, made[row]))
+                if need <= free:
+                    chosen = [(row, need)]
+            if not chosen or (held and len(chosen) < min(refill_rows, queued, num_slots)):
+                break
+            for row, need in chosen:
+                if waiting and row == waiting[-1]:
+                    waiting.pop()
+                    recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
+                else:
+                    fresh += 1
+                    made[row] = 1  # the prefill's token
+                    if lengths[row] == 1:
+                        continue  # done at its prefill: never takes a step (nor keeps its blocks)
+                held[row] = need
+                free -= need
+            if held:
+                break
+        if not held:
+            continue
+        burst = min(min(budgets[row] - made[row] for row in held), read_interval)
+        while True:  # growth: every live row's blocks for the burst, else one step, else preempt the newest
+            needs = {row: blocks(prompts[row] + made[row] - 1 + burst) - b for row, b in held.items()}
+            if sum(needs.values()) <= free:
+                break
+            if burst > 1:
+                burst = 1
+                continue
+            newest = next(reversed(held))
+            free += held.pop(newest)
+            waiting.append(newest)
+        for row, need in needs.items():
+            held[row] += need
+            free -= need
+        peak = max(peak, pool - free)
+        step += burst
+        kept = 0
+        for row in list(held):
+            run = min(burst, lengths[row] - made[row])  # a row that ends inside the burst keeps its slot to its end
+            made[row] += run
+            kept += run
+        row_steps += kept
+        if fresh < n or waiting:
+            queued_steps += burst
+            queued_row_steps += kept
+        for row in list(held):
+            if made[row] == lengths[row]:
+                free += held.pop(row)
+    # every preempted row came back, once per preemption
+    return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps,
+                          preemptions=len(recompute), recompute_widths=tuple(recompute), peak_blocks=peak)
+
+
+def random_call(rng: random.Random, *, long: bool) -> tuple[list[int], list[int], list[int], dict]:
+    """Prompts, response lengths, budgets and the admission rules of a random call; ``long``: budgets
+    of hundreds of steps, where the replay jumps."""
+    n = rng.randint(1, 30)
+    prompts = [rng.randint(1, 60) for _ in range(n)]
+    budgets = [rng.randint(1, 600 if long else 40) for _ in range(n)]
+    lengths = [rng.choice([b, rng.randint(1, b)]) for b in budgets]
+    rules = dict(num_slots=rng.randint(1, 9), refill_rows=rng.randint(1, 4), read_interval=rng.choice([1, 2, 7, 64]))
+    return prompts, lengths, budgets, rules
+
+
+@pytest.mark.parametrize("long", [False, pytest.param(True, marks=pytest.mark.slow)])  # slow: the turns, replayed
+def test_the_jumps_give_the_turn_by_turn_schedule(long):
+    rng = random.Random(long)
+    for _ in range(150):
+        prompts, lengths, budgets, rules = random_call(rng, long=long)
+        for layout in ("aligned", "paged"):
+            tight = max(p + b - 1 for p, b in zip(prompts, budgets))  # a long prompt can wait for long budgets
+            capacity = rng.choice([tight, tight, max(prompts) + max(budgets), tight + rng.randint(1, 300)])
+            assert simulate_refill(prompts, lengths, budgets, layout=layout, capacity=capacity, **rules) == \
+                turn_by_turn(prompts, lengths, budgets, layout=layout, capacity=capacity, **rules)
+        need = max(blocks_for(p + r, 16) for p, r in zip(prompts, lengths))
+        pool = dict(pool_blocks=need + rng.randint(0, 3 * len(prompts)), block_size=16)  # tight to roomy
+        assert simulate_refill(prompts, lengths, budgets, layout="paged", **pool, **rules) == \
+            turn_by_turn(prompts, lengths, budgets, layout="paged", **pool, **rules)
+
+
+def test_a_huge_budget_costs_the_rows_not_the_steps():
+    start = time.perf_counter()
+    budgets = [10**9, 10**9, 5 * 10**8]
+    for layout, pool, interval in (("aligned", None, 1), ("paged", None, 1), ("paged", 3 * 10**8, 16)):
+        got = simulate_refill([16, 16, 40], budgets, budgets, num_slots=2, layout=layout, pool_blocks=pool,
+                              read_interval=interval)
+        assert got.row_steps == sum(b - 1 for b in budgets)
+    assert time.perf_counter() - start < 0.5

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from rollout_lab.planner.bucket_dp import validate_lengths
+from rollout_lab.planner.checks import check_int
 from rollout_lab.planner.decode_steps import LengthPrior, cdf_steps
 
 LAYOUTS = ("aligned", "paged")
@@ -97,7 +98,10 @@ def simulate_refill(
     rows can end at EOS) and never past a live row's budget; a row that ends inside a burst keeps
     its slot to the burst's end. On ``"paged"`` a turn admits only when at least ``refill_rows`` rows
     can come in (or the queue is that short, or nothing is live), and a row done at its prefill frees
-    its slot for the next turn. With a pool the same turns, its blocks replayed too (``_simulate_pool``)."""
+    its slot for the next turn. With a pool the same turns, its blocks replayed too (``_simulate_pool``).
+    Turns that change nothing but the step count (full bursts, no admission, no row's end, no
+    preemption) are taken together in one jump, so a replay costs its rows' events, not their tokens:
+    a budget of 10**9 is as quick as one of 10. ``capacity`` (aligned) must hold every row alone."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if pool_blocks is not None and layout != "paged":
@@ -119,6 +123,13 @@ def simulate_refill(
                               refill_rows, read_interval)
     if capacity is None:
         capacity = max(prompt_lengths) + max(budgets)
+    elif layout == "aligned":  # a row that cannot enter an empty cache would be waited for forever
+        capacity = check_int(capacity, name="capacity")
+        row = max(range(n), key=lambda r: prompt_lengths[r] + budgets[r])
+        if prompt_lengths[row] + budgets[row] - 1 > capacity:
+            raise ValueError(f"capacity={capacity} columns cannot hold row {row} alone ({prompt_lengths[row]} prompt + "
+                             f"{budgets[row]} budget - 1 = {prompt_lengths[row] + budgets[row] - 1} columns): give at "
+                             f"least {prompt_lengths[row] + budgets[row] - 1}")
     # a row that enters before step t's token has made 1 token (its prefill's) and makes one per step:
     # it makes its last token at step t + length - 1 and reaches its budget at t + budget - 1. The
     # aligned check only needs two maxima over the live rows: span = L + steps since entry =
@@ -162,6 +173,28 @@ def simulate_refill(
             continue
         while budget_ends[0][1] not in live:
             heapq.heappop(budget_ends)  # a row that retired
+        quiet = _quiet_turns(step, read_interval, first_end=ends[0][0], budget_end=budget_ends[0][0])
+        if quiet and queue < n:  # and no admission at their starts
+            if layout == "paged":
+                take = min(num_slots - len(live), n - queue)
+                quiet = 0 if take and take >= min(refill_rows, n - queue, num_slots) else quiet
+            elif len(live) < num_slots:
+                if span_key is None:
+                    span_key = max(prompt_lengths[r] - t for r, t in live.items())
+                    remaining_key = max(budgets[r] - 1 + t for r, t in live.items())
+                admits = _first_aligned_admission(step + read_interval, prompt=prompt_lengths[queue],
+                                                  budget=budgets[queue], span_key=span_key,
+                                                  remaining_key=remaining_key, capacity=capacity)
+                if admits is not None:
+                    quiet = min(quiet, (admits - step - 1) // read_interval)
+        if quiet:  # turns of full bursts with no admission and no row's end: one jump over them all
+            step += quiet * read_interval
+            if layout == "paged":  # the blocks grow with the steps: the last of these turns holds the most
+                peak = max(peak, sum(blocks_for(prompt_lengths[r] + step - t, block_size) for r, t in live.items()))
+            row_steps += quiet * read_interval * len(live)
+            if queue < n:
+                queued_steps += quiet * read_interval
+                queued_row_steps += quiet * read_interval * len(live)
         burst = min(budget_ends[0][0] - step, read_interval)  # a burst: every live row makes a token a step
         if layout == "paged":  # each live row's blocks for its tokens so far and the burst's, reserved before it
             peak = max(peak, sum(blocks_for(prompt_lengths[r] + step - t + burst, block_size) for r, t in live.items()))
@@ -177,6 +210,31 @@ def simulate_refill(
             queued_steps += burst
             queued_row_steps += kept
     return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps, peak_blocks=peak)
+
+
+def _quiet_turns(step: int, read_interval: int, *, first_end: int, budget_end: int) -> int:
+    """The turns from ``step`` on that run a full burst of ``read_interval`` steps and end before the
+    first live row's end (``first_end``, its last step) and within the first live budget
+    (``budget_end``): the replay jumps over them at once, its cost following the rows, not the steps.
+    The caller bounds them by the admissions too."""
+    return max(0, min((first_end - step - 1) // read_interval, (budget_end - step) // read_interval))
+
+
+def _first_aligned_admission(start: int, *, prompt: int, budget: int, span_key: int, remaining_key: int,
+                             capacity: int) -> int | None:
+    """The first step >= ``start`` at which the aligned cache admits the queue's head (``prompt``,
+    ``budget``) beside the live rows as they are (``span_key``, ``remaining_key``: ``simulate_refill``'s
+    maxima), else None. Its need, max(prompt, step + span_key) + max(budget - 1, remaining_key - step),
+    is convex in the step (slopes -1, 0, 1): it falls, as prompt + remaining_key - step, only while the
+    head's prompt and the live rows' remaining budget lead both terms, and never again after."""
+    def need(step: int) -> int:
+        return max(prompt, step + span_key) + max(budget - 1, remaining_key - step)
+
+    if need(start) <= capacity:
+        return start
+    falls_until = min(prompt - span_key, remaining_key - (budget - 1))  # past it the need never falls again
+    reaches = prompt + remaining_key - capacity  # where prompt + remaining_key - step meets the capacity
+    return max(start, reaches) if start < falls_until and reaches <= falls_until else None
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -224,23 +282,33 @@ def _simulate_pool(
         head = waiting[::-1][:count]
         return head + list(range(fresh, min(n, fresh + count - len(head))))
 
+    def admission() -> list[tuple[int, int]]:
+        """The (row, blocks) this turn admits; none while fewer than ``refill_rows`` rows can come in
+        beside live ones. With fewer free blocks it admits a prefix of these (so none when these are none)."""
+        queued = n - fresh + len(waiting)
+        chosen, budget = [], free
+        for row in queue_head(num_slots - len(held)):
+            need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
+            # the watermark: one free block per live row stays after it (never blocking an empty pool)
+            if need > budget - (len(held) + len(chosen) + 1):
+                break
+            budget -= need
+            chosen.append((row, need))
+        if not chosen and not held:
+            row = queue_head(1)[0]
+            need = blocks(prompts[row] + max(1, made[row]))
+            if need <= free:
+                chosen = [(row, need)]
+        return [] if held and len(chosen) < min(refill_rows, queued, num_slots) else chosen
+
+    def growth(steps: int) -> int:
+        """The blocks the live rows add to hold ``steps`` more tokens each."""
+        return sum(blocks(prompts[row] + made[row] - 1 + steps) - b for row, b in held.items())
+
     while fresh < n or waiting or held:
         while fresh < n or waiting:  # one admission a turn, the next turn at once while nothing is live
-            queued = n - fresh + len(waiting)
-            chosen, budget = [], free
-            for row in queue_head(num_slots - len(held)):
-                need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
-                # the watermark: one free block per live row stays after it (never blocking an empty pool)
-                if need > budget - (len(held) + len(chosen) + 1):
-                    break
-                budget -= need
-                chosen.append((row, need))
-            if not chosen and not held:
-                row = queue_head(1)[0]
-                need = blocks(prompts[row] + max(1, made[row]))
-                if need <= free:
-                    chosen = [(row, need)]
-            if not chosen or (held and len(chosen) < min(refill_rows, queued, num_slots)):
+            chosen = admission()
+            if not chosen:
                 break
             for row, need in chosen:
                 if waiting and row == waiting[-1]:
@@ -257,6 +325,29 @@ def _simulate_pool(
                 break
         if not held:
             continue
+        quiet = _quiet_turns(0, read_interval, first_end=min(lengths[row] - made[row] for row in held),
+                             budget_end=min(budgets[row] - made[row] for row in held))
+        if quiet and (fresh < n or waiting) and admission():  # the free blocks only fall until a row ends
+            quiet = 0
+        if quiet and growth(quiet * read_interval) > free:  # the most turns whose blocks fit, reserved a turn at a time
+            low, high = 0, quiet
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if growth(middle * read_interval) <= free else (low, middle - 1)
+            quiet = low
+        if quiet:  # turns of full bursts with no admission, no row's end and no preemption: one jump over them all
+            steps = quiet * read_interval
+            for row in held:
+                grown = blocks(prompts[row] + made[row] - 1 + steps)
+                free -= grown - held[row]
+                held[row] = grown
+                made[row] += steps
+            peak = max(peak, pool - free)
+            step += steps
+            row_steps += steps * len(held)
+            if fresh < n or waiting:
+                queued_steps += steps
+                queued_row_steps += steps * len(held)
         burst = min(min(budgets[row] - made[row] for row in held), read_interval)
         while True:  # growth: every live row's blocks for the burst, else one step, else preempt the newest
             needs = {row: blocks(prompts[row] + made[row] - 1 + burst) - b for row, b in held.items()}
