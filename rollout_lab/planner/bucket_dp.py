@@ -203,17 +203,20 @@ def plan_buckets_quadratic(
 def plans_by_num_buckets(
     lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, max_num_buckets: int
 ) -> list[BucketPlan | None]:
-    """The cheapest plan with exactly k buckets, for k = 1..max_num_buckets (None: infeasible).
+    """The cheapest plan with exactly k buckets, for k = 1..min(max_num_buckets, n) of n prompts
+    (None: infeasible within ``prefill_max_tokens``). A bucket holds a prompt at least, so no k past n
+    has a plan and the list stops at n (one empty plan for no prompts): its length is the prompts',
+    not ``max_num_buckets``'s.
 
     Layered DP over the sorted lengths: best_k[j] = min_i best_{k-1}[i] + C(j - i, w_j), with each
-    bucket within ``prefill_max_tokens``. O(k n^2) time, numpy over i. k is capped at n.
+    bucket within ``prefill_max_tokens``. O(k n^2) time, numpy over i.
     """
     check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, costs)
     max_num_buckets = check_int(max_num_buckets, name="max_num_buckets")
     n = len(lengths)
     if n == 0:
-        return [BucketPlan((), (), 0.0)] + [None] * (max_num_buckets - 1)
+        return [BucketPlan((), (), 0.0)]
     order = sorted(range(n), key=lengths.__getitem__)
     widths = np.array([lengths[i] for i in order])
     f = np.array([per_row_cost_ms(int(w), geometry, costs) for w in widths])
@@ -237,9 +240,8 @@ def plans_by_num_buckets(
         cuts.append(cut)
         is_feasible.append(math.isfinite(nxt[n]))
         best = nxt
-    plans = [_backtrack(order, widths, cuts[:k], geometry, costs) if is_feasible[k - 1] else None
-             for k in range(1, num_layers + 1)]
-    return plans + [None] * (max_num_buckets - num_layers)
+    return [_backtrack(order, widths, cuts[:k], geometry, costs) if is_feasible[k - 1] else None
+            for k in range(1, num_layers + 1)]
 
 
 def _backtrack(order, widths, cuts, geometry, costs) -> BucketPlan:
@@ -258,6 +260,8 @@ def _backtrack(order, widths, cuts, geometry, costs) -> BucketPlan:
 def plan_buckets_k(
     lengths: Sequence[int], geometry: ModelGeometry, costs: CostCoefficients, num_buckets: int
 ) -> BucketPlan | None:
-    """The cheapest plan with exactly ``num_buckets`` contiguous buckets; None when infeasible."""
+    """The cheapest plan with exactly ``num_buckets`` contiguous buckets; None when infeasible (more
+    buckets than prompts among it)."""
     num_buckets = check_int(num_buckets, name="num_buckets")
-    return plans_by_num_buckets(lengths, geometry, costs, num_buckets)[num_buckets - 1]
+    plans = plans_by_num_buckets(lengths, geometry, costs, num_buckets)
+    return plans[num_buckets - 1] if num_buckets <= len(plans) else None
