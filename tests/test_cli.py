@@ -386,6 +386,32 @@ def test_reproduce_checks_its_gpu_table_before_any_work(tmp_path, capsys, monkey
         in one_error_line(capsys)
 
 
+def _tiny_costs(path: Path, *, prefill_graphs: bool | None = None, **changed) -> str:
+    """A cost file whose provenance is the tiny qwen2's in fp32 on the CPU (``changed``: its fields changed)."""
+    from rollout_lab.engine.model_info import model_metadata
+    from rollout_lab.measure.models import load_model
+
+    model, name = load_model("tiny-qwen2", dtype="float32", device="cpu")
+    metadata = model_metadata(model, model_name=name, prefill_graphs=prefill_graphs)
+    CostCoefficients().to_json(path, metadata={**metadata, **changed})
+    return str(path)
+
+
+@pytest.mark.parametrize("bench", ["grpo", "prefill-routes"])
+def test_a_bench_checks_its_costs_before_the_model(bench, tmp_path, capsys, no_model):
+    costs = _tiny_costs(tmp_path / "bf16.json", dtype="bfloat16")
+    assert main(["bench", bench, "--tiny", "qwen2", "--costs", costs, "--out", str(tmp_path / "rec")]) == 2
+    assert f"cost file {costs!r} was calibrated for a different setting" in one_error_line(capsys)
+
+
+def test_a_bench_runs_on_costs_that_match(tmp_path):
+    """(prefill-routes: grpo --tiny sets the process's torch threads, so test_grpo runs it in a process of its own)"""
+    costs = _tiny_costs(tmp_path / "costs.json", prefill_graphs=False)
+    assert main(["bench", "prefill-routes", "--tiny", "qwen2", "--costs", costs, "--batch-sizes", "2",
+                 "--repetitions", "1", "--routes", "bucketed", "--out", str(tmp_path / "rec")]) == 0
+    assert json.loads((tmp_path / "rec.json").read_text())["config"]["costs"] == costs
+
+
 def test_the_preflight_on_an_unwritable_output_is_fast(tmp_path, capsys, no_model):
     (tmp_path / "a_file").write_text("x")
     start = time.perf_counter()
