@@ -34,7 +34,7 @@ COLORS = {"cli": 7, "notebooks": 7, "plots": 4, "measure": 2, "engine": 0, "plan
 # the engine's rooms, top to bottom (engine/__init__.py says the same in words)
 ENGINE_ROWS = {
     "distributed": "the data-parallel rollout: one Rollout per rank, the requests split by the planner",
-    "api": "Rollout (the facade), RolloutConfig, the call spec checked once, the result, the costs it plans with",
+    "api": "Rollout (the facade), RolloutConfig, the call spec checked once, the result, the costs, the loader",
     "sched": "a Request per row; one scheduler per cache (aligned, paged) over one loop; HF generate (nocb)",
     "runner": "the model runner: prefill (plain, captured), the captured and compiled decode step, weights",
     "trainer": "the padded batch a trainer steps on, its teacher-forced logprobs, the GRPO losses",
@@ -42,10 +42,11 @@ ENGINE_ROWS = {
     "sample": "SamplingParams (vLLM's fields), penalties and processors, the seeded sampler, stop strings",
     "kernels": "the one door to the decode-attention kernels; Triton imported and checked in one place",
     "profile": "the phase times and forwards a call reports",
+    "limits": "every size against the model's context and the device's memory, for the API and the CLI",
     "model_info": "a model's name and provenance (cost files, compile caches)",
 }
 ENGINE_COLORS = {"distributed": 7, "api": 0, "sched": 2, "runner": 4, "trainer": 7, "kv": 1, "sample": 3,
-                 "kernels": 5, "profile": 7, "model_info": 7}
+                 "kernels": 5, "profile": 7, "limits": 7, "model_info": 7}
 LEFT, WIDTH, ROW_HEIGHT, GAP = 0.27, 0.72, 0.118, 0.022
 
 
@@ -88,6 +89,10 @@ def arrows(folder: Path, root: str, rows: dict) -> dict[tuple[str, str], int]:
 
 def draw(folder: Path = PACKAGE, root: str = "rollout_lab", rows: dict = ROWS, colors: dict = COLORS,
          title: str = "rollout_lab") -> plt.Figure:
+    parts = {p.stem for p in folder.iterdir() if p.name != "__init__.py" and (p.suffix == ".py" or
+                                                                          (p / "__init__.py").exists())}
+    if parts - set(rows):  # a part the drawing would leave out: give it a row (and words)
+        raise SystemExit(f"{folder} has parts with no row to draw them in: {sorted(parts - set(rows))}")
     height = max(1.0, 0.1 + len(rows) * (ROW_HEIGHT + GAP))  # more rows: a taller figure, the same boxes
     fig, ax = plt.subplots(figsize=(13, 8.2 * height))
     ax.set_axis_off()

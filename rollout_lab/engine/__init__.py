@@ -6,7 +6,7 @@ the result, the costs) <- ``sched/`` (a ``Request`` per row; the aligned and pag
 generate) <- ``runner/`` (the model runner: prefill, the decode step, its graphs and compile) <-
 ``trainer`` <- ``kv/`` (the caches and their sizing) <- ``sample/`` (``SamplingParams``, penalties,
 the sampler, stop strings) and ``kernels/`` (the one door to the attention kernels) <- ``profile``,
-``model_info``.
+``limits`` (every size against the context and the device's memory), ``model_info``.
 
 May import: torch, transformers, ``rollout_lab.planner``, ``rollout_lab.workspace``. Never
 ``rollout_lab.measure`` or ``plots``.
