@@ -354,6 +354,21 @@ def test_an_empty_out_is_refused_not_taken_for_the_default(argv, tmp_path, monke
         Workspace.resolve("")
 
 
+@pytest.mark.parametrize("argv", [["plan", "16", "--costs", ""], ["sweep", "--device", "cpu", "--costs", " "],
+                                  ["bench", "grpo", "--tiny", "qwen2", "--out", "r", "--costs", ""],
+                                  ["bench", "prefill-routes", "--tiny", "qwen2", "--out", "r", "--costs="]])
+def test_an_empty_costs_is_refused_by_the_shared_input_path_type(argv, tmp_path, monkeypatch, capsys, no_model):
+    """--costs of every command is options.cost_file_path, the input-path type beside out_path."""
+    from rollout_lab.cli import options
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    assert "argument --costs: '" in err and "is empty; give a cost file's path, or leave --costs out" in err
+    assert options.cost_file_path("costs.json") == "costs.json"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("command, folder", [
     (["sweep", "--device", "cpu", "--workloads", "long_tail"], "rec.json"),
     (["sweep", "--device", "cpu", "--workloads", "long_tail"], "rec.csv"),

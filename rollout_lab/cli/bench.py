@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from rollout_lab.cli.model import build_model, device_type, model_limits, read_costs_before_work
-from rollout_lab.cli.options import Parser, positive_int, record_out
+from rollout_lab.cli.options import Parser, cost_file_path, positive_int, record_out
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.records import decode_step_rows, grpo_rows, rl_throughput_rows
 from rollout_lab.measure.workloads import DATASETS, WORKLOADS, sample_lengths
@@ -431,15 +431,6 @@ def _add_variants(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
 
     parser.add_argument("--variants", nargs="+", default=list(defaults["variants"]), choices=sorted(DECODE_VARIANTS),
                         help="decode levers to compare (default: %(default)s)")
-
-
-def cost_file_path(text: str) -> str:
-    """An argparse type for ``--costs`` (plan, sweep, the benches): not empty, which a command would
-    otherwise take for "not given" and price with its default costs."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a cost file's path, or leave --costs out "
-                                         "for the default costs")
-    return text
 
 
 def _read_costs(args: argparse.Namespace, *, prefill_graphs: bool | None) -> CostFile | None:

@@ -14,10 +14,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout_lab.cli.bench import BENCHES, BenchParser, cost_file_path
+from rollout_lab.cli.bench import BENCHES, BenchParser
 from rollout_lab.cli.model import (add_model_arguments, build_model, check_prefill_graphs_device, device_type,
                                    model_limits, model_spec, read_costs_before_work, resolve_model_arguments)
-from rollout_lab.cli.options import DTYPES, Parser, add_out_dir, non_negative_int, out_path, positive_int
+from rollout_lab.cli.options import (DTYPES, Parser, add_out_dir, cost_file_path, non_negative_int, out_path,
+                                     positive_int)
 from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, context_for, geometry_for, model_name
 from rollout_lab.measure.records import PROFILE_FIELDS, e2e_table, join_sweeps, load_results, summary_table

@@ -1,5 +1,5 @@
 """The argparse pieces every command shares: the parser class that reports a bad argument as one
-line, the integer and record-output types, the dtypes, and the workspace option."""
+line, the integer, input-path and output-path types, the dtypes, and the workspace option."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +43,15 @@ def out_path(text: str) -> str:
     would otherwise take for "not given" and write to the default."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is empty; give a path, or leave the option out for the default")
+    return text
+
+
+def cost_file_path(text: str) -> str:
+    """An argparse type for an input cost file (``--costs`` of plan, sweep and the benches): not
+    empty, which a command would otherwise take for "not given" and price with its default costs."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a cost file's path, or leave --costs out "
+                                         "for the default costs")
     return text
 
 
