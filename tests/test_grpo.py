@@ -57,6 +57,19 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
         run_grpo(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", **(GRPO_DEFAULTS | bad))
 
 
+def test_a_scale_that_clips_a_prompt_to_one_token_is_refused_naming_the_smallest_that_works(monkeypatch):
+    """run_grpo(scale=1e-9) clipped every prompt to one token silently; the check the CLI shares names
+    the shortest drawn prompt (70 tokens of gsm8k's first 64 at seed 0) and scale >= 1/70."""
+    message = (r"scale=1e-09 makes the shortest of these prompts \(70 tokens of gsm8k\) 7e-08 tokens, which would "
+               r"be clipped to 1 .*give scale >= 0.0143 \(1/70\)")
+    with pytest.raises(ValueError, match=message):
+        check_grpo_settings(**(GRPO_DEFAULTS | {"scale": 1e-9}))
+    check_grpo_settings(**(GRPO_DEFAULTS | {"scale": 0.0143}))  # 1.001 tokens: kept
+    monkeypatch.setattr(grpo_module, "lengths_to_prompts", lambda *a, **k: pytest.fail("work began"))
+    with pytest.raises(ValueError, match=message):
+        run_grpo(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", **(GRPO_DEFAULTS | {"scale": 1e-9}))
+
+
 @pytest.mark.slow
 def test_grpo_or_load_measures_the_shape_or_renders_a_record(tmp_path, monkeypatch):
     assert grpo_or_load(grpo_shape=None, grpo_results_file=None, model="tiny-qwen2", dtype="float32",

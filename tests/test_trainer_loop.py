@@ -130,6 +130,17 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
         run_trainer_loop(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", **bad)
 
 
+def test_a_scale_that_clips_a_prompt_to_one_token_is_refused_by_the_run_too(monkeypatch):
+    """run_trainer_loop(scale=0.001) clipped every prompt to one token silently; the check the CLI
+    shares (grpo.scaled_prompt_lengths) names scale >= 1/shortest."""
+    monkeypatch.setattr(trainer_loop_module, "Rollout", lambda *a, **k: pytest.fail("a rollout was built"))
+    message = r"scale=0.001 makes the shortest of these prompts \(70 tokens of gsm8k\).*give scale >= 0.0143 \(1/70\)"
+    with pytest.raises(ValueError, match=message):
+        check_trainer_loop_settings(**(dict(TRAINER_LOOP_DEFAULTS) | {"scale": 0.001}))
+    with pytest.raises(ValueError, match=message):
+        run_trainer_loop(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", scale=0.001)
+
+
 def test_trainer_loop_defaults_are_run_trainer_loops_own():
     signature = inspect.signature(run_trainer_loop).parameters
     assert {k: signature[k].default for k in TRAINER_LOOP_DEFAULTS} == TRAINER_LOOP_DEFAULTS

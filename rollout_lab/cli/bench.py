@@ -7,7 +7,6 @@ adds them when that bench parses, so `plan` and `bench --help` import no torch."
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any, Callable, Sequence
 
@@ -15,7 +14,7 @@ from rollout_lab.cli.model import build_model, device_type, model_limits, read_c
 from rollout_lab.cli.options import Parser, cost_file_path, positive_int, record_out
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.records import decode_step_rows, grpo_rows, rl_throughput_rows
-from rollout_lab.measure.workloads import DATASETS, WORKLOADS, sample_lengths
+from rollout_lab.measure.workloads import DATASETS, WORKLOADS
 from rollout_lab.planner.cost import CostFile
 from rollout_lab.workspace import write_record
 
@@ -68,7 +67,6 @@ def cmd_bench_grpo(args: argparse.Namespace) -> int:
 
     settings = {k: getattr(args, k) for k in GRPO_DEFAULTS}
     check_grpo_settings(**settings, limits=_model_limits(args))
-    _check_scale(args)
     cost_file = _read_costs(args, prefill_graphs=None)
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as --threads)
         import torch  # torch, as above
@@ -257,7 +255,6 @@ def cmd_bench_trainer_loop(args: argparse.Namespace) -> int:
 
     settings = {k: getattr(args, k) for k in TRAINER_LOOP_DEFAULTS}
     check_trainer_loop_settings(**settings, limits=_model_limits(args))
-    _check_scale(args)
     if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
         import torch  # torch, as above
 
@@ -454,21 +451,6 @@ def _checked_costs(cost_file: CostFile | None, model: Any, name: str, *, prefill
     if cost_file is None:
         return None
     return cost_file.check(model_metadata(model, model_name=name, prefill_graphs=prefill_graphs))
-
-
-def _check_scale(args: argparse.Namespace) -> None:
-    """ValueError when ``--scale`` makes a drawn prompt (grpo, trainer-loop: ``--num-prompts`` of
-    ``--dataset`` at ``--seed``) shorter than one token before ``scale_lengths`` clips it to 1: at
-    --scale 1e-9 every prompt would be one token, whatever the dataset. Names the smallest scale that
-    keeps every prompt."""
-    shortest = min(sample_lengths(args.dataset, args.num_prompts, seed=args.seed))
-    if shortest * args.scale < 1:
-        smallest = 1 / shortest
-        digits = 2 - math.floor(math.log10(smallest))  # three significant digits, rounded up
-        raise ValueError(f"--scale {args.scale:g} makes the shortest of these prompts ({shortest} tokens of "
-                         f"{args.dataset}) {shortest * args.scale:.3g} tokens, which would be clipped to 1 (as would "
-                         f"every prompt under 1 token); give --scale >= "
-                         f"{math.ceil(smallest * 10**digits) / 10**digits:g} (1/{shortest})")
 
 
 def _add_bench_costs(parser: argparse.ArgumentParser) -> None:

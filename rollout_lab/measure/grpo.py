@@ -76,10 +76,26 @@ def check_grpo_settings(*, dataset: str, num_prompts: int, num_samples: int, max
     unknown = [p for p in paths if p not in GRPO_PATHS]
     if unknown or not paths or len(set(paths)) != len(paths):
         raise ValueError(f"GRPO paths must be distinct names from {', '.join(GRPO_PATHS)}; got {list(paths)}")
-    lengths = scale_lengths(sample_lengths(dataset, num_prompts, seed=seed), scale)  # num_prompts within the dataset
+    lengths = scaled_prompt_lengths(dataset, num_prompts, scale=scale, seed=seed)
     if limits is not None:
         check_group_limits(limits, lengths, num_samples=num_samples, max_new_tokens=max_new_tokens, scale=scale,
                            mode="bucketed" if "hf_generate" in paths else mode)
+
+
+def scaled_prompt_lengths(dataset: str, num_prompts: int, *, scale: float, seed: int) -> list[int]:
+    """The ``num_prompts`` prompt lengths of ``dataset`` drawn at ``seed``, times ``scale`` (a GRPO
+    group's, and the trainer loop's); ValueError when ``scale`` makes a drawn prompt shorter than one
+    token before ``scale_lengths`` clips it to 1 (at scale 1e-9 every prompt would be one token,
+    whatever the dataset), naming the smallest scale that keeps every prompt."""
+    lengths = sample_lengths(dataset, num_prompts, seed=seed)  # num_prompts within the dataset
+    shortest = min(lengths)
+    if shortest * scale < 1:
+        smallest = 1 / shortest
+        digits = 2 - math.floor(math.log10(smallest))  # three significant digits, rounded up
+        raise ValueError(f"scale={scale:g} makes the shortest of these prompts ({shortest} tokens of {dataset}) "
+                         f"{shortest * scale:.3g} tokens, which would be clipped to 1 (as would every prompt under "
+                         f"1 token); give scale >= {math.ceil(smallest * 10**digits) / 10**digits:g} (1/{shortest})")
+    return scale_lengths(lengths, scale)
 
 
 def check_samples(num_samples: object) -> int:
@@ -207,9 +223,7 @@ def run_grpo(
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    lengths = sample_lengths(dataset, num_prompts, seed=seed)
-    if scale != 1.0:
-        lengths = scale_lengths(lengths, scale)
+    lengths = scaled_prompt_lengths(dataset, num_prompts, scale=scale, seed=seed)
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed, special_ids=special_token_ids(cfg))
     calls = _Paths(model, prompts, settings, pad_id, costs or CostCoefficients())
 

@@ -44,11 +44,11 @@ from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.engine.trainer import group_advantages, policy_gradient_loss, sequence_logprobs
 from rollout_lab.measure.models import load_model, model_config, special_token_ids
-from rollout_lab.measure.grpo import check_group_limits, check_samples
+from rollout_lab.measure.grpo import check_group_limits, check_samples, scaled_prompt_lengths
 from rollout_lab.measure.paths import check_timed_calls, timed_call
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.records import load_record, shape_settings
-from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, sample_lengths, scale_lengths
+from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts
 from rollout_lab.planner.checks import check_int, is_int
 from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
@@ -89,7 +89,7 @@ def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: 
             raise ValueError(f"{name} must be a bool, got {value!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    lengths = scale_lengths(sample_lengths(dataset, num_prompts, seed=seed), scale)  # num_prompts within the dataset
+    lengths = scaled_prompt_lengths(dataset, num_prompts, scale=scale, seed=seed)
     if limits is not None:
         check_group_limits(limits, lengths, num_samples=num_samples, max_new_tokens=max_new_tokens, scale=scale,
                            mode=mode, trainer=True, train_rows=train_rows)
@@ -199,7 +199,7 @@ def run_trainer_loop(
     cfg = model.config.get_text_config(decoder=True)
     vocab = model.get_input_embeddings().weight.shape[0]
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    lengths = scale_lengths(sample_lengths(dataset, num_prompts, seed=seed), scale)
+    lengths = scaled_prompt_lengths(dataset, num_prompts, scale=scale, seed=seed)
     prompts = lengths_to_prompts(lengths, vocab_size=vocab, seed=seed, special_ids=special_token_ids(cfg))
     iterations_out: list[dict[str, Any]] = []
     record = {
