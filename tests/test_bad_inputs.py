@@ -741,7 +741,7 @@ CLI_CASES_CALIBRATE = [
 CLI_CASES_SWEEP = [
     C("sweep-workloads-none", "--workloads", "sweep", "--device", "cpu", "--workloads"),
     C("sweep-workloads-unknown", "'chat'", "sweep", "--device", "cpu", "--workloads", "chat"),
-    C("sweep-workloads-repeated", "long_tail", "sweep", "--device", "cpu", "--workloads", "long_tail", "long_tail"),
+    C("sweep-workloads-repeated", "names 'long_tail' more than once", "sweep", "--device", "cpu", "--workloads", "long_tail", "long_tail"),
     C("sweep-scale-zero", "scale", "sweep", "--device", "cpu", "--scale", "0"),
     C("sweep-scale-nan", "nan", "sweep", "--device", "cpu", "--scale", "nan"),
     C("sweep-scale-inf", "inf", "sweep", "--device", "cpu", "--scale", "inf"),

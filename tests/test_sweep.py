@@ -105,6 +105,8 @@ def test_bad_workload_or_path_errors_before_work(tmp_path):
         run_sweep(None, workloads=["long_tail"], paths=["nocb", "vllm"])
     with pytest.raises(ValueError, match="positive ints"):
         run_sweep(None, workloads={"bad": [3, 0]})
+    with pytest.raises(ValueError, match="workloads names 'long_tail' more than once; give each workload once"):
+        run_sweep(None, workloads=["long_tail", "spread", "long_tail"])  # keyed by name, it would run once
     with pytest.raises(ValueError, match="decode='graph' needs a CUDA device"):  # before the lock and any call
         run_sweep(get_tiny("qwen2"), workloads={"a": [3]}, decode="graph", out=tmp_path / "g")
     assert not list(tmp_path.iterdir())

@@ -199,9 +199,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     # every check before the model is built: the workloads within its context, the output writable,
     # the cost file (the one given, else the workspace's calibration of this model) on what is known
     config, name, max_positions = model_limits(args)
-    repeated = sorted({w for w in args.workloads or () if args.workloads.count(w) > 1})
-    if repeated:  # resolve_workloads keys them by name: a repeat would run once
-        raise ValueError(f"--workloads names {', '.join(map(repr, repeated))} more than once; give each workload once")
     lengths = sweep.resolve_workloads(args.workloads or list(SEED_FIVE), scale=scale)
     for workload, workload_lengths in lengths.items():
         try:

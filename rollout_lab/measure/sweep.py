@@ -76,6 +76,9 @@ def resolve_workloads(
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:
         raise ValueError(f"unknown workloads {unknown or '(none given)'}; valid names: {', '.join(WORKLOADS)}")
+    repeated = sorted({w for w in workloads if workloads.count(w) > 1})
+    if repeated:  # keyed by name below: a repeat would run once
+        raise ValueError(f"workloads names {', '.join(map(repr, repeated))} more than once; give each workload once")
     return {name: get_workload(name, scale=scale) for name in workloads}
 
 
