@@ -57,6 +57,20 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
         run_grpo(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", **(GRPO_DEFAULTS | bad))
 
 
+def test_more_rows_than_one_call_takes_are_refused_before_the_model_is_built():
+    """check_group_limits (grpo, trainer-loop) asks engine.limits.check_call_rows, as generate would
+    after the model, the prompts and a Rollout were built."""
+    from rollout_lab.engine.limits import ModelLimits
+    from rollout_lab.measure.models import model_config
+
+    config, _ = model_config("tiny-qwen2")
+    limits = ModelLimits.of_config(config, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"num_samples=32768 x 64 requests = 2097152 rows, more than the 1048576 "
+                                         r"rows one call takes: give at most num_samples=16384 for 64 requests"):
+        check_grpo_settings(**(GRPO_DEFAULTS | {"num_samples": 2**15, "scale": 0.1}), limits=limits)
+    check_grpo_settings(**(GRPO_DEFAULTS | {"num_samples": 2**14, "scale": 0.1, "max_new_tokens": 1}), limits=limits)
+
+
 def test_a_scale_that_clips_a_prompt_to_one_token_is_refused_naming_the_smallest_that_works(monkeypatch):
     """run_grpo(scale=1e-9) clipped every prompt to one token silently; the check the CLI shares names
     the shortest drawn prompt (70 tokens of gsm8k's first 64 at seed 0) and scale >= 1/70."""

@@ -36,7 +36,7 @@ from rollout_lab.engine.api.config import MODES, RolloutConfig
 from rollout_lab.engine.runner.prefill import left_padded
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.api.rollout import Rollout
-from rollout_lab.engine.limits import LOGIT_BYTES, ModelLimits, rows_at_once
+from rollout_lab.engine.limits import LOGIT_BYTES, ModelLimits, check_call_rows, rows_at_once
 from rollout_lab.engine.sample.params import MAX_SAMPLES
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
@@ -113,7 +113,9 @@ def check_group_limits(limits: ModelLimits, lengths: Sequence[int], *, num_sampl
     ``max_new_tokens`` each, against ``limits``: the longest prompt and its budget within the
     context, every row's prompt and output within the host's memory, the rows ``mode`` decodes at
     once within the device's; with ``trainer`` also the fp32 logits of the trainer's micro-batch
-    (``train_rows``; None: every row). ValueError naming the setting and the most that fits."""
+    (``train_rows``; None: every row). The rows one generate call takes (``check_call_rows``) first.
+    ValueError naming the setting and the most that fits."""
+    check_call_rows([num_samples] * len(lengths))  # what generate would refuse, before the model is built
     longest = max(lengths)
     positions = longest + max_new_tokens
     if max_new_tokens >= longest:
