@@ -204,10 +204,17 @@ def test_bad_arguments_are_errors_before_any_forward(change, message):
     ([[5]], [[-3]], 0, r"responses\[0\]\[0\] is -3"),
     ([[5], [6]], [[1], [2**70]], 0, r"responses\[1\]\[0\] is 1180591620717411303424"),
     ([[5]], [[1]], -1, "pad_token_id must be an int >= 0, got -1"),
+    ([[5, 6]], [[1, True]], 0, r"responses\[0\]\[1\] is True"),  # torch.tensor infers int64 for a bool among ints
+    ([[5, torch.tensor(True)]], [[1]], 0, r"prompts\[0\]\[1\] is tensor\(True\)"),
 ])
 def test_padded_batch_names_a_bad_id(prompts, responses, pad, message):
     with pytest.raises(ValueError, match=message):
         padded_batch(prompts, responses, pad_token_id=pad)
+
+
+def test_padded_batch_takes_numpy_ints_and_0d_int_tensors_as_ids():
+    ids, _, _ = padded_batch([[np.int64(5), torch.tensor(6)]], [[1, 2]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 1, 2]]
 
 
 @pytest.mark.parametrize("bad", [-1, 384])

@@ -61,16 +61,20 @@ def padded_batch(
 
 def _id_row(prompt: Sequence[int], response: Sequence[int], row: int) -> torch.Tensor:
     """[len(prompt) + len(response)] int64 of one row's ids. ``torch.tensor`` infers the dtype (one C
-    pass over the row); only a row it refuses, or infers as float or bool, is scanned id by id for
-    the ValueError naming the bad one (``dtype=torch.long`` would truncate 2.5 to 2)."""
+    pass over the row); only a row it refuses, infers as float or bool, or that holds a bool or a
+    0-d tensor (inferred int64 among ints: ``[1, True]``, ``[1, torch.tensor(True)]``) is scanned id
+    by id for the ValueError naming the bad one (``dtype=torch.long`` would truncate 2.5 to 2)."""
+    ids = [*prompt, *response]
     try:
-        tokens = torch.tensor([*prompt, *response])
+        tokens = torch.tensor(ids)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         tokens = None
-    if tokens is None or tokens.dtype != torch.long:
+    kinds = set(map(type, ids))  # a C pass too: no Python bytecode per id
+    if tokens is None or tokens.dtype != torch.long or bool in kinds or torch.Tensor in kinds:
         _check_ids([prompt], f"prompts[{row}]", single=True)
         _check_ids([response], f"responses[{row}]", single=True)
-        raise ValueError(f"row {row}: its ids must be ints >= 0, got {[*prompt, *response]!r:.200}")
+        if tokens is None or tokens.dtype != torch.long:  # 0-d int tensors alone are ids
+            raise ValueError(f"row {row}: its ids must be ints >= 0, got {ids!r:.200}")
     return tokens
 
 
