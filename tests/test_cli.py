@@ -416,14 +416,25 @@ def _tiny_costs(path: Path, *, prefill_graphs: bool | None = None, **changed) ->
 def test_a_bench_checks_its_costs_before_the_model(bench, tmp_path, capsys, no_model):
     costs = _tiny_costs(tmp_path / "bf16.json", dtype="bfloat16")
     assert main(["bench", bench, "--tiny", "qwen2", "--costs", costs, "--out", str(tmp_path / "rec")]) == 2
-    assert f"cost file {costs!r} was calibrated for a different setting" in one_error_line(capsys)
+    err = one_error_line(capsys)
+    assert f"cost file {costs!r} was calibrated for a different setting" in err
+    assert "--override-costs beside a command's --costs" in err  # the benches that read --costs have it
+    with pytest.raises(pytest.fail.Exception, match="built a model before the checks"):  # accepted: on to the model
+        main(["bench", bench, "--tiny", "qwen2", "--costs", costs, "--override-costs", "--out", str(tmp_path / "rec")])
+    assert main(["bench", bench, "--tiny", "qwen2", "--override-costs", "--out", str(tmp_path / "rec")]) == 2
+    assert "--override-costs accepts a --costs file of another setting, and no --costs is given" \
+        in one_error_line(capsys)
 
 
-def test_a_bench_runs_on_costs_that_match(tmp_path):
-    """(prefill-routes: grpo --tiny sets the process's torch threads, so test_grpo runs it in a process of its own)"""
-    costs = _tiny_costs(tmp_path / "costs.json", prefill_graphs=False)
+@pytest.mark.parametrize("override", [False, True])
+def test_a_bench_runs_on_costs_that_match(override, tmp_path):
+    """Or on costs of another setting, with --override-costs. (prefill-routes: grpo --tiny sets the
+    process's torch threads, so test_grpo runs it in a process of its own)"""
+    changed = {"dtype": "bfloat16"} if override else {}
+    costs = _tiny_costs(tmp_path / "costs.json", prefill_graphs=False, **changed)
     assert main(["bench", "prefill-routes", "--tiny", "qwen2", "--costs", costs, "--batch-sizes", "2",
-                 "--repetitions", "1", "--routes", "bucketed", "--out", str(tmp_path / "rec")]) == 0
+                 "--repetitions", "1", "--routes", "bucketed", "--out", str(tmp_path / "rec"),
+                 *(["--override-costs"] if override else [])]) == 0
     assert json.loads((tmp_path / "rec.json").read_text())["config"]["costs"] == costs
 
 

@@ -88,7 +88,10 @@ def test_a_cost_file_is_checked_against_the_setting_it_is_used_in(tmp_path):
     for name in ("model_name", "geometry", "dtype", "device_type"):
         assert f"{name}: file has" in message, name
     assert "torch" not in message.split("(")[1]  # only the fields the setting knows are compared
-    assert "--override-costs" in message and "tiny.json" in message
+    assert "tiny.json" in message
+    # right wherever it reaches: CostFile.check and load_calibration, RolloutConfig and the notebooks, the CLI
+    assert message.endswith("or use it anyway: override=True (override_costs=True in RolloutConfig and the "
+                            "notebooks, --override-costs beside a command's --costs)")
     assert CostFile.read(path).check(qwen32, override=True) == CostCoefficients()
     bare = CostCoefficients().to_json(tmp_path / "bare.json")  # no metadata: cannot be checked
     with pytest.raises(ValueError, match="bare.json.*has no provenance metadata"):

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from rollout_lab.cli.model import build_model, device_type, model_limits, read_costs_before_work
-from rollout_lab.cli.options import Parser, cost_file_path, positive_int, record_out
+from rollout_lab.cli.options import Parser, check_override_costs, cost_file_path, positive_int, record_out
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.records import decode_step_rows, grpo_rows, rl_throughput_rows
 from rollout_lab.measure.workloads import DATASETS, WORKLOADS
@@ -74,7 +74,7 @@ def cmd_bench_grpo(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
 
     def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:  # one write, at the end
-        costs = _checked_costs(cost_file, model, name, prefill_graphs=None)
+        costs = _checked_costs(cost_file, model, name, prefill_graphs=None, override=args.override_costs)
         return run_grpo(model, model_name=name, dtype=args.dtype, costs=costs, costs_source=args.costs,
                         config=_bench_config(args), **_bench_provenance(args), **settings)
 
@@ -152,7 +152,8 @@ def cmd_bench_prefill_routes(args: argparse.Namespace) -> int:
     cost_file = _read_costs(args, prefill_graphs=args.prefill_graphs)
 
     def run(model: Any, name: str, save: Callable[[dict], str]) -> dict[str, Any]:
-        costs = _checked_costs(cost_file, model, name, prefill_graphs=args.prefill_graphs)
+        costs = _checked_costs(cost_file, model, name, prefill_graphs=args.prefill_graphs,
+                               override=args.override_costs)
         return run_prefill_routes(model, model_name=name, dtype=args.dtype, costs=costs, costs_source=args.costs,
                                   prefill_graphs=args.prefill_graphs, save=save, **_bench_provenance(args),
                                   **settings)
@@ -432,27 +433,33 @@ def _add_variants(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
 
 def _read_costs(args: argparse.Namespace, *, prefill_graphs: bool | None) -> CostFile | None:
     """``--costs`` read and checked on what is known before the model is built (its name, geometry,
-    dtype, device type; whether the prefill forwards are captured, unless None), so that a bad file
-    fails before the model loads; None without --costs. ``_checked_costs`` checks the rest against the
-    built model."""
+    dtype, device type; whether the prefill forwards are captured, unless None; none of it with
+    --override-costs), so that a bad file fails before the model loads; None without --costs.
+    ``_checked_costs`` checks the rest against the built model."""
+    check_override_costs(args)
     if args.costs is None:
         return None
     config, name, _ = model_limits(args)
     setting = argparse.Namespace(dtype=args.dtype, device=args.device, prefill_graphs=prefill_graphs,
-                                 override_costs=False)  # a bench has no --override-costs
+                                 override_costs=args.override_costs)
     return read_costs_before_work(args.costs, setting, config, name)
 
 
-def _checked_costs(cost_file: CostFile | None, model: Any, name: str, *, prefill_graphs: bool | None) -> Any:
+def _checked_costs(cost_file: CostFile | None, model: Any, name: str, *, prefill_graphs: bool | None,
+                   override: bool) -> Any:
     """The coefficients of ``_read_costs``' file, checked against the built ``model`` as
-    ``measure.calibrate.load_calibration`` checks them; None without one."""
+    ``measure.calibrate.load_calibration`` checks them (``override``: not checked); None without one."""
     from rollout_lab.engine.model_info import model_metadata  # torch: a bench's run, when it starts
 
     if cost_file is None:
         return None
-    return cost_file.check(model_metadata(model, model_name=name, prefill_graphs=prefill_graphs))
+    return cost_file.check(model_metadata(model, model_name=name, prefill_graphs=prefill_graphs), override=override)
 
 
 def _add_bench_costs(parser: argparse.ArgumentParser) -> None:
+    """--costs and --override-costs, as plan and sweep have them (grpo, prefill-routes)."""
     parser.add_argument("--costs", type=cost_file_path, default=None,
-                        help="a calibration (`rollout-lab calibrate`) pricing our planner (default: reference coefficients)")
+                        help="a calibration (`rollout-lab calibrate`) pricing our planner (default: reference coefficients); "
+                             "its provenance must match this model, dtype and device")
+    parser.add_argument("--override-costs", action="store_true",
+                        help="use --costs even if its provenance does not match this setting")

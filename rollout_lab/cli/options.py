@@ -55,6 +55,14 @@ def cost_file_path(text: str) -> str:
     return text
 
 
+def check_override_costs(args: argparse.Namespace) -> None:
+    """ValueError for ``--override-costs`` without ``--costs`` (plan, the benches: no default cost file
+    to accept), which would otherwise be ignored."""
+    if args.override_costs and not args.costs:
+        raise ValueError("--override-costs accepts a --costs file of another setting, and no --costs is given: "
+                         "add --costs PATH or leave --override-costs out")
+
+
 def record_out(text: str) -> tuple[Path, Path]:
     """An argparse type for a benchmark's ``--out`` stem: its (json, csv) paths, neither of which
     may exist yet (``workspace.record_paths``) and each of which can be written

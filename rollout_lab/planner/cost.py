@@ -117,6 +117,12 @@ class CostCoefficients:
 
 # -- cost files: read with limits, then checked against the setting they are used in --------------
 
+# how a caller accepts a file of another setting, named for every layer the mismatch reaches: this
+# module's and load_calibration's keyword, RolloutConfig's and the notebooks' field, and the flag of
+# the commands that read --costs (plan, sweep, bench grpo and prefill-routes)
+OVERRIDE_HINT = ("or use it anyway: override=True (override_costs=True in RolloutConfig and the notebooks, "
+                 "--override-costs beside a command's --costs)")
+
 MAX_COST_FILE_BYTES = 10 * 2**20  # a calibration with its fit is ~100 KiB; refuse anything absurd
 # The provenance fields that must agree between a cost file and the setting that uses it:
 # coefficients measured on another model, dtype, device or library would steer the planner wrongly
@@ -186,11 +192,11 @@ class CostFile:
         if not any(name in self.metadata for name in CHECKED_FIELDS):
             raise ValueError(f"{where} has no provenance metadata ({', '.join(sorted(diffs))} unknown), so "
                              "it cannot be checked against this setting; recalibrate with `rollout-lab "
-                             "calibrate`, or pass override=True (--override-costs) to use it anyway")
+                             f"calibrate`, {OVERRIDE_HINT}")
         detail = "; ".join(f"{k}: file has {v[0]!r}, this setting has {v[1]!r}" for k, v in diffs.items())
         graphs = " --prefill-graphs" if diffs.get("prefill_graphs", (None, False))[1] else ""
         raise ValueError(f"{where} was calibrated for a different setting ({detail}); recalibrate with "
-                         f"`rollout-lab calibrate{graphs}`, or pass override=True (--override-costs) to use it anyway")
+                         f"`rollout-lab calibrate{graphs}`, {OVERRIDE_HINT}")
 
 
 # library versions whose patch releases (x.y.Z, and local tags such as +cu130) keep a cost file valid
