@@ -17,8 +17,8 @@ from typing import Any, Sequence
 from rollout_lab.cli.bench import BENCHES, BenchParser
 from rollout_lab.cli.model import (add_model_arguments, build_model, check_prefill_graphs_device, device_type,
                                    model_limits, model_spec, read_costs_before_work, resolve_model_arguments)
-from rollout_lab.cli.options import (DTYPES, Parser, add_out_dir, cost_file_path, non_negative_int, out_path,
-                                     positive_int)
+from rollout_lab.cli.options import (DTYPES, Parser, add_out_dir, check_override_costs, cost_file_path,
+                                     non_negative_int, out_path, positive_int)
 from rollout_lab.measure.evidence import records_with_role
 from rollout_lab.measure.presets import PRESETS, context_for, geometry_for, model_name
 from rollout_lab.measure.records import PROFILE_FIELDS, e2e_table, join_sweeps, load_results, summary_table
@@ -112,9 +112,7 @@ def _check_plan_options(args: argparse.Namespace) -> None:
         raise ValueError(f"{' and '.join(draw)} {'set' if len(draw) > 1 else 'sets'} the --dataset draw, and "
                          f"no --dataset is given: add --dataset NAME ({', '.join(DATASETS)}) or leave "
                          f"{' and '.join(draw)} out")
-    if args.override_costs and not args.costs:
-        raise ValueError("--override-costs accepts a --costs file of another setting, and no --costs is given: "
-                         "add --costs PATH or leave --override-costs out")
+    check_override_costs(args)
 
 
 def _check_plan_lengths(lengths: Sequence[int], max_new_tokens: int, context: int | None, *, model: str) -> None:

@@ -64,15 +64,12 @@ def check_defaults_settings(*, workloads: Sequence[str], max_new_tokens: int, re
     context, and its rows at once within the device's memory."""
     if isinstance(workloads, (str, Mapping)) or not isinstance(workloads, Sequence):
         raise ValueError(f"workloads must be a list of workload names, got {workloads!r}")
-    repeated = sorted({w for w in workloads if list(workloads).count(w) > 1})
-    if repeated:
-        raise ValueError(f"workloads must each be given once, got {repeated} more than once")
     check_int(max_new_tokens, name="max_new_tokens")
     check_timed_calls(repetitions, name="repetitions")
     check_int(seed, name="seed", minimum=0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
-    lengths = resolve_workloads(list(workloads), scale=scale)  # unknown names, or none
+    lengths = resolve_workloads(list(workloads), scale=scale)  # unknown or repeated names, or none
     if tuned_costs is not None:
         if not isinstance(tuned_costs, (str, os.PathLike)):
             raise ValueError(f"tuned_costs must be None (the reference's coefficients) or a cost file path, "
