@@ -16,7 +16,8 @@ from typing import Any
 from rollout_lab.planner.cost import ModelGeometry
 
 # hidden / layers / heads / kv heads / head_dim / intermediate / context from the published configs
-# (measure.models adds what they share: vocabulary, norms, rope, special tokens)
+# (measure.models adds what the Qwen ones share: vocabulary, norms, rope, special tokens; a preset's
+# own value of those wins, as Llama's do)
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
         family="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -37,6 +38,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         family="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128, intermediate_size=25600, tie_word_embeddings=False,
         max_position_embeddings=40960,
+    ),
+    # Llama-3.2-1B's geometry (issue 54's many-samples shape): its own vocabulary, rope and special ids
+    "llama-3.2-1b": dict(
+        family="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
+        max_position_embeddings=131072, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=128000, eos_token_id=128001, pad_token_id=128004,
     ),
 }
 

@@ -12,6 +12,11 @@ Torch-free, so the planner, notebooks and CPU tests can use it anywhere::
 ``eos_long_tail(vocab_size)`` (shape ``EOS_LONG_TAIL``) adds the EOS ids that end sampled rows at a
 constant hazard: 512 GPQA prompts whose responses have geometric lengths (``measure.long_tail``).
 
+``SAMPLED_WORKLOADS`` are prompts each sampled ``num_samples`` times, the shapes whose samples share
+their prompt's KV (``measure.prefix_sharing``): ``grpo_long_prompt`` (32 prompts of 1,500-2,500
+tokens x 16 samples x 512 new tokens) and ``many_samples_short`` (128 GSM8K prompts x 32 x 256);
+their prompt lengths are named workloads too (``get_workload("grpo_long_prompt")``).
+
 Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
 
 A spec is a small dict (the ``distributions`` parameter of ``notebooks/02_bucket_choices.ipynb``):
@@ -58,7 +63,17 @@ _REAL_WORKLOADS: dict[str, tuple[str, int]] = {
     "gpqa_diamond_128": ("gpqa_diamond", 128),
     "aime2025_30": ("aime2025", 30),
 }
-WORKLOADS: tuple[str, ...] = tuple(_SEED_WORKLOADS) + tuple(_REAL_WORKLOADS)
+# prompts each sampled num_samples times (issue 54's shapes): their lengths (uniform in [min_len,
+# max_len] at SAMPLE_SEED, or drawn from a dataset), samples, new tokens, temperature and the preset
+# whose geometry they were set for
+SAMPLED_WORKLOADS: dict[str, dict[str, Any]] = {
+    "grpo_long_prompt": {"num_prompts": 32, "min_len": 1500, "max_len": 2500, "num_samples": 16,
+                         "max_new_tokens": 512, "temperature": 1.0, "preset": "qwen2.5-3b"},
+    "many_samples_short": {"num_prompts": 128, "dataset": "gsm8k", "num_samples": 32, "max_new_tokens": 256,
+                           "temperature": 1.0, "preset": "llama-3.2-1b"},
+}
+# appended last: a workload's index (measure.defaults.prompt_seed) stays what it was
+WORKLOADS: tuple[str, ...] = tuple(_SEED_WORKLOADS) + tuple(_REAL_WORKLOADS) + tuple(SAMPLED_WORKLOADS)
 
 
 def get_workload(name: str, *, scale: float = 1.0) -> list[int]:
@@ -70,6 +85,10 @@ def get_workload(name: str, *, scale: float = 1.0) -> list[int]:
     elif name in _REAL_WORKLOADS:
         dataset, n = _REAL_WORKLOADS[name]
         lengths = sample_lengths(dataset, n, seed=SAMPLE_SEED)
+    elif name in SAMPLED_WORKLOADS:
+        spec = SAMPLED_WORKLOADS[name]
+        lengths = sample_lengths(spec["dataset"], spec["num_prompts"], seed=SAMPLE_SEED) if "dataset" in spec \
+            else uniform_workload(spec["num_prompts"], low=spec["min_len"], high=spec["max_len"], seed=SAMPLE_SEED)[0]
     else:
         raise ValueError(f"unknown workload {name!r}; valid names: {', '.join(WORKLOADS)}")
     return scale_lengths(lengths, scale) if scale != 1.0 else lengths
@@ -78,6 +97,22 @@ def get_workload(name: str, *, scale: float = 1.0) -> list[int]:
 def scale_lengths(lengths: Sequence[int], scale: float) -> list[int]:
     """Each length times ``scale``, rounded half up, never below 1."""
     return [max(1, int(math.floor(n * scale + 0.5))) for n in lengths]
+
+
+def scale_keeping_prompts(lengths: Sequence[int], scale: float, *, what: str) -> list[int]:
+    """``scale_lengths(lengths, scale)``; ValueError when ``scale`` makes the shortest of ``lengths``
+    (``what`` names them: "of grpo_long_prompt") shorter than one token, which ``scale_lengths``
+    would clip to 1 silently, naming the smallest scale that keeps every prompt."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    shortest = min(lengths)
+    if shortest * scale < 1:
+        smallest = 1 / shortest
+        digits = 2 - math.floor(math.log10(smallest))  # three significant digits, rounded up
+        raise ValueError(f"scale={scale:g} makes the shortest of these prompts ({shortest} tokens {what}) "
+                         f"{shortest * scale:.3g} tokens, which would be clipped to 1 (as would every prompt under "
+                         f"1 token); give scale >= {math.ceil(smallest * 10**digits) / 10**digits:g} (1/{shortest})")
+    return scale_lengths(lengths, scale)
 
 
 def load_lengths(dataset: str) -> list[int]:
