@@ -175,7 +175,8 @@ def test_bench_long_tail_writes_the_record_and_refuses_an_existing_one_or_bad_se
     for bad, message in ((["--hazard", "0.9"], "in (0, 0.5], got 0.9"), (["--seed", "-2"], "seed must be an int >= 0"),
                          (["--paths", "vllm"], "invalid choice: 'vllm'"),
                          (["--paths", "paged_128_compile_model"], "compile the CUDA-graph decode step; --device is cpu")):
-        assert main(["bench", "long-tail", "--tiny", "qwen2", "--dataset", "gsm8k", "--out", str(tmp_path / "x"), *bad]) == 2
+        assert main(["bench", "long-tail", "--tiny", "qwen2", "--dataset", "gsm8k", "--max-new-tokens", "12",
+                     "--out", str(tmp_path / "x"), *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err
     assert not (tmp_path / "x.json").exists()
