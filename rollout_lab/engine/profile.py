@@ -62,6 +62,11 @@ class Profile:
     peak_kv_blocks: int = 0
     peak_live_tokens: int = 0
     num_preemptions: int = 0
+    # shared prompt blocks (RolloutConfig.share_prompt_blocks): the most blocks read by more than one
+    # row at once, and the most tokens the live rows held in distinct blocks (a shared block once;
+    # peak_live_tokens counts it once per reader)
+    shared_kv_blocks: int = 0
+    unique_kv_tokens: int = 0
     # the most prompt tokens one admission turn prefilled while rows were live (the paged route): the
     # longest stall of the live rows between two decode steps, in tokens (admit_tokens_per_step bounds it)
     max_turn_prefill_tokens: int = 0

@@ -18,7 +18,10 @@ of the tokens between them (``read_interval``), after which rows that ended reti
   row's blocks for the next burst are reserved before it (one step when they do not fit), and when
   one step does not fit the most recently admitted row is preempted (back to the head of the queue,
   its tokens kept) and later recomputed by a prefill of its prompt and tokens. The schedule counts
-  those preemptions and the recomputed widths, which Auto prices as prefill.
+  those preemptions and the recomputed widths, which Auto prices as prefill. With ``groups`` (each
+  row's prompt group) the rows of a group admitted in one turn hold their prompt's full blocks once
+  (``RolloutConfig.share_prompt_blocks``): each holds its own blocks past them, and the shared ones
+  stay until the cohort's last row leaves; a preempted row returns into blocks of its own.
 
 Response lengths come from a prior when there is one (``response_quantiles``: its quantiles spread
 over the rows, each clipped at its budget), else they are the budgets. Auto prices the two layouts'
@@ -86,7 +89,7 @@ def response_quantiles(prior: LengthPrior, budgets: Sequence[int]) -> list[int]:
 def simulate_refill(
     prompt_lengths: Sequence[int], response_lengths: Sequence[int], budgets: Sequence[int], *,
     num_slots: int, layout: str, capacity: int | None = None, pool_blocks: int | None = None, block_size: int = 16,
-    refill_rows: int = 1, read_interval: int = 1,
+    refill_rows: int = 1, read_interval: int = 1, groups: Sequence[int] | None = None,
 ) -> RefillSchedule:
     """Replay one call's admissions (queue order) and decode steps on ``layout`` (``LAYOUTS``).
     ``capacity``: the aligned cache's columns (default: longest prompt + largest budget, the engine's).
@@ -99,6 +102,8 @@ def simulate_refill(
     its slot to the burst's end. On ``"paged"`` a turn admits only when at least ``refill_rows`` rows
     can come in (or the queue is that short, or nothing is live), and a row done at its prefill frees
     its slot for the next turn. With a pool the same turns, its blocks replayed too (``_simulate_pool``).
+    ``groups`` (paged): each row's prompt group, rows of one group admitted in one turn sharing their
+    prompt's full blocks (module docstring); None: every row holds its own.
     Turns that change nothing but the step count (full bursts, no admission, no row's end, no
     preemption) are taken together in one jump, so a replay costs its rows' events, not their tokens:
     a budget of 10**9 is as quick as one of 10. ``capacity`` (aligned) must hold every row alone."""
@@ -106,11 +111,17 @@ def simulate_refill(
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     if pool_blocks is not None and layout != "paged":
         raise ValueError(f"pool_blocks is the paged pool's size; layout {layout!r} has no pool")
+    if groups is not None and layout != "paged":
+        raise ValueError(f"groups share the paged pool's prompt blocks; layout {layout!r} has no blocks")
     prompt_lengths = validate_lengths(prompt_lengths)
     n = len(prompt_lengths)
     if not (len(response_lengths) == len(budgets) == n):
         raise ValueError(f"one response length and budget per prompt: {n} prompts, "
                          f"{len(response_lengths)} lengths, {len(budgets)} budgets")
+    if groups is not None and len(groups) != n:
+        raise ValueError(f"one group per prompt: {n} prompts, {len(groups)} groups")
+    # the full prompt blocks a row's cohort holds once (without groups every row is its own cohort)
+    shared = [p // block_size for p in prompt_lengths] if groups is not None else [0] * n
     for name, value in (("num_slots", num_slots), ("refill_rows", refill_rows), ("read_interval", read_interval)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -120,7 +131,7 @@ def simulate_refill(
         return RefillSchedule(0, 0, num_slots)
     if pool_blocks is not None:
         return _simulate_pool(prompt_lengths, response_lengths, budgets, num_slots, pool_blocks, block_size,
-                              refill_rows, read_interval)
+                              refill_rows, read_interval, groups)
     if capacity is None:
         capacity = max(prompt_lengths) + max(budgets)
     elif layout == "aligned":  # a row that cannot enter an empty cache would be waited for forever
@@ -139,12 +150,33 @@ def simulate_refill(
     budget_ends: list[tuple[int, int]] = []  # heap of (the step its budget runs out, row); stale rows skipped
     queue = step = row_steps = queued_steps = queued_row_steps = peak = 0
     span_key = remaining_key = None  # max over live rows of L - t and B - 1 + t (None: recompute)
+    cohort_of: dict[int, tuple[int, int]] = {}  # live row -> (its group, its admission turn)
+    cohort_rows: dict[tuple[int, int], int] = {}  # live rows of each cohort
+    held_once = 0  # the live cohorts' shared blocks
 
-    def enter(row: int) -> None:
+    def enter(row: int, turn: int = 0) -> None:
+        nonlocal held_once
         if response_lengths[row] > 1:  # a row done at its prefill never takes a step
             live[row] = step
             heapq.heappush(ends, (step + response_lengths[row] - 1, row))
             heapq.heappush(budget_ends, (step + budgets[row] - 1, row))
+            cohort = cohort_of[row] = (row if groups is None else groups[row], turn)
+            cohort_rows[cohort] = cohort_rows.get(cohort, 0) + 1
+            held_once += shared[row] if cohort_rows[cohort] == 1 else 0
+
+    def leave(row: int) -> None:
+        nonlocal held_once
+        del live[row]
+        cohort = cohort_of.pop(row)
+        cohort_rows[cohort] -= 1
+        if not cohort_rows[cohort]:
+            del cohort_rows[cohort]
+            held_once -= shared[row]
+
+    def blocks_held(ahead: int) -> int:
+        """The live rows' blocks with ``ahead`` more tokens each, a cohort's shared blocks once."""
+        return held_once + sum(blocks_for(prompt_lengths[r] + step - t + ahead, block_size) - shared[r]
+                               for r, t in live.items())
 
     while queue < n or live:
         if layout == "paged":  # one admission a turn, the next turn at once while nothing is live
@@ -153,7 +185,7 @@ def simulate_refill(
                 if take == 0 or (live and take < min(refill_rows, n - queue, num_slots)):
                     break
                 for row in range(queue, queue + take):
-                    enter(row)
+                    enter(row, queue)
                 queue += take
                 if live:
                     break
@@ -190,20 +222,20 @@ def simulate_refill(
         if quiet:  # turns of full bursts with no admission and no row's end: one jump over them all
             step += quiet * read_interval
             if layout == "paged":  # the blocks grow with the steps: the last of these turns holds the most
-                peak = max(peak, sum(blocks_for(prompt_lengths[r] + step - t, block_size) for r, t in live.items()))
+                peak = max(peak, blocks_held(0))
             row_steps += quiet * read_interval * len(live)
             if queue < n:
                 queued_steps += quiet * read_interval
                 queued_row_steps += quiet * read_interval * len(live)
         burst = min(budget_ends[0][0] - step, read_interval)  # a burst: every live row makes a token a step
         if layout == "paged":  # each live row's blocks for its tokens so far and the burst's, reserved before it
-            peak = max(peak, sum(blocks_for(prompt_lengths[r] + step - t + burst, block_size) for r, t in live.items()))
+            peak = max(peak, blocks_held(burst))
         step += burst
         kept = burst * len(live)  # row-steps that made a row's token (not those after its end)
         while ends and ends[0][0] <= step:
             last, row = heapq.heappop(ends)
             kept -= step - last
-            del live[row]
+            leave(row)
             span_key = None
         row_steps += kept
         if queue < n:
@@ -254,13 +286,15 @@ def pool_misfit(prompts: Sequence[int], lengths: Sequence[int], *, pool_blocks: 
 
 def _simulate_pool(
     prompts: Sequence[int], lengths: Sequence[int], budgets: Sequence[int], num_slots: int, pool: int, size: int,
-    refill_rows: int, read_interval: int,
+    refill_rows: int, read_interval: int, groups: Sequence[int] | None = None,
 ) -> RefillSchedule:
     """The paged layout with its pool replayed block by block, as ``engine.sched.paged`` runs it,
     turn by turn: one admission (the queue's longest head that fits the free slots and the
     watermark, if at least ``refill_rows`` rows), then a burst of at most ``read_interval`` steps
     and never past a live budget, for which every live row's blocks are reserved at once (one step
-    if the burst does not fit; preempting the newest row while one does not), then retirement."""
+    if the burst does not fit; preempting the newest row while one does not), then retirement.
+    With ``groups`` the new rows of a group admitted in one turn (a cohort) hold its prompt's full
+    blocks once, until the cohort's last row leaves."""
     def blocks(tokens: int) -> int:
         return blocks_for(tokens, size)
 
@@ -272,7 +306,10 @@ def _simulate_pool(
     fresh = 0  # the next row never admitted
     waiting: list[int] = []  # preempted rows, the next to return first
     made = [0] * n  # tokens each row has made
-    held: dict[int, int] = {}  # live row -> its blocks, in admission order (dicts keep it)
+    held: dict[int, int] = {}  # live row -> the blocks it reads, in admission order (dicts keep it)
+    shared = [p // size for p in prompts] if groups is not None else [0] * n  # a cohort's blocks held once
+    cohort_of: dict[int, int] = {}  # live row -> its cohort (the cohort's first row)
+    cohort_rows: dict[int, int] = {}  # cohort -> its live rows
     free = pool
     step = row_steps = queued_steps = queued_row_steps = peak = 0
     recompute: list[int] = []
@@ -282,24 +319,48 @@ def _simulate_pool(
         head = waiting[::-1][:count]
         return head + list(range(fresh, min(n, fresh + count - len(head))))
 
-    def admission() -> list[tuple[int, int]]:
-        """The (row, blocks) this turn admits; none while fewer than ``refill_rows`` rows can come in
-        beside live ones. With fewer free blocks it admits a prefix of these (so none when these are none)."""
+    def admission() -> list[tuple[int, int, int | None]]:
+        """The (row, blocks it reads, its cohort: None for a preempted row) this turn admits; none
+        while fewer than ``refill_rows`` rows can come in beside live ones. With fewer free blocks
+        it admits a prefix of these (so none when these are none)."""
         queued = n - fresh + len(waiting)
         chosen, budget = [], free
+        firsts: dict[int, int] = {}  # group -> its first new row chosen
         for row in queue_head(num_slots - len(held)):
             need = blocks(prompts[row] + max(1, made[row]))  # its prompt (and tokens) + the next step's
+            cohort = None if groups is None or made[row] else firsts.setdefault(groups[row], row)
+            taken = need - shared[row] if cohort not in (None, row) else need  # a later one reads the first's
             # the watermark: one free block per live row stays after it (never blocking an empty pool)
-            if need > budget - (len(held) + len(chosen) + 1):
+            if taken > budget - (len(held) + len(chosen) + 1):
                 break
-            budget -= need
-            chosen.append((row, need))
+            budget -= taken
+            chosen.append((row, need, cohort))
         if not chosen and not held:
             row = queue_head(1)[0]
             need = blocks(prompts[row] + max(1, made[row]))
             if need <= free:
-                chosen = [(row, need)]
+                chosen = [(row, need, None if groups is None or made[row] else row)]
         return [] if held and len(chosen) < min(refill_rows, queued, num_slots) else chosen
+
+    def hold(row: int, need: int, cohort: int | None) -> None:
+        nonlocal free
+        held[row] = need
+        free -= need
+        if cohort is not None:
+            cohort_of[row] = cohort
+            cohort_rows[cohort] = cohort_rows.get(cohort, 0) + 1
+            free += shared[row] if cohort_rows[cohort] > 1 else 0  # the cohort's blocks are taken once
+
+    def leave(row: int) -> None:
+        nonlocal free
+        free += held.pop(row)
+        cohort = cohort_of.pop(row, None)
+        if cohort is not None:
+            cohort_rows[cohort] -= 1
+            if cohort_rows[cohort]:
+                free -= shared[row]  # still read by the cohort's other rows
+            else:
+                del cohort_rows[cohort]
 
     def growth(steps: int) -> int:
         """The blocks the live rows add to hold ``steps`` more tokens each."""
@@ -310,7 +371,7 @@ def _simulate_pool(
             chosen = admission()
             if not chosen:
                 break
-            for row, need in chosen:
+            for row, need, cohort in chosen:
                 if waiting and row == waiting[-1]:
                     waiting.pop()
                     recompute.append(prompts[row] + made[row] - 1)  # its prompt and all but its last token
@@ -319,8 +380,7 @@ def _simulate_pool(
                     made[row] = 1  # the prefill's token
                     if lengths[row] == 1:
                         continue  # done at its prefill: never takes a step (nor keeps its blocks)
-                held[row] = need
-                free -= need
+                hold(row, need, cohort)
             if held:
                 break
         if not held:
@@ -357,7 +417,7 @@ def _simulate_pool(
                 burst = 1
                 continue
             newest = next(reversed(held))
-            free += held.pop(newest)
+            leave(newest)
             waiting.append(newest)
         for row, need in needs.items():
             held[row] += need
@@ -375,7 +435,7 @@ def _simulate_pool(
             queued_row_steps += kept
         for row in list(held):
             if made[row] == lengths[row]:
-                free += held.pop(row)
+                leave(row)
     # every preempted row came back, once per preemption
     return RefillSchedule(step, row_steps, num_slots, queued_steps, queued_row_steps,
                           preemptions=len(recompute), recompute_widths=tuple(recompute), peak_blocks=peak)

@@ -85,6 +85,10 @@ class RolloutConfig:
     prefill_graphs: bool | str = "auto"
     max_prefill_graphs: int = 32  # classes captured at most; past it a class runs eagerly
     share_prefill: bool = True  # prefill identical prompts (samples of a request) once per admission
+    # the paged route: the samples of a prompt prefilled together read its full KV blocks (reference
+    # counts) instead of each holding a copy, so the pool holds a prompt once and more rows run at
+    # once; each copies only the partial last block. False: a copy per sample (needs share_prefill)
+    share_prompt_blocks: bool = True
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
     response_length_prior: tuple[int, ...] | None = None
@@ -197,8 +201,8 @@ class RolloutConfig:
         check_prior_settings(self.response_length_prior, self.prior_ewma)
         check_progress(self.progress)
         check_window(self.online_window)
-        for name in ("trim_cache", "profile", "share_prefill", "online_recalibration", "override_costs",
-                     "compile_cache"):
+        for name in ("trim_cache", "profile", "share_prefill", "share_prompt_blocks", "online_recalibration",
+                     "override_costs", "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):

@@ -384,7 +384,7 @@ class Rollout:
         step_logprobs = spec.logprobs_mode if spec.logprobs_mode in STEP_LOGPROB_MODES else None
         rows = dict(sampling=sampling, penalties=penalties, logprobs_mode=step_logprobs, min_new_tokens=holds_back)
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
-            layout = self.paged_layout(lengths, budgets, bursts)
+            layout = self.paged_layout(lengths, budgets, bursts, groups=[r.group for r in requests])
             num_slots = layout.num_slots
             with timer.phase("stepper_build_ms"):
                 stepper = self.runner.stepper_for(num_slots, capacity, False, num_blocks=layout.num_blocks,
@@ -415,7 +415,8 @@ class Rollout:
                               prefill_graphs=self.runner.captured_prefill())
                 if route == "paged":
                     batcher = PagedBatcher(self.model, requests, settings, refill_rows=cfg.refill_rows_for(num_slots),
-                                           admit_tokens=cfg.admit_tokens_per_step, **common)
+                                           admit_tokens=cfg.admit_tokens_per_step,
+                                           share_prompt_blocks=cfg.share_prompt_blocks, **common)
                 else:
                     batcher = ContinuousBatcher(self.model, requests, settings, **common)
                 plans = batcher.run()
@@ -511,7 +512,7 @@ class Rollout:
             return "paged", None  # rows refill and their admissions must stay bounded: only paged bounds them
         if paged_allowed and slots is not None and slots < n:  # paged is a candidate: price its pool too
             try:
-                pool = self.paged_layout(lengths, budgets, bursts).num_blocks - 1  # less the scratch block
+                pool = self.paged_layout(lengths, budgets, bursts, groups=groups).num_blocks - 1  # less the scratch block
             except ValueError:  # the pool cannot hold the longest row: the paged route would refuse this call
                 paged_allowed = False
         plan = choose_shared_route(
@@ -550,11 +551,16 @@ class Rollout:
                                vocab_size=self.vocab_size, free_extra_bytes=self.runner.kept_cache_bytes,
                                reserve_extra_bytes=self.runner.pending_bytes(self.geometry.kv_bytes_per_token))
 
-    def paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1) -> PagedLayout:
+    def paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1, *,
+                     groups: Sequence[int] | None = None) -> PagedLayout:
         """The paged layout (``kv.sizing.paged_layout``) of a call over rows of ``lengths`` and
-        ``budgets``. Within one call the route's pricing and the layout ask the same question: the
-        answer is kept for the call (its worst-case replay is tens of ms for hundreds of rows)."""
-        key = (tuple(lengths), tuple(budgets), bursts)
+        ``budgets`` (``groups``: each row's shared-prefill group, whose rows share their prompt's full
+        blocks with ``share_prompt_blocks``). Within one call the route's pricing and the layout ask
+        the same question: the answer is kept for the call (its worst-case replay is tens of ms for
+        hundreds of rows)."""
+        if not self.config.share_prompt_blocks:
+            groups = None
+        key = (tuple(lengths), tuple(budgets), bursts, None if groups is None else tuple(groups))
         if self._layout_memo is not None and self._layout_memo[0] == key:
             return self._layout_memo[1]
         cfg = self.config
@@ -562,7 +568,7 @@ class Rollout:
                               kv_bytes_per_token=self.geometry.kv_bytes_per_token, budget_bytes=self.kv_budget_bytes,
                               kv_cache_tokens=cfg.kv_cache_tokens, num_slots=cfg.continuous_batch_size,
                               refill_rows=cfg.refill_rows_for,
-                              budget_name=f"gpu_memory_fraction={cfg.gpu_memory_fraction}")
+                              budget_name=f"gpu_memory_fraction={cfg.gpu_memory_fraction}", groups=groups)
         self._layout_memo = (key, layout)
         return layout
 

@@ -3,13 +3,17 @@
 One key and one value pool per layer, ``[num_blocks, block_size, kv_heads, head_dim]``, allocated
 once. Row (slot) ``i`` holds its tokens at logical positions ``0, 1, ...`` (its own RoPE positions:
 a prompt at ``[0, len)``, then one token per decode step), and logical position ``p`` lives at
-``pool[block_tables[i, p // block_size], p % block_size]``. Rows never share a column, so a row is
-admitted as soon as a slot and the blocks of its prompt are free, grows one block at a time, and
-gives its blocks back when it retires: the memory follows the live tokens, not slots x the longest
-row. Block 0 is a scratch block: a dead slot's table points at it, so a graph replay that still
-covers dead slots writes there and nowhere else.
+``pool[block_tables[i, p // block_size], p % block_size]``. A row is admitted as soon as a slot and
+the blocks of its prompt are free, grows one block at a time, and gives its blocks back when it
+retires: the memory follows the live tokens, not slots x the longest row. Rows never write into a
+shared block: the samples of a prompt admitted together read its full blocks (``share``: reference
+counts, no copy), and each holds its own copy of the prompt's partial last block
+(``copy_positions``) and its own blocks for its tokens, so a sample's first decode token lands in a
+block of its own. Block 0 is a scratch block: a dead slot's table points at it, so a graph replay
+that still covers dead slots writes there and nowhere else.
 
-The host owns the allocation (``BlockAllocator``: a free list, each slot's blocks); the device holds
+The host owns the allocation (``BlockAllocator``: a free list, each slot's blocks, each block's
+readers); the device holds
 what a decode step reads: ``block_tables`` ``[slots, max_blocks]`` int32 and ``slot_mapping``
 ``[slots]`` int64, the flat pool index each row writes this step. Every decode step computes
 ``slot_mapping`` from the rows' positions in place (``prepare_step``), so the step captures in a
@@ -23,7 +27,8 @@ a packed forward), with the same arguments as the aligned cache's methods, so th
 either cache the same way.
 
     cache = PagedKVCache.for_model(model, num_slots=128, num_blocks=4096, block_size=64, max_blocks_per_row=40)
-    cache.allocator.grow(slot, num_tokens)   # blocks for a row's first num_tokens positions
+    cache.grow(slot, num_tokens)             # blocks for a row's first num_tokens positions
+    cache.share(sample, slot, num_tokens)    # another sample reads the prompt's full blocks
 
 """
 from __future__ import annotations
@@ -42,13 +47,19 @@ SCRATCH_BLOCK = 0  # dead slots point here; never handed to a row
 
 
 class BlockAllocator:
-    """Host bookkeeping of the pool: the free blocks and each slot's blocks, in logical order."""
+    """Host bookkeeping of the pool: the free blocks, each slot's blocks in logical order, and each
+    block's readers (reference counts: a prompt's full blocks sit in the lists of the samples
+    admitted with it, ``share``). A block goes back to the free list when its last reader releases it."""
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int, max_blocks_per_row: int):
         self.num_blocks, self.block_size, self.max_blocks_per_row = num_blocks, block_size, max_blocks_per_row
         self.free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() hands out 1, 2, ...
         self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self.refs = [0] * num_blocks  # readers of each block (slots whose list holds it)
+        self.num_shared = 0  # blocks with more than one reader
+        self.extra_refs = 0  # readers past the first, summed over the blocks: the duplicate blocks copies would take
         self.peak_used = 0
+        self.peak_shared = 0
 
     @property
     def num_free(self) -> int:
@@ -71,24 +82,55 @@ class BlockAllocator:
         need = self.missing(slot, num_tokens)
         if need > len(self.free):
             raise RuntimeError(f"slot {slot} needs {need} blocks, {len(self.free)} are free")
-        if len(self.blocks[slot]) + need > self.max_blocks_per_row:
-            raise RuntimeError(f"slot {slot} would hold {len(self.blocks[slot]) + need} blocks, "
-                               f"more than the table's {self.max_blocks_per_row}")
+        self._check_width(slot, need)
         added = []
         for _ in range(need):
             block = self.free.pop()
+            self.refs[block] = 1
             added.append((len(self.blocks[slot]), block))
             self.blocks[slot].append(block)
         self.peak_used = max(self.peak_used, self.num_used)
         return added
 
+    def share(self, slot: int, source: int, num_blocks: int) -> list[tuple[int, int]]:
+        """``slot`` (holding none) reads the first ``num_blocks`` blocks of ``source``: they gain a
+        reader each, no block is taken; returns the (logical index, block) pairs for the device table.
+        Only full blocks are shared: ``slot`` writes its own tokens past them, in blocks of its own."""
+        if self.blocks[slot]:
+            raise RuntimeError(f"slot {slot} still holds blocks")
+        if num_blocks > len(self.blocks[source]):
+            raise RuntimeError(f"slot {source} holds {len(self.blocks[source])} blocks, fewer than the "
+                               f"{num_blocks} slot {slot} would share")
+        self._check_width(slot, num_blocks)
+        shared = self.blocks[source][:num_blocks]
+        for block in shared:
+            self.refs[block] += 1
+            self.extra_refs += 1
+            self.num_shared += self.refs[block] == 2
+        self.blocks[slot] = list(shared)
+        self.peak_shared = max(self.peak_shared, self.num_shared)
+        return list(enumerate(shared))
+
+    def _check_width(self, slot: int, more: int) -> None:
+        if len(self.blocks[slot]) + more > self.max_blocks_per_row:
+            raise RuntimeError(f"slot {slot} would hold {len(self.blocks[slot]) + more} blocks, "
+                               f"more than the table's {self.max_blocks_per_row}")
+
     def release(self, slot: int) -> None:
-        """The slot's blocks go back to the free list (its row retired or was preempted)."""
-        self.free.extend(reversed(self.blocks[slot]))
+        """The slot drops its blocks (its row retired or was preempted); those it was the last
+        reader of go back to the free list."""
+        for block in reversed(self.blocks[slot]):
+            self.refs[block] -= 1
+            if self.refs[block]:
+                self.extra_refs -= 1
+                self.num_shared -= self.refs[block] == 1
+            else:
+                self.free.append(block)
         self.blocks[slot] = []
 
     def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Slots ``dst`` take over the blocks of ``src`` (compaction); ``src`` hold none after."""
+        """Slots ``dst`` take over the blocks of ``src`` (compaction; their readers move with them);
+        ``src`` hold none after."""
         taken = [self.blocks[s] for s in src]
         for s in src:
             self.blocks[s] = []
@@ -100,7 +142,9 @@ class BlockAllocator:
     def reset(self) -> None:
         self.free = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))
         self.blocks = [[] for _ in self.blocks]
-        self.peak_used = 0
+        self.refs = [0] * self.num_blocks
+        self.num_shared = self.extra_refs = 0
+        self.peak_used = self.peak_shared = 0
 
 
 @torch.library.custom_op("rollout_lab::paged_write", mutates_args=("key_pool", "value_pool"))
@@ -244,6 +288,14 @@ class PagedKVCache:
         """Blocks for positions ``[0, num_tokens)`` of ``slot``, written into its device table."""
         self.set_blocks([(slot, index, block) for index, block in self.allocator.grow(slot, num_tokens)])
 
+    def share(self, slot: int, source: int, num_tokens: int) -> None:
+        """``slot`` (holding none) reads the full blocks of ``source``'s first ``num_tokens``
+        positions (a prompt the samples share): table entries, no block taken, no KV copied. The
+        rest of its positions go into blocks of its own (``grow``; ``copy_positions`` for the
+        prompt's partial last block)."""
+        entries = self.allocator.share(slot, source, num_tokens // self.block_size)
+        self.set_blocks([(slot, index, block) for index, block in entries])
+
     def set_blocks(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Write (slot, logical index, block) entries into the device tables, one copy."""
         if not entries:
@@ -258,7 +310,8 @@ class PagedKVCache:
         self.slot_mapping.zero_()
 
     def release(self, slots: Sequence[int]) -> None:
-        """The rows in ``slots`` retired or were preempted: their blocks are free again."""
+        """The rows in ``slots`` retired or were preempted: they drop their blocks, free again once
+        no other row reads them."""
         for slot in slots:
             self.allocator.release(slot)
 
@@ -276,16 +329,29 @@ class PagedKVCache:
         return 0
 
     # -- admission ------------------------------------------------------------------------------
-    def _flat_positions(self, slots: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
-        """[sum(counts)] flat pool index of positions ``[0, counts[j])`` of each slot (host tables)."""
+    def _flat_positions(self, slots: Sequence[int], counts: Sequence[int],
+                        starts: Sequence[int] | None = None) -> torch.Tensor:
+        """Flat pool index of positions ``[starts[j], counts[j])`` (default from 0) of each slot (host tables)."""
         index = []
         bs = self.block_size
-        for slot, n in zip(slots, counts):
+        for j, (slot, n) in enumerate(zip(slots, counts)):
             blocks = self.allocator.blocks[slot]
             if self.allocator.blocks_for(n) > len(blocks):
                 raise RuntimeError(f"slot {slot} holds {len(blocks)} blocks, too few for {n} tokens")
-            index.extend(blocks[p // bs] * bs + p % bs for p in range(n))
+            index.extend(blocks[p // bs] * bs + p % bs for p in range(0 if starts is None else starts[j], n))
         return torch.tensor(index, dtype=torch.long, device=self.block_tables.device)
+
+    def copy_positions(self, slots: Sequence[int], sources: Sequence[int], starts: Sequence[int],
+                       stops: Sequence[int]) -> None:
+        """Positions ``[starts[j], stops[j])`` of slot ``sources[j]`` into the same positions of slot
+        ``slots[j]``, every layer (a shared prompt's partial last block, which each sample writes on)."""
+        if not slots:
+            return
+        src = self._flat_positions(sources, stops, starts)
+        dst = self._flat_positions(slots, stops, starts)
+        for pool in (*self.keys, *self.values):
+            flat = pool.view(-1, pool.shape[2], pool.shape[3])  # [num_blocks * block_size, kv_heads, head_dim]
+            flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def _scatter(self, dst_index: torch.Tensor, layer_kv, gather) -> None:
         for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):

@@ -47,8 +47,11 @@ class PagedLayout:
 def paged_layout(lengths: Sequence[int], budgets: Sequence[int], *, bursts: int = 1, block_size: int,
                  kv_bytes_per_token: int, budget_bytes: Callable[[int], float | None],
                  kv_cache_tokens: int | None = None, num_slots: int | None = None,
-                 refill_rows: Callable[[int], int], budget_name: str = "the memory budget") -> PagedLayout:
-    """The layout of a paged call over rows of ``lengths`` and ``budgets``.
+                 refill_rows: Callable[[int], int], budget_name: str = "the memory budget",
+                 groups: Sequence[int] | None = None) -> PagedLayout:
+    """The layout of a paged call over rows of ``lengths`` and ``budgets``; ``groups``: each row's
+    prompt group when the samples of a prompt share its full blocks (``share_prompt_blocks``), which
+    every count below then takes once per group (None: every row holds its own).
 
     The pool: ``kv_cache_tokens`` when set; else what every row could use at once (its prompt and
     budget), no more than ``budget_bytes(slots)`` allows (None: no bound; ``budget_name`` names it
@@ -64,7 +67,13 @@ def paged_layout(lengths: Sequence[int], budgets: Sequence[int], *, bursts: int 
     sooner, preemption covers it. The pool may grow (``ModelRunner.stepper_for``) up to the uncut
     size (``max_blocks``)."""
     row_blocks = [blocks_for(n + b, block_size) for n, b in zip(lengths, budgets)]
-    wanted = sum(row_blocks) + 1  # + the scratch block
+    held = sum(row_blocks)  # every row at once
+    if groups is not None:  # a group's later rows read its first row's full prompt blocks
+        seen: set[int] = set()
+        for n, group in zip(lengths, groups):
+            held -= n // block_size if group in seen else 0
+            seen.add(group)
+    wanted = held + 1  # + the scratch block
     block_bytes = block_size * kv_bytes_per_token
     allowed = None if kv_cache_tokens is not None else budget_bytes(min(len(lengths), num_slots or MAX_PAGED_SLOTS))
     if kv_cache_tokens is not None:
@@ -80,12 +89,12 @@ def paged_layout(lengths: Sequence[int], budgets: Sequence[int], *, bursts: int 
         raise ValueError(f"the paged pool ({source}) holds {max(0, pool - 1) * block_size} tokens, fewer than "
                          f"row {row} needs ({lengths[row]} prompt + {budgets[row]} new tokens, in blocks of "
                          f"{block_size}): raise kv_cache_tokens or gpu_memory_fraction")
-    slots = num_slots or max(1, min(MAX_PAGED_SLOTS, (pool - 1) * len(row_blocks) // sum(row_blocks)))
+    slots = num_slots or max(1, min(MAX_PAGED_SLOTS, (pool - 1) * len(row_blocks) // held))
     slots = min(slots, len(lengths))
     uncut = pool
     if kv_cache_tokens is None:
         worst = simulate_refill(lengths, budgets, budgets, num_slots=slots, layout="paged", block_size=block_size,
-                                refill_rows=refill_rows(slots), read_interval=max(1, bursts))
+                                refill_rows=refill_rows(slots), read_interval=max(1, bursts), groups=groups)
         pool = min(pool, max(worst.peak_blocks + slots, longest) + 1)  # + the scratch block
     return PagedLayout(slots, pool, uncut)
 

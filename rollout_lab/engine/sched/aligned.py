@@ -382,15 +382,21 @@ class ContinuousBatcher:
         self.profile.num_prefill_rows += len(requests)
         self.profile.num_replicated_rows += len(rows) - len(requests)
         with self.timer.phase("cache_ms"):
-            if packed:  # each prompt's head from its offset (a chunked prompt's whole KV follows)
-                heads = [self._head_length(requests[s]) for s in source]
-                self.cache.admit_packed(slots, layer_kv, [offsets[s] for s in source], heads)
-            else:
-                self.cache.admit(slots, layer_kv, lengths, source_rows=source)
-            self._admit_spans(slots, source)
+            self._write_kv(requests, slots, source, layer_kv, offsets if packed else None)
             self.state.admit(slots, first, lengths, **settings)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
             self.rows[slot].append(token, None if first_logprobs is None else first_logprobs[j])
+
+    def _write_kv(self, requests: Sequence[int], slots: Sequence[int], source: Sequence[int], layer_kv,
+                  offsets: Sequence[int] | None) -> None:
+        """Write the prefill of ``requests`` into ``slots``: slot ``slots[j]`` gets the KV of
+        ``requests[source[j]]`` (``offsets``: a packed forward's token offsets, else a left-padded bucket)."""
+        if offsets is not None:  # each prompt's head from its offset (a chunked prompt's whole KV follows)
+            heads = [self._head_length(requests[s]) for s in source]
+            self.cache.admit_packed(slots, layer_kv, [offsets[s] for s in source], heads)
+        else:
+            self.cache.admit(slots, layer_kv, [self.lengths[requests[s]] for s in source], source_rows=source)
+        self._admit_spans(slots, source)
 
     def _first_tokens(self, rows: Sequence[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[float] | None, dict]:
         """The token of step 0 of each of ``rows`` (call rows) from its prefill's last ``logits``

@@ -11,6 +11,13 @@ The ``paged`` route (``engine.kv.paged``). Every loop turn, before a decode step
   cut short admits its rows even if fewer than ``refill_rows``. The admitted rows are planned and
   prefilled as on the aligned cache (``ContinuousBatcher``: bucketed DP, packed, shared prefill,
   chunked long prompts), their KV copied into their blocks.
+- **shared prompt blocks** (``share_prompt_blocks``): the samples of a prompt admitted together (one
+  shared prefill) hold its KV once. The first takes blocks and the prompt's KV; each other reads the
+  first's full prompt blocks (reference counts, ``BlockAllocator.share``) and holds its own copy of
+  the partial last block and its own blocks for its tokens, so no row ever writes a shared block
+  (its first decode token lands at position ``len(prompt)``, past the full blocks). Admission counts
+  the shared blocks once, so more rows enter; a block is free when its last reader retires or is
+  preempted, and a preempted row comes back into blocks of its own (recompute).
 - **prefill across turns**: under ``admit_tokens``, a row whose prefill is longer than the bound (a
   new prompt, or a preempted row's prompt and tokens) reaching the head of the queue is prefilled
   ``admit_tokens`` tokens a turn, one chunk between two decode steps, each chunk attending to the
@@ -28,7 +35,8 @@ The ``paged`` route (``engine.kv.paged``). Every loop turn, before a decode step
   its sampling step continues from its count, so its tokens are those it would have made unpreempted.
 
 Slots stay dense by compaction, which moves block-table rows only (no KV). The profile counts the
-live rows of every decode step (occupancy), the preemptions and the peak of blocks in use.
+live rows of every decode step (occupancy), the preemptions, the peak of blocks in use, of blocks
+read by several rows and of tokens held in distinct blocks (on the host, no device read).
 
 """
 from __future__ import annotations
@@ -61,12 +69,14 @@ class _Prefilling:
 class PagedBatcher(ContinuousBatcher):
     """Runs one call's requests through the paged cache; ``run()`` fills their tokens, returns the plans."""
 
-    def __init__(self, *args, refill_rows: int = 1, admit_tokens: int | None = None, **kwargs):
+    def __init__(self, *args, refill_rows: int = 1, admit_tokens: int | None = None,
+                 share_prompt_blocks: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.cache, PagedKVCache):
             raise ValueError("PagedBatcher needs a stepper over the paged cache (StepperKey.block_size)")
         self.refill_rows = max(1, refill_rows)
         self.admit_tokens = admit_tokens
+        self.share_prompt_blocks = share_prompt_blocks
         self.admitted_order: dict[int, int] = {}  # request -> admission counter (the newest is preempted first)
         self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
         self.prefilling: _Prefilling | None = None  # a long prompt prefilled across turns
@@ -104,8 +114,12 @@ class PagedBatcher(ContinuousBatcher):
     def _note_peak(self) -> None:
         allocator = self.cache.allocator
         self.profile.peak_kv_blocks = max(self.profile.peak_kv_blocks, allocator.peak_used)
+        self.profile.shared_kv_blocks = max(self.profile.shared_kv_blocks, allocator.peak_shared)
         live = sum(self._cached_tokens(row) for row in self.rows)
         self.profile.peak_live_tokens = max(self.profile.peak_live_tokens, live)
+        # a shared block is a full prompt block: each reader past the first counts its tokens again
+        unique = live - allocator.extra_refs * self.cache.block_size
+        self.profile.unique_kv_tokens = max(self.profile.unique_kv_tokens, unique)
 
     def _cached_tokens(self, row: Request) -> int:
         """Tokens of ``row`` in its blocks: its prompt and every generated token but the last (the
@@ -118,6 +132,11 @@ class PagedBatcher(ContinuousBatcher):
         last) plus the first decode step's."""
         return self.lengths[request] + max(1, len(self.requests[request].tokens))
 
+    def _shared_blocks(self, request: int) -> int:
+        """Blocks a sample of ``request``'s prompt reads from the first sample admitted with it
+        instead of holding its own: the prompt's full blocks (none without ``share_prompt_blocks``)."""
+        return self.lengths[request] // self.cache.block_size if self.share_prompt_blocks else 0
+
     def _splits(self, request: int) -> bool:
         """Whether entering ``request`` is prefilled across turns: more than ``admit_tokens`` tokens."""
         return self.admit_tokens is not None and self._entry_tokens(request) - 1 > self.admit_tokens
@@ -125,16 +144,21 @@ class PagedBatcher(ContinuousBatcher):
     def _admissible_paged(self, limit: int | None) -> tuple[list[int], bool]:
         """The longest queue prefix that fits the free slots and the pool, keeping one free block
         per live row (the watermark), and within ``limit`` prompt tokens; whether that token bound
-        cut it short. It stops at a row prefilled across turns (``_splits``)."""
+        cut it short. It stops at a row prefilled across turns (``_splits``). A new row of a prompt
+        whose first new row is chosen before it needs only its own blocks (``_grow_admitted``)."""
         allocator = self.cache.allocator
         free_slots = self.settings.num_slots - len(self.rows)
         budget = allocator.num_free
         chosen: list[int] = []
+        groups: set[int] = set()  # the prompts (groups) of the new rows chosen
         tokens = 0
         for request in self.queue[:free_slots]:
             if self._splits(request):
                 return chosen, bool(chosen)
             need = allocator.blocks_for(self._entry_tokens(request))
+            group = None if request in self.resuming else self.requests[request].group  # resumed: its own blocks
+            if group in groups:
+                need -= self._shared_blocks(request)
             if need > budget - (len(self.rows) + len(chosen) + 1):
                 break
             tokens += self._entry_tokens(request) - 1  # its prefill: all but the first step's position
@@ -142,6 +166,8 @@ class PagedBatcher(ContinuousBatcher):
                 return chosen, True
             budget -= need
             chosen.append(request)
+            if group is not None:
+                groups.add(group)
         return chosen, False
 
     def _admit_paged(self) -> bool:
@@ -177,10 +203,8 @@ class PagedBatcher(ContinuousBatcher):
         if resumed:
             self._resume(resumed)
         if fresh:
-            start = len(self.rows)
             with self.timer.phase("cache_ms"):
-                for i, request in enumerate(fresh):
-                    self.cache.grow(start + i, self._entry_tokens(request))
+                self._grow_admitted(fresh, len(self.rows))
             self._mark_admitted(fresh)
             self._admit_requests(fresh)  # plans, prefills, first tokens; retires rows done at once
         self._note_peak()
@@ -242,6 +266,8 @@ class PagedBatcher(ContinuousBatcher):
                                                or request in self.resuming):
                 break
             need = allocator.blocks_for(self._entry_tokens(request))
+            if members:  # a sample after the first reads its prompt's full blocks
+                need -= self._shared_blocks(request)
             floor = len(self.rows) + len(members) + 1 if self.rows or members else 0
             if len(self.rows) + len(members) >= self.settings.num_slots or need > budget - floor:
                 break
@@ -254,8 +280,7 @@ class PagedBatcher(ContinuousBatcher):
         start = len(self.rows)
         slots = list(range(start, start + len(members)))
         with self.timer.phase("cache_ms"):
-            for slot, request in zip(slots, members):
-                self.cache.grow(slot, self._entry_tokens(request))
+            self._grow_admitted(members, start)
         self.plans.append(BucketPlan(buckets=((pending.request,),), widths=(self.admit_tokens,), cost_ms=0.0,
                                      chunks=((pending.request, tuple(pending.chunks)),)))
         if resuming:
@@ -270,13 +295,52 @@ class PagedBatcher(ContinuousBatcher):
         self.profile.num_prefill_rows += 1
         self.profile.num_replicated_rows += len(members) - 1
         with self.timer.phase("cache_ms"):
-            self.cache.admit(slots, pending.kv, [length] * len(members), source_rows=[0] * len(members))
+            written = slots[:1] if self.share_prompt_blocks else slots  # the others read its blocks
+            self.cache.admit(written, pending.kv, [length] * len(written), source_rows=[0] * len(written))
+            self._copy_partial_blocks(slots, [slots[0]] * len(slots), [length] * len(slots))
             self.state.admit(slots, first, [length] * len(members), **settings)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
             self.rows[slot].append(token, None if first_logprobs is None else first_logprobs[j])
         self._note_peak()
         self._retire()
         return True
+
+    def _grow_admitted(self, requests: Sequence[int], start: int) -> None:
+        """Blocks for new rows ``requests`` entering slots from ``start`` (their prompts and first
+        step): the first row of a prompt here gets all of its own; with ``share_prompt_blocks`` each
+        later one reads the first's full prompt blocks and gets its own for the rest (the partial
+        block it copies, ``_copy_partial_blocks``, and its tokens)."""
+        first: dict[int, int] = {}  # group -> the slot of its first row here
+        for slot, request in enumerate(requests, start):
+            source = first.setdefault(self.requests[request].group, slot)
+            if source != slot and self.share_prompt_blocks:
+                self.cache.share(slot, source, self.lengths[request])
+            self.cache.grow(slot, self._entry_tokens(request))
+
+    def _write_kv(self, requests: Sequence[int], slots: Sequence[int], source: Sequence[int], layer_kv,
+                  offsets: Sequence[int] | None) -> None:
+        """With ``share_prompt_blocks`` the prefill is written into the first slot of each prompt only;
+        the others read its full blocks already and copy its partial last block."""
+        if not self.share_prompt_blocks:
+            super()._write_kv(requests, slots, source, layer_kv, offsets)
+            return
+        first: dict[int, int] = {}  # prefilled row -> its first slot
+        for slot, row in zip(slots, source):
+            first.setdefault(row, slot)
+        super()._write_kv(requests, list(first.values()), list(first), layer_kv, offsets)
+        self._copy_partial_blocks(slots, [first[row] for row in source], [self.lengths[requests[row]] for row in source])
+
+    def _copy_partial_blocks(self, slots: Sequence[int], sources: Sequence[int], lengths: Sequence[int]) -> None:
+        """Each slot reading the full prompt blocks of ``sources[j]`` (``lengths[j]`` prompt tokens) gets
+        the prompt's positions past them, its partial last block, from there (none when the prompt
+        fills its blocks)."""
+        if not self.share_prompt_blocks:
+            return
+        size = self.cache.block_size
+        copies = [(slot, source, n // size * size, n) for slot, source, n in zip(slots, sources, lengths)
+                  if slot != source and n % size]
+        if copies:
+            self.cache.copy_positions(*(list(column) for column in zip(*copies)))
 
     def _note_turn(self, tokens: int) -> None:
         """Count a turn's prefill tokens toward the longest stall, if rows were live to wait for it."""
