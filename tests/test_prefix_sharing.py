@@ -89,6 +89,7 @@ def test_preemption_eos_and_stop_ids_with_seeded_samples():
             assert shared.profile.num_preemptions > 0
 
 
+@pytest.mark.slow  # the oracle and a paged run of 6 rows x 30 tokens
 def test_greedy_samples_preempted_keep_the_oracles_tokens(oracle):
     """A pool of 6 blocks for 3 slots: samples sharing their prompt's blocks are preempted and come
     back, and every row keeps the oracle's tokens."""
