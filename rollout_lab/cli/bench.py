@@ -1,6 +1,6 @@
 """``rollout-lab bench ...``: one benchmark on a tiny or preset model, one record. Each bench is a
 measure module's run (``measure.rl``, ``grpo``, ``decode_step``, ``prefill_routes``, ``fidelity``,
-``long_tail``, ``trainer_loop``, ``defaults``), whose docstring gives its H200 command.
+``long_tail``, ``trainer_loop``, ``defaults``, ``prefix_sharing``), whose docstring gives its H200 command.
 
 A bench's options take their choices and defaults from its measure module (torch): ``BenchParser``
 adds them when that bench parses, so `plan` and `bench --help` import no torch."""
@@ -14,7 +14,7 @@ from rollout_lab.cli.model import build_model, device_type, model_limits, read_c
 from rollout_lab.cli.options import Parser, check_override_costs, cost_file_path, positive_int, record_out
 from rollout_lab.measure.presets import PRESETS
 from rollout_lab.measure.records import decode_step_rows, grpo_rows, rl_throughput_rows
-from rollout_lab.measure.workloads import DATASETS, WORKLOADS
+from rollout_lab.measure.workloads import DATASETS, SAMPLED_WORKLOADS, WORKLOADS
 from rollout_lab.planner.cost import CostFile
 from rollout_lab.workspace import write_record
 
@@ -301,6 +301,52 @@ def cmd_bench_defaults(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefix_sharing_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.prefix_sharing import (  # torch: a bench's options, when it parses
+        PREFIX_SHARING_DEFAULTS, PREFIX_SHARING_PATHS)
+
+    d = PREFIX_SHARING_DEFAULTS  # run_prefix_sharing's own defaults
+    _add_bench_options(p, preset=None)
+    p.add_argument("--workload", default=d["workload"], choices=SAMPLED_WORKLOADS,
+                   help="prompts sampled num_samples times each, and the preset they were set for (default %(default)s)")
+    p.add_argument("--num-prompts", type=positive_int, default=d["num_prompts"],
+                   help="the workload's first N prompts (default: all of them)")
+    p.add_argument("--num-samples", type=positive_int, default=d["num_samples"],
+                   help="samples per prompt (default: the workload's)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"],
+                   help="tokens per sample, EOS ignored (default: the workload's)")
+    p.add_argument("--scale", type=float, default=d["scale"], help="multiply every prompt length (CPU checks)")
+    p.add_argument("--prompt-lengths", nargs="+", type=positive_int, default=d["prompt_lengths"], metavar="N",
+                   help="a sweep over the prefix length: one case per length, every prompt that long, in place of "
+                        "the workload's lengths (notebook 03's figure)")
+    p.add_argument("--sequential", action="store_true",
+                   help="each path alone on the device, its memory released before the next (default: the paths "
+                        "interleaved round by round, their pools sharing the device)")
+    _add_run_options(p, d, paths=PREFIX_SHARING_PATHS)
+
+
+def cmd_bench_prefix_sharing(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.prefix_sharing import (PREFIX_SHARING_DEFAULTS,  # torch
+                                                    check_prefix_sharing_settings, prefix_sharing_rows,
+                                                    run_prefix_sharing)
+
+    if args.preset is None and args.tiny is None:
+        args.preset = SAMPLED_WORKLOADS[args.workload]["preset"]
+    settings = {k: getattr(args, k) for k in PREFIX_SHARING_DEFAULTS}
+    check_prefix_sharing_settings(**settings, limits=_model_limits(args))
+    if args.tiny:  # tiny shapes: more threads only contend (a process-wide torch setting, as bench grpo)
+        import torch  # torch, as above
+
+        torch.set_num_threads(1)
+    record = _run_bench(args, prefix_sharing_rows, lambda model, name, save: run_prefix_sharing(
+        model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
+        **settings))
+    for case in record["cases"]:
+        print(f"prompt length {case['prompt_length'] or case['mean_prompt_length']:g}: ratios {case['ratios']}  "
+              f"checks {case['checks']}")
+    return 0
+
+
 # name: (one-line help, its options, its command)
 BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "rl": ("RL-regime throughput (nano-vllm's shape, per-request budgets): ours, its ablations, HF generate_batch",
@@ -319,6 +365,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                      _trainer_loop_options, cmd_bench_trainer_loop),
     "defaults": ("RolloutConfig() with nothing set against the tuned setting, one Rollout each: ratio and first call",
                  _defaults_options, cmd_bench_defaults),
+    "prefix-sharing": ("samples of a prompt on the paged route: its KV blocks copied per sample against shared, "
+                       "and the shared read on and off", _prefix_sharing_options, cmd_bench_prefix_sharing),
 }
 
 
@@ -387,14 +435,15 @@ class BenchParser(Parser):
         return namespace, extras
 
 
-def _add_bench_options(parser: argparse.ArgumentParser, *, preset: str) -> None:
-    """--out and the model options of every bench (``_run_bench`` fills the unset ones)."""
+def _add_bench_options(parser: argparse.ArgumentParser, *, preset: str | None) -> None:
+    """--out and the model options of every bench (``_run_bench`` fills the unset ones); ``preset``
+    None leaves --preset to the bench (prefix-sharing: its workload's)."""
     from rollout_lab.measure.models import TINY_FAMILIES  # torch: a bench's options, when it parses
 
     parser.add_argument("--out", required=True, type=record_out,
                         help="output stem: writes <out>.json and <out>.csv (neither may exist)")
     parser.add_argument("--preset", default=preset, choices=sorted(PRESETS),
-                        help=f"architecture, random weights (default {preset})")
+                        help=f"architecture, random weights (default {preset or 'the preset of --workload'})")
     parser.add_argument("--tiny", choices=TINY_FAMILIES, help="a tiny fp32 CPU model instead of --preset")
     parser.add_argument("--dtype", default=None, help="default bfloat16; float32 with --tiny")
     parser.add_argument("--device", default=None, help="default cuda; cpu with --tiny")
