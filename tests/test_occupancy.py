@@ -167,6 +167,17 @@ def test_auto_prices_preemption_and_leaves_out_a_pool_below_one_row():
     assert none.paged_cost_ms is None and none.route != "paged"
 
 
+def test_auto_prices_a_tight_pool_with_shared_prompt_blocks_as_the_engine_holds_them():
+    geometry, costs = ModelGeometry.qwen25_3b(), CostCoefficients()
+    common = dict(max_new_tokens=16, geometry=geometry, costs=costs, paged_allowed=True, continuous_batch_size=8,
+                  kv_block_size=16, paged_pool_blocks=24, rows_per_prompt=[8] * 4, nocb_allowed=False)
+    copies = choose_route([64] * 4, **common)  # 8 samples of 64 tokens: 5 blocks each as copies, 1 + 4 once shared
+    shared = choose_route([64] * 4, share_prompt_blocks=True, **common)
+    assert shared.paged_cost_ms < copies.paged_cost_ms  # more rows at once, no preemption's recompute
+    assert choose_route([64] * 4, **{**common, "rows_per_prompt": None}).paged_cost_ms \
+        == choose_route([64] * 4, share_prompt_blocks=True, **{**common, "rows_per_prompt": None}).paged_cost_ms
+
+
 @pytest.mark.slow  # 16 rows x 40 tokens through 4 slots, twice
 def test_rollout_auto_leaves_paged_out_when_its_pool_cannot_hold_a_row():
     model = get_tiny("qwen2")

@@ -110,6 +110,7 @@ def choose_route(
     rows_per_prompt: Sequence[int] | None = None,
     refill_rows: int = 1,
     read_interval: int = 1,
+    share_prompt_blocks: bool = False,
 ) -> RoutePlan:
     """Compare nocb, bucketed CB and packed CB by the cost model and take the cheapest (on a tie
     nocb, then bucketed). Packed is a candidate when ``costs.packed_prompt_cost_ms`` is set
@@ -139,7 +140,9 @@ def choose_route(
     its expected steps, the prior clipped at the largest budget.
 
     ``rows_per_prompt`` (``choose_shared_route``): prompt i fills that many rows of the decode, so
-    the decode steps, refill and the paged replay count rows while the prefill plans count prompts.
+    the decode steps, refill and the paged replay count rows while the prefill plans count prompts;
+    with ``share_prompt_blocks`` the paged replay holds each prompt's full blocks once for its rows, as
+    the engine does (``RolloutConfig.share_prompt_blocks``).
     """
     check_pricing(geometry, costs)
     lengths = validate_lengths(lengths, None if chunk_long_prompts else costs)
@@ -188,9 +191,12 @@ def choose_route(
                                 layout="aligned", read_interval=read_interval).steps
         if paged_pool_blocks is None or pool_misfit(row_lengths, row_budgets, pool_blocks=paged_pool_blocks,
                                                      block_size=kv_block_size) is None:  # else the engine refuses it
+            groups = None  # the samples of a prompt hold its full blocks once (RolloutConfig.share_prompt_blocks)
+            if share_prompt_blocks and rows_per_prompt is not None:
+                groups = [i for i, k in enumerate(rows_per_prompt) for _ in range(k)]
             paged_run = simulate_refill(row_lengths, responses, row_budgets, num_slots=continuous_batch_size,
                                         layout="paged", pool_blocks=paged_pool_blocks, block_size=kv_block_size,
-                                        refill_rows=refill_rows, read_interval=read_interval)
+                                        refill_rows=refill_rows, read_interval=read_interval, groups=groups)
             paged_decode = cb_decode_cost_ms(longest_budget, costs, decode_steps=paged_run.steps) \
                 + costs.paged_decode_cost_ms * paged_run.steps \
                 + sum(prefill_cost_ms(1, width, geometry, costs) for width in paged_run.recompute_widths)

@@ -523,6 +523,7 @@ class Rollout:
             chunk_long_prompts=True, classes=self.prefill_classes(lengths, min(n, slots or n)),
             paged_allowed=paged_allowed, paged_pool_blocks=pool, kv_block_size=cfg.kv_block_size,
             refill_rows=cfg.refill_rows_for(min(slots or n, n)), read_interval=read_interval,
+            share_prompt_blocks=cfg.share_prompt_blocks,
         )
         self._explored = False
         if self.online is not None and cfg.online_recalibration and plan.nocb_cost_ms is not None:
