@@ -13,7 +13,8 @@ prompt. When the decode step passes
 attends with ``engine.kernels.span`` instead, over its row's live columns only; when it passes
 ``paged_tables`` and ``paged_positions`` (the ``paged`` route, ``engine.kv.paged``), the key and
 value are a layer's block pools and it attends with ``engine.kernels.paged`` through the row's
-block table.
+block table; with ``prefix_group_of_row``, ``prefix_blocks`` and ``prefix_len`` as well, with
+``engine.kernels.shared_prefix`` (each group's shared prompt blocks read once per group).
 
     use_gqa_decode_attention(model)   # registers ``rollout_gqa`` and switches the model to it
 
@@ -30,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rollout_lab.engine.kernels.paged import paged_attention
+from rollout_lab.engine.kernels.shared_prefix import shared_prefix_attention
 from rollout_lab.engine.kernels.span import span_attention
 
 NAME = "rollout_gqa"
@@ -38,23 +40,28 @@ _registered = False
 
 # The one door to the decode kernels: each cache layout's attention over one query token, chosen by
 # the keywords the decode step passes (engine.runner.decode): the paged route's block pools read
-# through each row's block table, or the aligned cache's live span of each row. Anything else (a
-# prefill, the masked window) goes to SDPA.
+# through each row's block table (with its groups' shared prompt blocks read once per group when the
+# step passes them too), or the aligned cache's live span of each row. Anything else (a prefill, the
+# masked window) goes to SDPA. The first layout whose every keyword the step passes is taken.
 DECODE_KERNELS = {
+    "shared_prefix": (("paged_tables", "paged_positions", "prefix_group_of_row", "prefix_blocks", "prefix_len"),
+                      shared_prefix_attention),  # key/value: [blocks, block, kv_heads, D]
     "paged": (("paged_tables", "paged_positions"), paged_attention),  # key/value: [blocks, block, kv_heads, D]
     "span": (("span_starts", "span_front"), span_attention),  # key/value: [rows, kv_heads, width, D]
 }
+POOL_LAYOUTS = ("shared_prefix", "paged")  # key and value are a layer's block pools
 
 
 def decode_layout(kwargs: dict) -> tuple[str | None, tuple]:
-    """(the cache layout whose keywords ``kwargs`` carries, their values), each popped; (None, ())
-    for none. Every layout's keywords are popped: HF's SDPA must not see them."""
-    found: tuple[str | None, tuple] = (None, ())
-    for layout, (names, _) in DECODE_KERNELS.items():
-        values = tuple(kwargs.pop(name, None) for name in names)
-        if values[0] is not None and found[0] is None:
-            found = (layout, values)
-    return found
+    """(the first cache layout whose keywords ``kwargs`` all carry, their values); (None, ()) for
+    none. Every layout's keywords are popped: HF's SDPA must not see them."""
+    names = dict.fromkeys(name for keys, _ in DECODE_KERNELS.values() for name in keys)
+    given = {name: kwargs.pop(name) for name in names if name in kwargs}
+    given = {name: value for name, value in given.items() if value is not None}
+    for layout, (keys, _) in DECODE_KERNELS.items():
+        if all(name in given for name in keys):
+            return layout, tuple(given[name] for name in keys)
+    return None, ()
 
 
 def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -64,7 +71,7 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0,
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape  # [B, H, q, D]
     scale = head_dim ** -0.5 if scaling is None else scaling
-    if layout == "paged":  # key/value are the layer's pools: no other attention can read them
+    if layout in POOL_LAYOUTS:  # key/value are the layer's pools: no other attention can read them
         return DECODE_KERNELS[layout][1](query, key, value, *args, scale), None  # [B, 1, H, D]
     if offsets is not None:  # a packed prefill: each prompt attends causally to itself only
         return packed_segments_attention(query, key, value, offsets, scaling), None

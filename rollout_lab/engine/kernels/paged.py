@@ -81,6 +81,41 @@ if triton is not None:
     from rollout_lab.engine.kernels.span import _store_split
 
     @triton.jit
+    def _paged_blocks(
+        q, k_head, v_head, table, stride_kb, stride_vb, stride_tn, lo, hi, end, scale,
+        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+        NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
+    ):
+        """The online softmax of one row's ``q`` (its ``GROUP_PAD`` query heads of one KV head) over its
+        table's blocks ``[lo, hi)`` whose logical positions are ``< end``: (max, sum, unnormalised
+        output). ``k_head``/``v_head`` point at the KV head's ``[BLOCK_SIZE, HEAD_DIM]`` tile of block 0;
+        ``engine.kernels.shared_prefix`` runs the same loop over a row's suffix."""
+        t = tl.arange(0, BLOCK_SIZE)
+        m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        for block in range(lo, hi):
+            phys = tl.load(table + block * stride_tn).to(tl.int64)  # int64: a big pool's offsets
+            live = block * BLOCK_SIZE + t < end  # only the row's last block is partly live
+            k = tl.load(k_head + phys * stride_kb, mask=live[:, None], other=0.0)
+            if NATIVE_QK:  # the cache's dtype into the tensor cores, fp32 accumulation
+                qk = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_SIZE]
+            else:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+            qk = tl.where(live[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_head + phys * stride_vb, mask=live[:, None], other=0.0)
+            if NATIVE_PV:  # the probabilities rounded to the cache's dtype, as flash attention does
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            s = s * alpha + tl.sum(p, 1)
+            m = m_new
+        return m, s, acc
+
+    @triton.jit
     def _paged_partial(
         Q, K, V, Tables, Positions, M, L, Acc, Out,
         stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -106,31 +141,11 @@ if triton is not None:
         q = tl.load(q_ptrs, mask=g[:, None] < GROUP, other=0.0)  # [GROUP_PAD, HEAD_DIM]
         if not NATIVE_QK:
             q = q.to(tl.float32)
-        m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        s = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
         k_head = K + head * stride_kh + t[:, None] * stride_kn + d[None, :]  # [BLOCK_SIZE, HEAD_DIM]
         v_head = V + head * stride_vh + t[:, None] * stride_vn + d[None, :]
-        table = Tables + row * stride_tb
-        for block in range(lo, hi):
-            phys = tl.load(table + block * stride_tn).to(tl.int64)  # int64: a big pool's offsets
-            live = block * BLOCK_SIZE + t < end  # only the row's last block is partly live
-            k = tl.load(k_head + phys * stride_kb, mask=live[:, None], other=0.0)
-            if NATIVE_QK:  # the cache's dtype into the tensor cores, fp32 accumulation
-                qk = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_SIZE]
-            else:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
-            qk = tl.where(live[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_head + phys * stride_vb, mask=live[:, None], other=0.0)
-            if NATIVE_PV:  # the probabilities rounded to the cache's dtype, as flash attention does
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-            s = s * alpha + tl.sum(p, 1)
-            m = m_new
+        m, s, acc = _paged_blocks(q, k_head, v_head, Tables + row * stride_tb, stride_kb, stride_vb, stride_tn,
+                                  lo, hi, end, scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION,
+                                  NATIVE_QK, NATIVE_PV)
         _store_split(M, L, Acc, Out, stride_ob, stride_oh, m, s, acc, pid, split, row, head,
                      GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
 
