@@ -12,6 +12,7 @@ from conftest import get_tiny
 from rollout_lab.cli.main import main
 from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.measure import prefix_sharing
+from rollout_lab.measure.grpo import scaled_prompt_lengths
 from rollout_lab.measure.models import from_preset, model_config
 from rollout_lab.measure.prefix_sharing import (ISSUE_TARGETS, PREFIX_SHARING_DEFAULTS, PREFIX_SHARING_PATHS,
                                                 PROFILE_FIELDS, check_prefix_sharing_settings, prefix_sharing_rows,
@@ -39,7 +40,14 @@ def test_many_samples_short_is_128_gsm8k_prompts_x_32_x_256_on_llama_3_2_1b():
     spec = SAMPLED_WORKLOADS["many_samples_short"]
     assert (spec["num_samples"], spec["max_new_tokens"], spec["preset"]) == (32, 256, "llama-3.2-1b")
     # appended after the others: measure.defaults.prompt_seed's index of every older workload stays
-    assert WORKLOADS[-2:] == ("grpo_long_prompt", "many_samples_short") and WORKLOADS.index("gsm8k_32") == 6
+    assert WORKLOADS[-3:] == tuple(SAMPLED_WORKLOADS) and WORKLOADS.index("gsm8k_32") == 6
+
+
+def test_grpo_gsm8k_is_bench_grpos_issue_shape():
+    """64 GSM8K prompts x 8 x 512 (scripts/gpu's GRPO check): the prompt lengths bench grpo draws at seed 0."""
+    assert get_workload("grpo_gsm8k") == scaled_prompt_lengths("gsm8k", 64, scale=1.0, seed=0)
+    spec = SAMPLED_WORKLOADS["grpo_gsm8k"]
+    assert (spec["num_samples"], spec["max_new_tokens"], spec["preset"]) == (8, 512, "qwen2.5-3b")
 
 
 def test_llama_3_2_1b_preset_has_its_geometry_and_size():
@@ -70,7 +78,8 @@ TINY = {"scale": 0.1, "num_prompts": 3, "num_samples": 3, "max_new_tokens": 6, "
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"workload": "gsm8k_32"}, r"workload must be one of \['grpo_long_prompt', 'many_samples_short'\], got 'gsm8k_32'"),
+    ({"workload": "gsm8k_32"}, r"workload must be one of \['grpo_long_prompt', 'many_samples_short', 'grpo_gsm8k'\], "
+                               r"got 'gsm8k_32'"),
     ({"num_prompts": 0}, "num_prompts must be an int >= 1, got 0"),
     ({"num_prompts": 33}, r"num_prompts=33: grpo_long_prompt has 32 prompts; give at most 32, or None"),
     ({"num_samples": 0}, "num_samples must be an int >= 1, got 0"),

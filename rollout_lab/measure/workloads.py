@@ -14,8 +14,9 @@ constant hazard: 512 GPQA prompts whose responses have geometric lengths (``meas
 
 ``SAMPLED_WORKLOADS`` are prompts each sampled ``num_samples`` times, the shapes whose samples share
 their prompt's KV (``measure.prefix_sharing``): ``grpo_long_prompt`` (32 prompts of 1,500-2,500
-tokens x 16 samples x 512 new tokens) and ``many_samples_short`` (128 GSM8K prompts x 32 x 256);
-their prompt lengths are named workloads too (``get_workload("grpo_long_prompt")``).
+tokens x 16 samples x 512 new tokens), ``many_samples_short`` (128 GSM8K prompts x 32 x 256) and
+``grpo_gsm8k`` (64 GSM8K prompts x 8 x 512); their prompt lengths are named workloads too
+(``get_workload("grpo_long_prompt")``).
 
 Prompt-length distributions the planner is studied on: specs resolved to lengths, per seed.
 
@@ -71,6 +72,9 @@ SAMPLED_WORKLOADS: dict[str, dict[str, Any]] = {
                          "max_new_tokens": 512, "temperature": 1.0, "preset": "qwen2.5-3b"},
     "many_samples_short": {"num_prompts": 128, "dataset": "gsm8k", "num_samples": 32, "max_new_tokens": 256,
                            "temperature": 1.0, "preset": "llama-3.2-1b"},
+    # bench grpo's issue shape (64 GSM8K prompts x 8 x 512): its lengths are measure.grpo's at seed 0
+    "grpo_gsm8k": {"num_prompts": 64, "dataset": "gsm8k", "num_samples": 8, "max_new_tokens": 512,
+                   "temperature": 1.0, "preset": "qwen2.5-3b"},
 }
 # appended last: a workload's index (measure.defaults.prompt_seed) stays what it was
 WORKLOADS: tuple[str, ...] = tuple(_SEED_WORKLOADS) + tuple(_REAL_WORKLOADS) + tuple(SAMPLED_WORKLOADS)
