@@ -12,6 +12,15 @@ counts, no copy), and each holds its own copy of the prompt's partial last block
 block of its own. Block 0 is a scratch block: a dead slot's table points at it, so a graph replay
 that still covers dead slots writes there and nowhere else.
 
+The prefix cache across calls (``RolloutConfig.prefix_cache``): a prompt's full blocks, once written,
+are keyed by a hash chain of their tokens (``block_keys``: block i's key hashes block i-1's key and
+its token ids, vLLM's scheme) and stay in the pool after their last reader leaves, idle, least
+recently used first. An idle cached block counts as free: ``grow`` takes one back (its key dropped)
+only when the free list runs dry, so the cache never costs a row a block. A later prompt reads the
+longest chain of its blocks found (``match``, then ``attach``: reference counts, no copy) and is
+prefilled past them; the pool keeps them across calls (``reset`` keeps them, ``clear_cached``
+drops them: the weights changed).
+
 The host owns the allocation (``BlockAllocator``: a free list, each slot's blocks, each block's
 readers); the device holds
 what a decode step reads: ``block_tables`` ``[slots, max_blocks]`` int32 and ``slot_mapping``
@@ -29,10 +38,14 @@ either cache the same way.
     cache = PagedKVCache.for_model(model, num_slots=128, num_blocks=4096, block_size=64, max_blocks_per_row=40)
     cache.grow(slot, num_tokens)             # blocks for a row's first num_tokens positions
     cache.share(sample, slot, num_tokens)    # another sample reads the prompt's full blocks
+    cache.attach(slot, cache.allocator.match(block_keys(prompt, 64)))  # a prompt's cached blocks
 
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -46,10 +59,23 @@ from rollout_lab.planner.occupancy import blocks_for
 SCRATCH_BLOCK = 0  # dead slots point here; never handed to a row
 
 
+def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The prefix-cache key of each full block of ``tokens``: block i's is the SHA-256 of block
+    i-1's key and its token ids, so two prompts' i-th keys are equal exactly when their first
+    ``(i + 1) * block_size`` tokens are (a collision aside)."""
+    keys, key = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = hashlib.sha256(key + array("q", tokens[start : start + block_size]).tobytes()).digest()
+        keys.append(key)
+    return keys
+
+
 class BlockAllocator:
     """Host bookkeeping of the pool: the free blocks, each slot's blocks in logical order, and each
     block's readers (reference counts: a prompt's full blocks sit in the lists of the samples
-    admitted with it, ``share``). A block goes back to the free list when its last reader releases it."""
+    admitted with it, ``share``). A block goes back to the free list when its last reader releases
+    it, or, keyed in the prefix cache (``register``), to the idle cached blocks, which count as free
+    and are taken back, least recently used first, when the free list runs dry."""
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int, max_blocks_per_row: int):
         self.num_blocks, self.block_size, self.max_blocks_per_row = num_blocks, block_size, max_blocks_per_row
@@ -60,14 +86,23 @@ class BlockAllocator:
         self.extra_refs = 0  # readers past the first, summed over the blocks: the duplicate blocks copies would take
         self.peak_used = 0
         self.peak_shared = 0
+        self.cached: dict[bytes, int] = {}  # prefix-cache key -> block
+        self.key_of: dict[int, bytes] = {}  # block -> its key (cached blocks only)
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no row reads, least recently used first
+        self.num_evicted = 0  # idle cached blocks taken back since the last reset
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
+        """Blocks rows read (an idle cached block is free)."""
+        return self.num_blocks - 1 - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -80,17 +115,74 @@ class BlockAllocator:
         """Give ``slot`` the blocks for positions ``[0, num_tokens)``; returns the new
         (logical index, block) pairs for the device table. The caller checked ``num_free``."""
         need = self.missing(slot, num_tokens)
-        if need > len(self.free):
-            raise RuntimeError(f"slot {slot} needs {need} blocks, {len(self.free)} are free")
+        if need > self.num_free:
+            raise RuntimeError(f"slot {slot} needs {need} blocks, {self.num_free} are free")
         self._check_width(slot, need)
         added = []
         for _ in range(need):
-            block = self.free.pop()
+            block = self._take()
             self.refs[block] = 1
             added.append((len(self.blocks[slot]), block))
             self.blocks[slot].append(block)
         self.peak_used = max(self.peak_used, self.num_used)
         return added
+
+    def _take(self) -> int:
+        """A free block, else the least recently used idle cached block (its key dropped)."""
+        if self.free:
+            return self.free.pop()
+        block, _ = self.idle.popitem(last=False)
+        del self.cached[self.key_of.pop(block)]
+        self.num_evicted += 1
+        return block
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``keys`` (``block_keys``) in the cache."""
+        blocks = []
+        for key in keys:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def attach(self, slot: int, blocks: Sequence[int]) -> list[tuple[int, int]]:
+        """``slot`` (holding none) reads the cached ``blocks`` (``match``) as its first ones: each gains
+        a reader (an idle one leaves the idle list); returns the (logical index, block) pairs."""
+        if self.blocks[slot]:
+            raise RuntimeError(f"slot {slot} still holds blocks")
+        self._check_width(slot, len(blocks))
+        for block in blocks:
+            if block not in self.key_of:
+                raise RuntimeError(f"block {block} is not in the prefix cache")
+            self.refs[block] += 1
+            if self.refs[block] == 1:
+                del self.idle[block]
+            else:
+                self.extra_refs += 1
+                self.num_shared += self.refs[block] == 2
+        self.blocks[slot] = list(blocks)
+        self.peak_used = max(self.peak_used, self.num_used)
+        self.peak_shared = max(self.peak_shared, self.num_shared)
+        return list(enumerate(blocks))
+
+    def register(self, slot: int, keys: Sequence[bytes]) -> None:
+        """Key the first ``len(keys)`` blocks of ``slot`` (a prompt's full blocks, written) in the
+        prefix cache; a block keyed already, or a key another block holds, is left as it is."""
+        for block, key in zip(self.blocks[slot], keys):
+            if block not in self.key_of and key not in self.cached:
+                self.cached[key] = block
+                self.key_of[block] = key
+
+    def clear_cached(self) -> int:
+        """Drop every key of the prefix cache (the idle blocks become free; a block a row still reads
+        is freed when it leaves); the number of blocks dropped."""
+        dropped = len(self.cached)
+        self.free.extend(reversed(self.idle))
+        self.idle.clear()
+        self.cached.clear()
+        self.key_of.clear()
+        return dropped
 
     def share(self, slot: int, source: int, num_blocks: int) -> list[tuple[int, int]]:
         """``slot`` (holding none) reads the first ``num_blocks`` blocks of ``source``: they gain a
@@ -118,12 +210,15 @@ class BlockAllocator:
 
     def release(self, slot: int) -> None:
         """The slot drops its blocks (its row retired or was preempted); those it was the last
-        reader of go back to the free list."""
+        reader of go back to the free list, or the cached ones to the idle list (its last block
+        first, so a prompt's later blocks are taken back before its earlier ones)."""
         for block in reversed(self.blocks[slot]):
             self.refs[block] -= 1
             if self.refs[block]:
                 self.extra_refs -= 1
                 self.num_shared -= self.refs[block] == 1
+            elif block in self.key_of:
+                self.idle[block] = None
             else:
                 self.free.append(block)
         self.blocks[slot] = []
@@ -140,11 +235,16 @@ class BlockAllocator:
             self.blocks[d] = blocks
 
     def reset(self) -> None:
-        self.free = list(range(self.num_blocks - 1, SCRATCH_BLOCK, -1))
+        """Every slot holds none again; the prefix cache stays (its blocks idle)."""
+        for block in self.key_of:
+            if self.refs[block]:
+                self.idle[block] = None
+        self.free = [b for b in range(self.num_blocks - 1, SCRATCH_BLOCK, -1) if b not in self.key_of]
         self.blocks = [[] for _ in self.blocks]
         self.refs = [0] * self.num_blocks
         self.num_shared = self.extra_refs = 0
         self.peak_used = self.peak_shared = 0
+        self.num_evicted = 0
 
 
 @torch.library.custom_op("rollout_lab::paged_write", mutates_args=("key_pool", "value_pool"))
@@ -296,6 +396,19 @@ class PagedKVCache:
         entries = self.allocator.share(slot, source, num_tokens // self.block_size)
         self.set_blocks([(slot, index, block) for index, block in entries])
 
+    def attach(self, slot: int, blocks: Sequence[int]) -> None:
+        """``slot`` (holding none) reads the prefix cache's ``blocks`` (``BlockAllocator.match``) as
+        its first ones: table entries, no block taken, no KV copied."""
+        entries = self.allocator.attach(slot, blocks)
+        self.set_blocks([(slot, index, block) for index, block in entries])
+
+    def gather(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The KV of ``blocks``, in order, per layer ``[1, kv_heads, len(blocks) * block_size, head_dim]``
+        (a copy: the prefix a prefill extends, ``sched.aligned.extend_prefill``)."""
+        index = device_tensor(list(blocks), torch.long, self.block_tables.device)
+        return [tuple(pool.index_select(0, index).flatten(0, 1).transpose(0, 1)[None] for pool in pair)
+                for pair in zip(self.keys, self.values)]
+
     def set_blocks(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Write (slot, logical index, block) entries into the device tables, one copy."""
         if not entries:
@@ -361,19 +474,22 @@ class PagedKVCache:
 
     def admit(
         self, slots: Sequence[int], layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        lengths: Sequence[int], source_rows: Sequence[int] | None = None,
+        lengths: Sequence[int], source_rows: Sequence[int] | None = None, starts: Sequence[int] | None = None,
     ) -> None:
         """Copy a left-padded bucket's KV (per layer ``[rows, kv_heads, width, head_dim]``) into the
         blocks of ``slots``: slot ``slots[j]`` gets bucket row ``source_rows[j]`` (default j), whose
         last ``min(lengths[j], width)`` columns are its positions from 0 (a chunked prompt's head
-        first; its whole span follows). The slots hold their blocks already (``grow``)."""
+        first; its whole span follows), from position ``starts[j]`` on (default 0: the positions
+        before it are cached blocks the slot reads). The slots hold their blocks already (``grow``)."""
         width = layer_kv[0][0].shape[2]
         counts = [min(n, width) for n in lengths]
+        firsts = [0] * len(slots) if starts is None else list(starts)
         source = list(range(len(slots))) if source_rows is None else list(source_rows)
         device = self.block_tables.device
-        rows = torch.repeat_interleave(torch.tensor(source, device=device), torch.tensor(counts, device=device))
-        cols = torch.cat([torch.arange(width - n, width, device=device) for n in counts])
-        dst = self._flat_positions(slots, counts)
+        rows = torch.repeat_interleave(torch.tensor(source, device=device),
+                                       torch.tensor([n - s for n, s in zip(counts, firsts)], device=device))
+        cols = torch.cat([torch.arange(width - n + s, width, device=device) for n, s in zip(counts, firsts)])
+        dst = self._flat_positions(slots, counts, firsts)
         self._scatter(dst, layer_kv, lambda src: src.to(device)[rows, :, cols])  # [sum, kv_heads, head_dim]
 
     def admit_packed(
