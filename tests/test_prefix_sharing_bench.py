@@ -2,6 +2,7 @@
 bench prefix-sharing` (issue 54; tiny fp32 models, CPU), its figure and notebook 03's parameter."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,8 @@ from rollout_lab.measure import prefix_sharing
 from rollout_lab.measure.grpo import scaled_prompt_lengths
 from rollout_lab.measure.models import from_preset, model_config
 from rollout_lab.measure.prefix_sharing import (ISSUE_TARGETS, PREFIX_SHARING_DEFAULTS, PREFIX_SHARING_PATHS,
-                                                PROFILE_FIELDS, check_prefix_sharing_settings, prefix_sharing_rows,
-                                                prompt_seed, resolve_shape, run_prefix_sharing)
+                                                PROFILE_FIELDS, check_prefix_sharing_settings, prefix_sharing_or_load,
+                                                prefix_sharing_rows, prompt_seed, resolve_shape, run_prefix_sharing)
 from rollout_lab.measure.records import load_record
 from rollout_lab.measure.presets import geometry_for
 from rollout_lab.measure.workloads import (SAMPLED_WORKLOADS, WORKLOADS, get_workload, sample_lengths,
@@ -258,3 +259,48 @@ def test_bench_prefix_sharing_writes_the_record(tmp_path, capsys):
     assert record["provenance"]["script"] == "rollout-lab bench prefix-sharing"
     assert record["config"]["tiny"] == "qwen2" and set(record["cases"][0]["results"]) == {"copies", "shared"}
     assert "ratios" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- notebook 03: prefix_sharing_shape / _results_file
+
+def test_notebook_03_takes_a_prefix_sharing_shape_or_record():
+    from rollout_lab.notebooks import INPUT_PARAMETERS, NOTEBOOK_PARAMETERS, SMOKE_PARAMETERS, check_parameter
+
+    check_parameter("03_latency_tables", "prefix_sharing_shape", {"workload": "many_samples_short", "reps": 1})
+    check_parameter("03_latency_tables", "prefix_sharing_shape", SMOKE_PARAMETERS["03_latency_tables"]["prefix_sharing_shape"])
+    check_parameter("03_latency_tables", "prefix_sharing_shape", None)
+    with pytest.raises(ValueError, match=r"prefix_sharing_shape=\{'workloads': 'x'\} .*unknown settings \['workloads'\]"):
+        check_parameter("03_latency_tables", "prefix_sharing_shape", {"workloads": "x"})
+    with pytest.raises(ValueError, match="prefix_sharing_shape=7 .*takes a dict of rollout_lab.measure.prefix_sharing"):
+        check_parameter("03_latency_tables", "prefix_sharing_shape", 7)
+    assert "prefix_sharing_results_file" in INPUT_PARAMETERS and \
+        "prefix_sharing_results_file" in NOTEBOOK_PARAMETERS["03_latency_tables"]
+
+
+def test_prefix_sharing_or_load_refuses_before_the_model_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefix_sharing, "load_model", lambda *a, **k: pytest.fail("built a model"))
+    kwargs = dict(model="tiny-qwen2", dtype="float32", device="cpu", output_dir=tmp_path)
+    assert prefix_sharing_or_load(prefix_sharing_shape=None, prefix_sharing_results_file=None, **kwargs) is None
+    with pytest.raises(ValueError, match="not both"):
+        prefix_sharing_or_load(prefix_sharing_shape={}, prefix_sharing_results_file="x.json", **kwargs)
+    with pytest.raises(ValueError, match=r"prefix_sharing_shape has unknown settings \['samples'\]"):
+        prefix_sharing_or_load(prefix_sharing_shape={"samples": 2}, prefix_sharing_results_file=None, **kwargs)
+    with pytest.raises(ValueError, match="scale=1.0: the longest prompt"):  # the defaults are past 512 positions
+        prefix_sharing_or_load(prefix_sharing_shape={}, prefix_sharing_results_file=None, **kwargs)
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow  # ~1 s: the tiny shape measured, written, then rendered from its file
+def test_prefix_sharing_or_load_measures_into_the_workspace_then_renders_the_record(tmp_path, monkeypatch):
+    shape = {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 4, "reps": 1, "prompt_lengths": [16, 80]}
+    name, record = prefix_sharing_or_load(prefix_sharing_shape=shape, prefix_sharing_results_file=None,
+                                          model="tiny-qwen2", dtype="float32", device="cpu", output_dir=tmp_path)
+    assert name == str(tmp_path / "data" / "results" / "prefix_sharing_tiny-qwen2_float32_cpu.json")
+    assert record["provenance"]["script"] == "notebook 03 (prefix_sharing_shape)"
+    monkeypatch.setattr(prefix_sharing, "run_prefix_sharing", lambda *a, **k: pytest.fail("measured again"))
+    again = prefix_sharing_or_load(prefix_sharing_shape=None, prefix_sharing_results_file=name, model="tiny-qwen2",
+                                   dtype="float32", device="cpu")
+    assert again[1]["cases"] == json.loads(json.dumps(record["cases"]))
+    with pytest.raises(ValueError, match="already exist"):
+        prefix_sharing_or_load(prefix_sharing_shape=shape, prefix_sharing_results_file=None, model="tiny-qwen2",
+                               dtype="float32", device="cpu", output_dir=tmp_path)
