@@ -304,3 +304,12 @@ def test_prefix_sharing_or_load_measures_into_the_workspace_then_renders_the_rec
     with pytest.raises(ValueError, match="already exist"):
         prefix_sharing_or_load(prefix_sharing_shape=shape, prefix_sharing_results_file=None, model="tiny-qwen2",
                                dtype="float32", device="cpu", output_dir=tmp_path)
+
+
+def test_prefix_sharing_defaults_are_run_prefix_sharings_own():
+    import inspect
+
+    signature = inspect.signature(run_prefix_sharing).parameters
+    assert {k: signature[k].default for k in PREFIX_SHARING_DEFAULTS} == PREFIX_SHARING_DEFAULTS
+    signature = inspect.signature(check_prefix_sharing_settings).parameters
+    assert set(PREFIX_SHARING_DEFAULTS) | {"limits"} == set(signature)
