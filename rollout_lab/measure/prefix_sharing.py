@@ -81,10 +81,11 @@ PREFIX_SHARING_DEFAULTS: dict[str, Any] = {
 # issue 54's targets on grpo_long_prompt, kept beside the numbers: the pool's peak KV tokens over the
 # unique tokens it held (at most), and the shared path's output tok/s over the copies' (at least)
 ISSUE_TARGETS = {"peak_kv_over_unique_at_most": 1.2, "tokens_per_s_over_copies_at_least": 2.0}
-# the profile fields each path's result keeps (None where this engine's profile has none)
+# the profile fields each path's result keeps (None where this engine's profile has none);
+# prefix_cache_hits says no call read an earlier call's prompt blocks (each call's prompts are its own)
 PROFILE_FIELDS = ("num_slots", "kv_block_size", "num_kv_blocks", "peak_kv_blocks", "peak_live_tokens",
-                  "unique_kv_tokens", "shared_kv_blocks", "kv_bytes_read_per_step", "num_preemptions",
-                  "num_decode_forwards", "prefill_ms", "decode_ms", "cache_ms")
+                  "unique_kv_tokens", "shared_kv_blocks", "kv_bytes_read_per_step", "prefix_cache_hits",
+                  "num_preemptions", "num_decode_forwards", "prefill_ms", "decode_ms", "cache_ms")
 # the path results whose ratio over copies each case keeps
 RATIO_FIELDS = ("output_tokens_per_s", "mean_ms", "peak_kv_tokens", "unique_kv_tokens", "kv_bytes_read_per_step")
 
