@@ -811,7 +811,7 @@ def B(case_id: str, match: str, name: str, *argv: str, marks=()):
 
 CLI_CASES_BENCH = [
     *[case for name in ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail", "trainer-loop",
-                        "defaults") for case in (
+                        "defaults", "prefix-sharing") for case in (
         B("out-missing", "--out", name, "--out"),
         B("out-existing", "already exist", name, "--out", "{existing}"),
         B("out-read-only", "{ro}", name, "--out", "{ro}/rec", marks=ROOT_WRITES_ANYWHERE),

@@ -315,7 +315,8 @@ def test_every_bad_input_is_one_line_and_status_2_before_any_work(argv, message,
     assert message in one_error_line(capsys)
 
 
-BENCHES = ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail", "trainer-loop", "defaults")
+BENCHES = ("rl", "grpo", "decode-step", "prefill-routes", "logits", "long-tail", "trainer-loop", "defaults",
+           "prefix-sharing")
 
 
 def test_bench_lists_the_benchmarks_without_importing_torch():

@@ -41,7 +41,8 @@ from rollout_lab.engine.sample.params import MAX_SAMPLES
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.paths import check_timed_calls, release_memory
-from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts, padding_share, sample_lengths, scale_lengths
+from rollout_lab.measure.workloads import (DATASETS, lengths_to_prompts, padding_share, sample_lengths,
+                                           scale_keeping_prompts)
 from rollout_lab.planner.checks import check_int
 from rollout_lab.planner.cost import CostCoefficients
 
@@ -87,15 +88,7 @@ def scaled_prompt_lengths(dataset: str, num_prompts: int, *, scale: float, seed:
     group's, and the trainer loop's); ValueError when ``scale`` makes a drawn prompt shorter than one
     token before ``scale_lengths`` clips it to 1 (at scale 1e-9 every prompt would be one token,
     whatever the dataset), naming the smallest scale that keeps every prompt."""
-    lengths = sample_lengths(dataset, num_prompts, seed=seed)  # num_prompts within the dataset
-    shortest = min(lengths)
-    if shortest * scale < 1:
-        smallest = 1 / shortest
-        digits = 2 - math.floor(math.log10(smallest))  # three significant digits, rounded up
-        raise ValueError(f"scale={scale:g} makes the shortest of these prompts ({shortest} tokens of {dataset}) "
-                         f"{shortest * scale:.3g} tokens, which would be clipped to 1 (as would every prompt under "
-                         f"1 token); give scale >= {math.ceil(smallest * 10**digits) / 10**digits:g} (1/{shortest})")
-    return scale_lengths(lengths, scale)
+    return scale_keeping_prompts(sample_lengths(dataset, num_prompts, seed=seed), scale, what=f"of {dataset}")
 
 
 def check_samples(num_samples: object) -> int:
