@@ -171,6 +171,8 @@ CONFIG_CASES = [
     A("config-profile-str", "profile", lambda e, t: RolloutConfig(profile="yes")),
     A("config-share-prefill-none", "share_prefill", lambda e, t: RolloutConfig(share_prefill=None)),
     A("config-share-prompt-blocks-none", "share_prompt_blocks", lambda e, t: RolloutConfig(share_prompt_blocks=None)),
+    A("config-prefix-cache-str", "prefix_cache", lambda e, t: RolloutConfig(prefix_cache="yes")),
+    A("config-prefix-cache-bucketed", "prefix_cache", lambda e, t: RolloutConfig(prefix_cache=True, mode="bucketed")),
     A("config-compile-cache-str", "compile_cache", lambda e, t: RolloutConfig(compile_cache="no")),
     A("config-prior-empty", "response_length_prior", lambda e, t: RolloutConfig(response_length_prior=())),
     A("config-prior-zero", "response_length_prior", lambda e, t: RolloutConfig(response_length_prior=(0, 5))),

@@ -6,10 +6,41 @@ is taken back only when the free list runs dry); tokens and logprobs equal the c
 and a fresh rollout's after the weights change (tiny fp32 models, CPU)."""
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 import torch
+from conftest import get_tiny, one_fast
 
+from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.kv.paged import SCRATCH_BLOCK, BlockAllocator, PagedKVCache, block_keys
+from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
+
+SAMPLED = dict(do_sample=True, temperature=0.9, top_k=40, seed=7)
+
+
+def make_prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def cached_and_fresh(model, calls, *, generate, **config):
+    """Each call's results with the prefix cache (one Rollout across the calls) and without it (one
+    Rollout across them too), their tokens and finish reasons equal and their logprobs within fp32
+    noise (a cached prefix's KV came from another forward)."""
+    config = dict(mode="paged", kv_block_size=16, profile=True) | config
+    cached, fresh = (Rollout(model, RolloutConfig(prefix_cache=on, **config)) for on in (True, False))
+    out = []
+    for prompts in calls:
+        got, want = (r.generate(prompts, return_logprobs=True, **generate) for r in (cached, fresh))
+        assert got.sequences == want.sequences
+        assert got.finish_reasons == want.finish_reasons
+        worst = max((abs(a - b) for g, w in zip(got.logprobs, want.logprobs) for a, b in zip(g, w)), default=0)
+        assert worst < 1e-4, worst
+        assert want.profile.prefix_cache_hits == 0
+        out.append(got)
+    return out
 
 
 def test_block_keys_chain_the_prefix():
@@ -77,3 +108,137 @@ def test_gather_reads_the_blocks_kv_and_admit_writes_from_a_start():
     (k, _), = cache.gather(cache.allocator.blocks[1])
     assert torch.equal(k[:, :, :4], keys[:, :, :4]) and torch.equal(k[:, :, 4], 2 * keys[:, :, 4])
     assert cache.block_tables[1, :2].tolist() == cache.block_tables[0, :2].tolist()
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+# blocks of 16: shorter than a block, one block exactly, one and a part, two exactly, two and a part
+LENGTHS = [5, 16, 23, 32, 40]
+
+
+def hit_tokens(lengths, block_size=16):
+    """Prompt tokens a second call of the same prompts reads from the cache: the blocks before each
+    prompt's last token."""
+    return sum((n - 1) // block_size * block_size for n in lengths)
+
+
+@pytest.mark.parametrize("family", one_fast(TINY_FAMILIES, "qwen2"))
+def test_a_second_and_third_call_read_the_cached_prompts(family, oracle):
+    """The same prompts three times, greedy samples: the second and third calls read every full block
+    before each prompt's last token from the cache and prefill the rest, with the oracle's tokens."""
+    model = get_tiny(family)
+    prompts = make_prompts(LENGTHS, seed=1)
+    first, second, third = cached_and_fresh(model, [prompts] * 3, generate=dict(max_new_tokens=9, num_samples=2),
+                                            kv_cache_tokens=1024)
+    assert first.sequences == [oracle.one(model, p, 9, None, 1.0) for p in prompts for _ in range(2)]
+    assert first.profile.prefix_cache_hits == 0
+    assert second.profile.prefix_cache_hits == third.profile.prefix_cache_hits == hit_tokens(LENGTHS) == 64
+    assert second.profile.prefix_cache_evicted_blocks == 0 and second.profile.prefix_cache_dropped is None
+    # the prompts with a cached block are prefilled one each over it; 5 and 16 tokens in one bucket
+    assert second.profile.num_prefill_forwards == 3 + 1
+    assert second.profile.shared_kv_blocks == first.profile.shared_kv_blocks
+
+
+@pytest.mark.slow  # two sampled calls of 6 rows x 20 tokens, with and without the cache
+def test_overlapping_prompts_share_the_system_prompts_blocks():
+    """A system prompt of 40 tokens before different questions: the second call's prompts read its
+    two full blocks (and a repeated question's own), sampled with a stop id and EOS. The slots and
+    the pool are fixed, and the first call's longest row is the longest: a call of other slots, or
+    of a row past the kept table's width, would need another pool."""
+    system = make_prompts([40], seed=2)[0]
+    questions = make_prompts([3, 12, 30, 7], seed=3)
+    calls = [[system + q for q in questions[1:3]], [system + q for q in (questions[1], questions[3], questions[0])]]
+    first, second = cached_and_fresh(get_tiny("qwen2"), calls, eos_token_id=7, continuous_batch_size=4,
+                                     kv_cache_tokens=1024, generate=dict(max_new_tokens=20, num_samples=2,
+                                                                         stop_token_ids=[11], **SAMPLED))
+    assert second.profile.prefix_cache_hits == 48 + 32 + 32  # questions 12 (its blocks again), 7, 3
+    assert second.profile.shared_kv_blocks >= 2  # the system prompt's blocks, read by three prompts' rows
+
+
+@pytest.mark.slow  # three calls through a pool tight enough to preempt and take cached blocks back
+def test_a_tight_pool_takes_cached_blocks_back_and_preempts_as_without_the_cache():
+    """A pool of 10 blocks of 16 for 4 slots: rows are preempted and idle cached blocks are taken
+    back for their blocks; the tokens and logprobs are those without the cache, call after call."""
+    prompts = make_prompts([33, 20, 48, 17, 40], seed=4)
+    calls = cached_and_fresh(get_tiny("qwen2"), [prompts, prompts[::-1], prompts], repetition_penalty=1.3,
+                             continuous_batch_size=4, kv_cache_tokens=160, refill_rows=1, eos_token_id=7,
+                             generate=dict(max_new_tokens=30, num_samples=2, **SAMPLED))
+    profiles = [c.profile for c in calls]
+    assert sum(p.num_preemptions for p in profiles) > 0
+    assert sum(p.prefix_cache_evicted_blocks for p in profiles) > 0
+    assert sum(p.prefix_cache_hits for p in profiles) > 0
+
+
+@pytest.mark.slow  # prompts prefilled in chunks across turns, twice
+def test_prefill_across_turns_starts_from_the_cached_blocks():
+    """admit_tokens_per_step=16: a long prompt's second call starts its chunks after its cached blocks."""
+    prompts = make_prompts([33, 6, 48, 12, 41], seed=5)
+    first, second = cached_and_fresh(get_tiny("qwen2"), [prompts, prompts], admit_tokens_per_step=16,
+                                     continuous_batch_size=4, generate=dict(max_new_tokens=10, num_samples=2))
+    assert second.profile.prefix_cache_hits >= 32 + 32 + 32
+    assert second.profile.max_turn_prefill_tokens <= 16
+    assert second.profile.num_prefill_forwards < first.profile.num_prefill_forwards
+
+
+@pytest.mark.parametrize("change", ["in_place", "assign"])
+def test_a_weight_change_drops_the_cache(change):
+    """Weights written in place (an optimizer step) or replaced (load_state_dict(assign=True))
+    between two calls: the second call reads nothing cached and gives a fresh rollout's tokens."""
+    model = copy.deepcopy(get_tiny("qwen2"))
+    prompts = make_prompts(LENGTHS, seed=6)
+    config = RolloutConfig(mode="paged", kv_block_size=16, profile=True, prefix_cache=True)
+    rollout = Rollout(model, config)
+    before = rollout.generate(prompts, max_new_tokens=12)
+    new = {name: t * 1.5 if "k_proj" in name or "v_proj" in name else t for name, t in model.state_dict().items()}
+    if change == "in_place":
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                t.copy_(new[name])
+    else:
+        model.load_state_dict({name: t.clone() for name, t in new.items()}, assign=True)
+    after = rollout.generate(prompts, max_new_tokens=12)
+    want = Rollout(model, RolloutConfig(mode="paged", kv_block_size=16)).generate(prompts, max_new_tokens=12)
+    assert after.sequences == want.sequences != before.sequences
+    assert after.profile.prefix_cache_hits == 0 and after.profile.prefix_cache_dropped == "weights"
+    again = rollout.generate(prompts, max_new_tokens=12)  # the new weights' blocks are cached
+    assert again.sequences == want.sequences and again.profile.prefix_cache_hits == hit_tokens(LENGTHS)
+
+
+def test_a_write_through_data_needs_clear_prefix_cache():
+    """``.data`` writes leave no trace on the tensors: the cache stays (stale KV, other tokens) until
+    ``clear_prefix_cache``."""
+    model = copy.deepcopy(get_tiny("qwen2"))
+    prompts = make_prompts(LENGTHS, seed=6)
+    rollout = Rollout(model, RolloutConfig(mode="paged", kv_block_size=16, profile=True, prefix_cache=True))
+    rollout.generate(prompts, max_new_tokens=12)
+    for name, t in model.named_parameters():
+        if "k_proj" in name or "v_proj" in name:
+            t.data.mul_(1.5)
+    want = Rollout(model, RolloutConfig(mode="paged", kv_block_size=16)).generate(prompts, max_new_tokens=12)
+    stale = rollout.generate(prompts, max_new_tokens=12)
+    assert stale.profile.prefix_cache_hits > 0 and stale.sequences != want.sequences
+    assert rollout.clear_prefix_cache() > 0
+    assert rollout.generate(prompts, max_new_tokens=12).sequences == want.sequences
+
+
+def test_a_call_needing_another_pool_drops_the_cache():
+    model = get_tiny("qwen2")
+    prompts = make_prompts(LENGTHS, seed=7)
+    rollout = Rollout(model, RolloutConfig(mode="paged", kv_block_size=16, profile=True, prefix_cache=True,
+                                           kv_cache_tokens=1024))
+    rollout.generate(prompts, max_new_tokens=4)
+    other = rollout.generate(prompts[:2], max_new_tokens=4)  # fewer rows: fewer slots, another pool
+    assert other.profile.prefix_cache_dropped == "pool" and other.profile.prefix_cache_hits == 0
+
+
+def test_auto_takes_paged_with_the_prefix_cache_and_other_modes_are_refused():
+    rollout = Rollout(get_tiny("qwen2"), RolloutConfig(prefix_cache=True))
+    assert rollout.route_for([5, 6], [4, 4]) == "paged"
+    for mode in ("nocb", "bucketed", "aligned", "equal_width", "packed"):
+        with pytest.raises(ValueError, match=f"mode='{mode}' has no paged pool: use mode='paged' or 'auto'"):
+            RolloutConfig(prefix_cache=True, mode=mode)
+    with pytest.raises(ValueError, match="prefix_cache needs the paged route, which cache_capacity and trim_cache"):
+        RolloutConfig(prefix_cache=True, cache_capacity=64)
+    with pytest.raises(ValueError, match="prefix_cache must be a bool, got 1"):
+        RolloutConfig(prefix_cache=1)

@@ -67,6 +67,13 @@ class Profile:
     # peak_live_tokens counts it once per reader)
     shared_kv_blocks: int = 0
     unique_kv_tokens: int = 0
+    # the prefix cache across calls (RolloutConfig.prefix_cache): prompt tokens read from cached blocks
+    # instead of prefilled, idle cached blocks taken back for rows' blocks, and why the cached blocks
+    # of earlier calls were dropped at this call's start: "weights" (they changed), "pool" (this call
+    # needed a pool of another layout); None: kept (or none)
+    prefix_cache_hits: int = 0
+    prefix_cache_evicted_blocks: int = 0
+    prefix_cache_dropped: str | None = None
     # the most prompt tokens one admission turn prefilled while rows were live (the paged route): the
     # longest stall of the live rows between two decode steps, in tokens (admit_tokens_per_step bounds it)
     max_turn_prefill_tokens: int = 0

@@ -89,6 +89,12 @@ class RolloutConfig:
     # counts) instead of each holding a copy, so the pool holds a prompt once and more rows run at
     # once; each copies only the partial last block. False: a copy per sample (needs share_prefill)
     share_prompt_blocks: bool = True
+    # the paged route: a prompt's full KV blocks stay in the pool after its rows finish (LRU, taken
+    # back only when the pool has no free block), keyed by a hash chain of their tokens, and a later
+    # call's prompt (the next epoch, the next turn) reads its longest cached chain and prefills only
+    # the rest; dropped when the weights change (new tensors, or written in place) or the pool is
+    # rebuilt. Needs mode "paged" or "auto" (which then takes paged)
+    prefix_cache: bool = False
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
     response_length_prior: tuple[int, ...] | None = None
@@ -201,8 +207,8 @@ class RolloutConfig:
         check_prior_settings(self.response_length_prior, self.prior_ewma)
         check_progress(self.progress)
         check_window(self.online_window)
-        for name in ("trim_cache", "profile", "share_prefill", "share_prompt_blocks", "online_recalibration",
-                     "override_costs", "compile_cache"):
+        for name in ("trim_cache", "profile", "share_prefill", "share_prompt_blocks", "prefix_cache",
+                     "online_recalibration", "override_costs", "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
@@ -214,6 +220,13 @@ class RolloutConfig:
             raise ValueError(
                 f"admit_tokens_per_step bounds the paged route's admissions; mode={self.mode!r} would ignore "
                 f"it: use mode='paged' or 'auto' (which then takes paged whenever rows refill)")
+        if self.prefix_cache and self.mode not in ("paged", "auto"):
+            raise ValueError(f"prefix_cache keeps prompts' blocks in the paged pool across calls; mode={self.mode!r} "
+                             "has no paged pool: use mode='paged' or 'auto' (which then takes paged)")
+        if self.prefix_cache and (self.cache_capacity is not None or self.trim_cache):
+            raise ValueError("prefix_cache needs the paged route, which cache_capacity and trim_cache (the aligned "
+                             "cache's settings) rule out: size the paged pool with kv_cache_tokens or "
+                             "gpu_memory_fraction")
         if self.mode == "paged" and (self.cache_capacity is not None or self.trim_cache):
             raise ValueError(
                 "mode='paged' keeps each row in its own blocks: cache_capacity and trim_cache set the "

@@ -11,7 +11,8 @@ Routes: ``nocb`` (one left-padded HF ``generate``), ``equal_width`` (one prefill
 width), ``aligned`` (one prefill per request), ``bucketed`` (the DP's buckets), ``packed`` (prompts
 packed into one row) -- these four decode by continuous batching over the right-aligned cache --,
 ``paged`` (the DP's buckets into a paged cache: rows refill as soon as a slot is free,
-``engine.sched.paged``) and ``auto`` (``choose_route``).
+``engine.sched.paged``) and ``auto`` (``choose_route``; always paged with ``prefix_cache``, the one
+route whose pool keeps prompts' blocks across calls).
 
 Greedy by default. ``do_sample=True`` samples with ``temperature``/``top_k``/``top_p`` from a
 counter-based hash of (``seed``, request, sample, step) (``engine.sample.sampler``), so every
@@ -177,6 +178,12 @@ class Rollout:
         refreshing the weights); the rollout stays usable."""
         self.runner.close()
 
+    def clear_prefix_cache(self) -> int:
+        """Drop the prefix cache's blocks (``RolloutConfig.prefix_cache``); the number dropped. A
+        change of the weights drops them by itself, except a write through ``.data``, which leaves
+        no trace on the tensors (``runner.steppers.weights_state``): call this after one."""
+        return self.runner.drop_prefix_cache()
+
     def prefill_classes(self, lengths: Sequence[int], num_slots: int) -> ShapeClasses | None:
         """The shape classes a call over prompts of ``lengths`` on ``num_slots`` slots prefills at:
         the config's, or for "auto" on CUDA the ladder covering the call (``ShapeClasses.covering``),
@@ -340,8 +347,9 @@ class Rollout:
         compiled_before = compiled_graphs() if self._compiled_metadata is not None else None
         cfg = self.config
         self._layout_memo = None  # paged_layout's answer holds for this call only (the device's memory moves)
-        self.runner.refresh_weights()
         stats = Profile()
+        if self.runner.refresh_weights() and self.runner.drop_prefix_cache():
+            stats.prefix_cache_dropped = "weights"
         # timed (the device synchronised at every phase) when profiled or when the costs learn from
         # it: every call with online_recalibration=True, else while the calibrator is due (planner.fit)
         observing = self.online is not None and (cfg.online_recalibration or self.online.due())
@@ -386,9 +394,12 @@ class Rollout:
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
             layout = self.paged_layout(lengths, budgets, bursts, groups=[r.group for r in requests])
             num_slots = layout.num_slots
+            kept, cached = self.runner.stepper, self.runner.num_cached_blocks
             with timer.phase("stepper_build_ms"):
                 stepper = self.runner.stepper_for(num_slots, capacity, False, num_blocks=layout.num_blocks,
                                                   block_size=cfg.kv_block_size, max_blocks=layout.max_blocks, **rows)
+            if cached and stepper is not kept:
+                stats.prefix_cache_dropped = "pool"
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
         # batcher then allocates a plain cache for this call alone, and the kept stepper (its graphs,
         # its compile) is neither built nor replaced.
@@ -416,7 +427,8 @@ class Rollout:
                 if route == "paged":
                     batcher = PagedBatcher(self.model, requests, settings, refill_rows=cfg.refill_rows_for(num_slots),
                                            admit_tokens=cfg.admit_tokens_per_step,
-                                           share_prompt_blocks=cfg.share_prompt_blocks, **common)
+                                           share_prompt_blocks=cfg.share_prompt_blocks,
+                                           prefix_cache=cfg.prefix_cache, **common)
                 else:
                     batcher = ContinuousBatcher(self.model, requests, settings, **common)
                 plans = batcher.run()
@@ -498,6 +510,9 @@ class Rollout:
             return "nocb", None
         if cfg.mode != "auto":
             return cfg.mode, None  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
+        if cfg.prefix_cache:  # only the paged pool keeps prompts' blocks across calls
+            self._explored = False
+            return "paged", None
         sizes = group_sizes(range(n) if groups is None else groups)
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
         # every row at once, unless that cache cannot fit the device: the paged pool then takes as

@@ -5,7 +5,8 @@ elsewhere; span attention, torch.compile, fused projections) and whether prefill
 captured graphs; then it owns what those choices build: the decode stepper (its cache and captured
 graphs, ``stepper_for``), the prefill graphs (``captured_prefill``) and the memory of the weights
 both read, which a call whose model holds new tensors copies in (``refresh_weights``) instead of
-capturing again.
+capturing again. The paged pool it keeps holds the prefix cache across calls (``engine.kv.paged``):
+``refresh_weights`` drops it when the weights changed since the last call.
 
     runner = ModelRunner(model, decode="auto", decode_attention="auto", compile="auto", ...)
     stepper = runner.stepper_for(num_slots=8, capacity=512, explicit_capacity=False, ...)
@@ -35,6 +36,7 @@ from rollout_lab.engine.runner.steppers import (
     resolve_fuse,
     resolve_spans,
     weights_signature,
+    weights_state,
 )
 from rollout_lab.engine.sample.processors import RowPenalties
 from rollout_lab.engine.sample.sampler import RowSampling
@@ -88,14 +90,29 @@ class ModelRunner:
         # the parameters and buffers the kept graphs read (steppers.graph_weights); a call whose
         # model holds new tensors copies them in (rebind_weights) instead of capturing again
         self.graph_weights: list[torch.Tensor] | None = None
+        self._weights_state: tuple | None = None  # steppers.weights_state after the last call's refresh
 
     # -- weights --------------------------------------------------------------------------------
-    def refresh_weights(self) -> None:
+    def refresh_weights(self) -> bool:
         """Before a call: copy the model's tensors into the memory the kept graphs read, when the
         model holds new ones (a trainer's step replaced them); where their layout changed, the graphs
-        are captured again instead."""
+        are captured again instead. Whether the weights changed since the last call (replaced or
+        written in place: ``steppers.weights_state``); the caller then drops the prefix cache, whose
+        KV the old weights computed (``drop_prefix_cache``)."""
+        changed = self._weights_state is not None and weights_state(self.model) != self._weights_state
         if self.graph_weights is not None and not rebind_weights(self.model, self.graph_weights):
             self.graph_weights = None
+        self._weights_state = weights_state(self.model)
+        return changed
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the kept paged pool holds in its prefix cache."""
+        return 0 if self.stepper is None or not self.stepper.key.paged else self.stepper.cache.allocator.num_cached
+
+    def drop_prefix_cache(self) -> int:
+        """Drop the kept paged pool's prefix cache; the blocks it held."""
+        return self.stepper.cache.allocator.clear_cached() if self.num_cached_blocks else 0
 
     def _keep_graph_weights(self) -> None:
         """Note the memory the graphs about to be captured read, unless the kept graphs already do."""
@@ -159,6 +176,8 @@ class ModelRunner:
                     capacity <= old.key.capacity <= 2 * capacity:
                 capacity = old.key.capacity
         if num_blocks is not None and old is not None and old.key.paged and old.key.num_slots == num_slots:
+            if capacity <= old.key.capacity <= 2 * capacity:
+                capacity = old.key.capacity  # a wider table costs nothing: keep the pool (and its prefix cache)
             if num_blocks <= old.key.num_blocks <= 2 * num_blocks:
                 num_blocks = old.key.num_blocks  # a pool that holds this call's rows: keep it (and its graphs)
             elif old.key.num_blocks < num_blocks:  # too small: grow it by a quarter at least, within the uncut pool

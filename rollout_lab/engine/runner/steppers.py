@@ -131,6 +131,19 @@ def weights_signature(model: torch.nn.Module) -> tuple:
     return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device) for t in graph_tensors(model))
 
 
+def weights_state(model: torch.nn.Module) -> tuple:
+    """Address and version counter of every parameter and buffer: it changes when one is replaced
+    (``load_state_dict(assign=True)``) or written in place (an optimizer step, ``copy_`` under
+    no_grad). A write through ``.data`` bumps no counter, so it goes unseen."""
+    return tuple((t.data_ptr(), tensor_version(t)) for t in graph_tensors(model))
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter (bumped by every in-place write); -1 for an inference tensor,
+    which keeps none (and cannot be written outside inference mode)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 def graph_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """What a capture reads of the model: every parameter, then every buffer."""
     return [*model.parameters(), *model.buffers()]

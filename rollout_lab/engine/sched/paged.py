@@ -18,6 +18,15 @@ The ``paged`` route (``engine.kv.paged``). Every loop turn, before a decode step
   (its first decode token lands at position ``len(prompt)``, past the full blocks). Admission counts
   the shared blocks once, so more rows enter; a block is free when its last reader retires or is
   preempted, and a preempted row comes back into blocks of its own (recompute).
+- **prefix cache across calls** (``prefix_cache``): the first row of a prompt, once prefilled, keys
+  its full prompt blocks in the pool's cache (``BlockAllocator.register``), where they stay after
+  its rows leave (idle, counted as free, taken back least recently used first). A new prompt
+  (not a resuming row) reads the longest cached chain of its blocks (``attach``), at most the
+  blocks before its last token (whose logits pick the first token), and is prefilled past them, one
+  forward per prompt over the cached KV (``extend_prefill``, as a chunk over earlier chunks);
+  its samples read its blocks as above. Admission counts a cached block a live row reads as held
+  already, an idle one as taken. A prompt prefilled across turns starts from its cached KV
+  (copied out of the pool) and enters into blocks of its own.
 - **prefill across turns**: under ``admit_tokens``, a row whose prefill is longer than the bound (a
   new prompt, or a preempted row's prompt and tokens) reaching the head of the queue is prefilled
   ``admit_tokens`` tokens a turn, one chunk between two decode steps, each chunk attending to the
@@ -48,7 +57,7 @@ import torch
 
 from rollout_lab.engine.sched.aligned import ContinuousBatcher, extend_prefill
 from rollout_lab.engine.sched.request import Request
-from rollout_lab.engine.kv.paged import PagedKVCache
+from rollout_lab.engine.kv.paged import PagedKVCache, block_keys
 from rollout_lab.engine.runner.prefill import prefill_bucket
 from rollout_lab.planner.bucket_dp import BucketPlan
 
@@ -70,13 +79,18 @@ class PagedBatcher(ContinuousBatcher):
     """Runs one call's requests through the paged cache; ``run()`` fills their tokens, returns the plans."""
 
     def __init__(self, *args, refill_rows: int = 1, admit_tokens: int | None = None,
-                 share_prompt_blocks: bool = True, **kwargs):
+                 share_prompt_blocks: bool = True, prefix_cache: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.cache, PagedKVCache):
             raise ValueError("PagedBatcher needs a stepper over the paged cache (StepperKey.block_size)")
         self.refill_rows = max(1, refill_rows)
         self.admit_tokens = admit_tokens
         self.share_prompt_blocks = share_prompt_blocks
+        self.prefix_cache = prefix_cache
+        if not prefix_cache:  # a call without the cache starts from an empty one
+            self.cache.allocator.clear_cached()
+        self._keys: dict[int, list[bytes]] = {}  # group -> its prompt's full blocks' keys (block_keys)
+        self._hits: dict[int, list[int]] = {}  # a new prompt's first row this turn -> the cached blocks it reads
         self.admitted_order: dict[int, int] = {}  # request -> admission counter (the newest is preempted first)
         self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
         self.prefilling: _Prefilling | None = None  # a long prompt prefilled across turns
@@ -120,6 +134,7 @@ class PagedBatcher(ContinuousBatcher):
         # a shared block is a full prompt block: each reader past the first counts its tokens again
         unique = live - allocator.extra_refs * self.cache.block_size
         self.profile.unique_kv_tokens = max(self.profile.unique_kv_tokens, unique)
+        self.profile.prefix_cache_evicted_blocks = allocator.num_evicted
 
     def _cached_tokens(self, row: Request) -> int:
         """Tokens of ``row`` in its blocks: its prompt and every generated token but the last (the
@@ -137,6 +152,27 @@ class PagedBatcher(ContinuousBatcher):
         instead of holding its own: the prompt's full blocks (none without ``share_prompt_blocks``)."""
         return self.lengths[request] // self.cache.block_size if self.share_prompt_blocks else 0
 
+    def _prompt_keys(self, request: int) -> list[bytes]:
+        """The prefix-cache keys of ``request``'s full prompt blocks (one computation per prompt)."""
+        group = self.requests[request].group
+        if group not in self._keys:
+            self._keys[group] = block_keys(self.requests[request].prompt, self.cache.block_size)
+        return self._keys[group]
+
+    def _cached_prefix(self, request: int) -> list[int]:
+        """The cached blocks a new prompt's first row reads (``prefix_cache``): its longest cached
+        chain, within the blocks before its last token, which is always prefilled (its logits pick
+        the first token)."""
+        if not self.prefix_cache or request in self.resuming:
+            return []
+        usable = (self.lengths[request] - 1) // self.cache.block_size
+        return self.cache.allocator.match(self._prompt_keys(request)[:usable])
+
+    def _register(self, slot: int, request: int) -> None:
+        """Key the full prompt blocks of ``slot``, which holds ``request``'s prompt written (``prefix_cache``)."""
+        if self.prefix_cache:
+            self.cache.allocator.register(slot, self._prompt_keys(request)[: self.lengths[request] // self.cache.block_size])
+
     def _splits(self, request: int) -> bool:
         """Whether entering ``request`` is prefilled across turns: more than ``admit_tokens`` tokens."""
         return self.admit_tokens is not None and self._entry_tokens(request) - 1 > self.admit_tokens
@@ -145,20 +181,29 @@ class PagedBatcher(ContinuousBatcher):
         """The longest queue prefix that fits the free slots and the pool, keeping one free block
         per live row (the watermark), and within ``limit`` prompt tokens; whether that token bound
         cut it short. It stops at a row prefilled across turns (``_splits``). A new row of a prompt
-        whose first new row is chosen before it needs only its own blocks (``_grow_admitted``)."""
+        whose first new row is chosen before it needs only its own blocks (``_grow_admitted``); the
+        first new row of a prompt reads its cached blocks (``_cached_prefix``, kept in ``_hits``), of
+        which only the idle ones are taken from the free count."""
         allocator = self.cache.allocator
         free_slots = self.settings.num_slots - len(self.rows)
         budget = allocator.num_free
         chosen: list[int] = []
         groups: set[int] = set()  # the prompts (groups) of the new rows chosen
+        claimed: set[int] = set()  # idle cached blocks the chosen rows read
+        self._hits = {}
         tokens = 0
         for request in self.queue[:free_slots]:
             if self._splits(request):
                 return chosen, bool(chosen)
             need = allocator.blocks_for(self._entry_tokens(request))
             group = None if request in self.resuming else self.requests[request].group  # resumed: its own blocks
+            hits: list[int] = []
             if group in groups:
                 need -= self._shared_blocks(request)
+            else:
+                hits = self._cached_prefix(request)
+                idle = {b for b in hits if not allocator.refs[b]} - claimed
+                need -= len(hits) - len(idle)
             if need > budget - (len(self.rows) + len(chosen) + 1):
                 break
             tokens += self._entry_tokens(request) - 1  # its prefill: all but the first step's position
@@ -166,6 +211,9 @@ class PagedBatcher(ContinuousBatcher):
                 return chosen, True
             budget -= need
             chosen.append(request)
+            if hits:
+                self._hits[request] = hits
+                claimed |= idle
             if group is not None:
                 groups.add(group)
         return chosen, False
@@ -193,6 +241,7 @@ class PagedBatcher(ContinuousBatcher):
             if not self._splits(request) and \
                     self.cache.allocator.blocks_for(self._entry_tokens(request)) <= self.cache.allocator.num_free:
                 chosen = [request]
+                self._hits = {request: hits} if (hits := self._cached_prefix(request)) else {}
         wanted = min(self.refill_rows, len(self.queue), self.settings.num_slots)
         if not chosen or (self.rows and len(chosen) < wanted and not bounded):
             return self._start_prefilling(spent) or done
@@ -200,15 +249,75 @@ class PagedBatcher(ContinuousBatcher):
         self._note_turn(sum(self._entry_tokens(r) - 1 for r in chosen))
         resumed = [r for r in chosen if r in self.resuming]
         fresh = [r for r in chosen if r not in self.resuming]
+        # the prompts with cached blocks first: they are prefilled one by one over their cached KV
+        hit_groups = {self.requests[r].group for r in self._hits}
+        cached = [r for r in fresh if self.requests[r].group in hit_groups]
+        fresh = cached + [r for r in fresh if self.requests[r].group not in hit_groups]
+        if cached:  # before the resumed rows grow: those may take idle cached blocks back
+            with self.timer.phase("cache_ms"):
+                self._attach_cached(cached, len(self.rows) + len(resumed))
         if resumed:
             self._resume(resumed)
         if fresh:
             with self.timer.phase("cache_ms"):
                 self._grow_admitted(fresh, len(self.rows))
             self._mark_admitted(fresh)
-            self._admit_requests(fresh)  # plans, prefills, first tokens; retires rows done at once
+            if cached:
+                self._admit_cached(cached)
+            if len(fresh) > len(cached):
+                self._admit_requests(fresh[len(cached):])  # plans, prefills, first tokens; retires rows done at once
+            else:
+                self._retire()
         self._note_peak()
         return True
+
+    def _attach_cached(self, requests: Sequence[int], start: int) -> None:
+        """The first row of each prompt in ``requests`` (entering slots from ``start``) reads its
+        cached blocks (``_hits``)."""
+        seen: set[int] = set()
+        for slot, request in enumerate(requests, start):
+            group = self.requests[request].group
+            if group not in seen:
+                seen.add(group)
+                self.cache.attach(slot, self._hits[request])
+
+    def _admit_cached(self, requests: Sequence[int]) -> None:
+        """New rows whose prompts read cached blocks (their slots' blocks attached and grown, in
+        order from ``len(self.rows)``): each prompt is prefilled past its cached blocks, one forward
+        over their KV (``extend_prefill``), written from there into its first row's blocks (and, with
+        copies, whole into the others'); the first tokens come from its logits. Rows that finish on
+        their first token retire later (the caller)."""
+        start = len(self.rows)
+        members: dict[int, list[int]] = {}  # group -> its slots here, the first reading the cached blocks
+        for slot, request in enumerate(requests, start):
+            members.setdefault(self.requests[request].group, []).append(slot)
+        self.rows.extend(self.requests[r] for r in requests)
+        size = self.cache.block_size
+        for slots in members.values():
+            rows = [self.rows[slot].index for slot in slots]
+            first, length = rows[0], self.lengths[rows[0]]
+            done = len(self._hits[first]) * size
+            suffix = self.requests[first].prompt[done:]
+            with self.timer.phase("prefill_ms"):
+                logits, layer_kv = extend_prefill(
+                    self.model, self.cache.gather(self._hits[first]), [suffix], cache_kwarg=self.settings.cache_kwarg,
+                    record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o))
+                logits = logits.index_select(0, torch.zeros(len(rows), dtype=torch.long, device=logits.device))
+                tokens, token_logprobs, settings = self._first_tokens(rows, logits)
+            self.plans.append(BucketPlan(buckets=((first,),), widths=(len(suffix),), cost_ms=0.0))
+            self.profile.num_prefill_forwards += 1
+            self.profile.num_prefill_rows += 1
+            self.profile.num_replicated_rows += len(rows) - 1
+            self.profile.prefix_cache_hits += done
+            with self.timer.phase("cache_ms"):
+                written = slots[:1] if self.share_prompt_blocks else slots  # the others read its blocks
+                self.cache.admit(written, layer_kv, [length] * len(written), source_rows=[0] * len(written),
+                                 starts=[done] + [0] * (len(written) - 1))
+                self._copy_partial_blocks(slots, [slots[0]] * len(slots), [length] * len(slots))
+                self.state.admit(slots, tokens, [length] * len(rows), **settings)
+                self._register(slots[0], first)
+            for j, (slot, token) in enumerate(zip(slots, tokens.tolist())):
+                self.rows[slot].append(token, None if token_logprobs is None else token_logprobs[j])
 
     # -- prefill across turns -----------------------------------------------------------------
     def _prefill_ids(self, request: int) -> list[int]:
@@ -223,12 +332,22 @@ class PagedBatcher(ContinuousBatcher):
             return False
         request = self.queue.pop(0)
         ids = self._prefill_ids(request)
-        head = ids[: self.admit_tokens]
-        with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=1, width=len(head)):
-            logits, layer_kv = prefill_bucket(self.model, [head], pad_token_id=self.settings.pad_token_id,
-                                              cache_kwarg=self.settings.cache_kwarg)
+        hits = self._cached_prefix(request)
+        if hits:  # its cached KV, copied out of the pool (the blocks may be taken back while it waits)
+            done = len(hits) * self.cache.block_size
+            head = ids[done : done + self.admit_tokens]
+            self.profile.prefix_cache_hits += done
+            with self.timer.phase("prefill_ms"):
+                logits, layer_kv = extend_prefill(
+                    self.model, self.cache.gather(hits), [head], cache_kwarg=self.settings.cache_kwarg,
+                    record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o))
+        else:
+            done, head = 0, ids[: self.admit_tokens]
+            with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=1, width=len(head)):
+                logits, layer_kv = prefill_bucket(self.model, [head], pad_token_id=self.settings.pad_token_id,
+                                                  cache_kwarg=self.settings.cache_kwarg)
         self.profile.num_prefill_forwards += 1
-        self.prefilling = _Prefilling(request, ids, len(head), [], list(layer_kv), logits)
+        self.prefilling = _Prefilling(request, ids, done + len(head), [], list(layer_kv), logits)
         self._note_turn(len(head))
         return True
 
@@ -299,6 +418,7 @@ class PagedBatcher(ContinuousBatcher):
             self.cache.admit(written, pending.kv, [length] * len(written), source_rows=[0] * len(written))
             self._copy_partial_blocks(slots, [slots[0]] * len(slots), [length] * len(slots))
             self.state.admit(slots, first, [length] * len(members), **settings)
+            self._register(slots[0], pending.request)
         for j, (slot, token) in enumerate(zip(slots, first.tolist())):
             self.rows[slot].append(token, None if first_logprobs is None else first_logprobs[j])
         self._note_peak()
@@ -310,7 +430,7 @@ class PagedBatcher(ContinuousBatcher):
         step): the first row of a prompt here gets all of its own; with ``share_prompt_blocks`` each
         later one reads the first's full prompt blocks and gets its own for the rest (the partial
         block it copies, ``_copy_partial_blocks``, and its tokens)."""
-        first: dict[int, int] = {}  # group -> the slot of its first row here
+        first: dict[int, int] = {}  # group -> the slot of its first row here (maybe reading cached blocks)
         for slot, request in enumerate(requests, start):
             source = first.setdefault(self.requests[request].group, slot)
             if source != slot and self.share_prompt_blocks:
@@ -320,15 +440,19 @@ class PagedBatcher(ContinuousBatcher):
     def _write_kv(self, requests: Sequence[int], slots: Sequence[int], source: Sequence[int], layer_kv,
                   offsets: Sequence[int] | None) -> None:
         """With ``share_prompt_blocks`` the prefill is written into the first slot of each prompt only;
-        the others read its full blocks already and copy its partial last block."""
-        if not self.share_prompt_blocks:
-            super()._write_kv(requests, slots, source, layer_kv, offsets)
-            return
+        the others read its full blocks already and copy its partial last block. With ``prefix_cache``
+        the first slot's full prompt blocks are keyed in the cache."""
         first: dict[int, int] = {}  # prefilled row -> its first slot
         for slot, row in zip(slots, source):
             first.setdefault(row, slot)
-        super()._write_kv(requests, list(first.values()), list(first), layer_kv, offsets)
-        self._copy_partial_blocks(slots, [first[row] for row in source], [self.lengths[requests[row]] for row in source])
+        if self.share_prompt_blocks:
+            super()._write_kv(requests, list(first.values()), list(first), layer_kv, offsets)
+            self._copy_partial_blocks(slots, [first[row] for row in source],
+                                      [self.lengths[requests[row]] for row in source])
+        else:
+            super()._write_kv(requests, slots, source, layer_kv, offsets)
+        for row, slot in first.items():
+            self._register(slot, requests[row])
 
     def _copy_partial_blocks(self, slots: Sequence[int], sources: Sequence[int], lengths: Sequence[int]) -> None:
         """Each slot reading the full prompt blocks of ``sources[j]`` (``lengths[j]`` prompt tokens) gets
