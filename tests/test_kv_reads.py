@@ -68,13 +68,14 @@ def test_the_saving_is_the_spared_reads_less_partials_and_launches():
 
 def test_the_shared_read_pays_for_long_shared_prompts_only():
     assert shared_prefix_pays([1_984] * 32, [16] * 32, QWEN, prefix_splits=9)  # the shape
-    assert shared_prefix_pays(1_984, 16, QWEN, prefix_splits=32)
+    assert shared_prefix_pays([1_984] * 4, [16] * 4, QWEN, prefix_splits=32)
+    assert not shared_prefix_pays(1_984, 16, QWEN, prefix_splits=32)  # one group: its launches cost more
     assert not shared_prefix_pays(64, 2, QWEN, prefix_splits=1)  # one block, two rows: the launches cost more
     assert shared_prefix_pays(64, 2, QWEN, prefix_splits=1, launch_cost_bytes=0)
     assert not shared_prefix_pays([1_984] * 4, [1] * 4, QWEN, prefix_splits=4)  # groups of one: nothing spared
     assert not shared_prefix_pays([0] * 4, [16] * 4, QWEN, prefix_splits=1)  # no prefix
     # it pays from some prefix length on, and stays paying past it
-    pays = [shared_prefix_pays(64 * blocks, 8, QWEN, prefix_splits=4) for blocks in range(0, 64)]
+    pays = [shared_prefix_pays([64 * blocks] * 4, [8] * 4, QWEN, prefix_splits=4) for blocks in range(0, 64)]
     assert not pays[0] and pays[-1] and pays == sorted(pays)
 
 

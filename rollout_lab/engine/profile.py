@@ -67,6 +67,10 @@ class Profile:
     # peak_live_tokens counts it once per reader)
     shared_kv_blocks: int = 0
     unique_kv_tokens: int = 0
+    # the KV bytes the decode's attention read per step, keys and values over every layer (the paged
+    # route; planner.kv_reads: each row its context, or a group's shared prefix once per tile of its
+    # rows with the shared-prefix read); None on the other routes
+    kv_bytes_read_per_step: float | None = None
     # the prefix cache across calls (RolloutConfig.prefix_cache): prompt tokens read from cached blocks
     # instead of prefilled, idle cached blocks taken back for rows' blocks, and why the cached blocks
     # of earlier calls were dropped at this call's start: "weights" (they changed), "pool" (this call

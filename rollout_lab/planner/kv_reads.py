@@ -30,9 +30,11 @@ from rollout_lab.planner.cost import ModelGeometry
 PREFIX_TILE_QUERIES = 128
 PARTIAL_BYTES = 4  # the partials are fp32
 EXTRA_LAUNCHES = 2  # per layer: the prefix kernel and the merge (the suffix kernel replaces the plain one)
-# a launch priced as the bytes HBM moves while it starts: a few microseconds at a few TB/s; the record
-# of scripts/gpu/shared_prefix_kernel.py measures it on a card (its "launch_cost_bytes")
-LAUNCH_COST_BYTES = 8 * 2**20
+# an extra launch priced as the bytes the plain read moves in the time it costs: the shared read with
+# no group against the plain read, less its partials' traffic, per extra launch (the "launch_cost_bytes"
+# of scripts/gpu/shared_prefix_kernel.py's record: 20.6-21.8 MiB on an H100,
+# data/diagnostics/shared_prefix_kernel_h100_f054475.json)
+LAUNCH_COST_BYTES = 20 * 2**20
 
 
 def prefix_tile_rows(geometry: ModelGeometry) -> int:

@@ -2,11 +2,11 @@
 # The GPU runs of issue 54 (shared prompt blocks on the paged route): `bench prefix-sharing` times
 # today's copies (share_prompt_blocks=False) against shared blocks, and the shared read off against on
 # (shared_prefix_attention), on the issue's shapes, any H100/H200 (the record names the card):
-#   long_prompt     grpo_long_prompt: 32 prompts of 1,500-2,500 tokens x 16 x 512 on Qwen2.5-3B, T=1
+#   long_prompt     grpo_long_prompt: 32 prompts of 1,500-2,500 tokens x 16 x 512 on Qwen2.5-3B, T=1: copies,
+#                   shared blocks read per row, and shared as the engine picks its read (auto)
 #   many_samples    many_samples_short: 128 GSM8K prompts x 32 x 256 on Llama-3.2-1B's geometry
 #   prefix_lengths  grpo_long_prompt's shape at prompts of 256, 1,024 and 2,048 tokens (notebook 03's figure)
-#   reads           grpo_long_prompt, shared blocks read per row against once per group (needs the engine's
-#                   shared_prefix_attention: the bench refuses these paths, naming it, where it has none)
+#   reads           grpo_long_prompt, shared blocks read per row against once per group (shared_prefix_attention)
 #   grpo            64 GSM8K prompts x 8 x 512 on Qwen2.5-3B: `bench grpo` as today, then copies against shared
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/prefix_sharing.sh long_prompt many_samples prefix_lengths grpo   # CPU, < 1 min
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/prefix_sharing.sh long_prompt   # one device call
@@ -35,7 +35,8 @@ BENCH="$PY -m rollout_lab.cli bench prefix-sharing"
 versions
 for what in "$@"; do
   case $what in
-    long_prompt) step 570 $BENCH --workload grpo_long_prompt $LONG $ONE_AT_A_TIME ${PS_ARGS:-} \
+    long_prompt) step 570 $BENCH --workload grpo_long_prompt $LONG $ONE_AT_A_TIME --paths copies shared_read_off shared \
+                     ${PS_ARGS:-} \
                      --out "$OUT"/prefix_sharing_grpo_long_prompt ;;
     many_samples) step 570 $BENCH --workload many_samples_short $MANY $ONE_AT_A_TIME ${PS_ARGS:-} \
                      --out "$OUT"/prefix_sharing_many_samples_short ;;

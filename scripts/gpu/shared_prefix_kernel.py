@@ -13,7 +13,8 @@ is replayed ``--iters`` times (the decode step's launches, back to back) and tim
 each read's GB/s is the KV bytes it moves (``planner.kv_reads.kv_bytes_read``) over its time, and
 ``effective`` the plain read's bytes over it. ``no prefix`` times the shared read with every row
 ungrouped against the plain one: the price of its extra launches, which the record gives as
-``launch_cost_bytes`` (the time difference per extra launch at the plain read's bandwidth;
+``launch_cost_bytes`` (the time difference at the plain read's bandwidth, less the partials' bytes,
+per extra launch;
 ``planner.kv_reads.LAUNCH_COST_BYTES`` is its default). ``TINY=1`` runs small shapes under
 ``TRITON_INTERPRET=1`` on the CPU, one call each, to check the script. The record (JSON, with
 provenance) goes to ``--out``.
@@ -35,7 +36,7 @@ from rollout_lab.engine.kernels.paged import paged_attention, paged_splits  # no
 from rollout_lab.engine.kernels.shared_prefix import prefix_splits, shared_prefix_attention  # noqa: E402
 from rollout_lab.measure.provenance import provenance  # noqa: E402
 from rollout_lab.planner.cost import ModelGeometry  # noqa: E402
-from rollout_lab.planner.kv_reads import EXTRA_LAUNCHES, kv_bytes_read  # noqa: E402
+from rollout_lab.planner.kv_reads import EXTRA_LAUNCHES, kv_bytes_read, shared_read_saving_bytes  # noqa: E402
 from rollout_lab.workspace import write_json_atomic  # noqa: E402
 
 
@@ -168,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"{plain_bytes / ms / 1e6:7.0f} GB/s  max |diff| {diff:.2e}")
         record["speedup_over_copies"] = times["copies"] / times["shared read"]
         record["speedup_over_shared_blocks"] = times["shared blocks"] / times["shared read"]
-        extra_ms = max(0.0, times["no prefix"] - times["copies"]) / EXTRA_LAUNCHES
-        record["launch_cost_bytes"] = extra_ms * plain_bytes / times["copies"]
+        # the extra time at the plain read's bandwidth, less the partials the formula prices apart
+        partials = -shared_read_saving_bytes([], [], geometry, prefix_splits=record["splits"]["prefix"],
+                                             ungrouped_rows=rows, launch_cost_bytes=0)
+        extra = (times["no prefix"] - times["copies"]) * plain_bytes / times["copies"]
+        record["launch_cost_bytes"] = max(0.0, extra - partials) / EXTRA_LAUNCHES
         lines.append(f"  shared read / copies: {record['speedup_over_copies']:.2f}x; / shared blocks: "
                      f"{record['speedup_over_shared_blocks']:.2f}x; an extra launch ~ "
                      f"{record['launch_cost_bytes'] / 2**20:.1f} MiB of the plain read")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 
 from rollout_lab.engine.kernels.paged import BLOCK_SIZES
+from rollout_lab.engine.kernels.shared_prefix import SHARED_PREFIX_ATTENTIONS
 from rollout_lab.engine.runner.steppers import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.sched.progress import check_progress
 from rollout_lab.planner.checks import MAX_INT, as_int, check_int, is_int
@@ -95,6 +96,13 @@ class RolloutConfig:
     # the rest; dropped when the weights change (new tensors, or written in place) or the pool is
     # rebuilt. Needs mode "paged" or "auto" (which then takes paged)
     prefix_cache: bool = False
+    # the paged route's decode attention over shared prompt blocks: "on" reads each group's shared blocks
+    # once per step (engine.kernels.shared_prefix: the prefix once per group, each row's own suffix,
+    # merged by log-sum-exp), "off" once per row (the plain paged read), "auto" "on" where its kernel
+    # runs (CUDA with Triton) and planner.kv_reads.shared_prefix_pays says the call's groups save more
+    # bytes than its partials and launches cost. "on" needs share_prompt_blocks and mode "paged" or
+    # "auto" (which then takes paged)
+    shared_prefix_attention: str = "auto"
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
     response_length_prior: tuple[int, ...] | None = None
@@ -223,6 +231,20 @@ class RolloutConfig:
         if self.prefix_cache and self.mode not in ("paged", "auto"):
             raise ValueError(f"prefix_cache keeps prompts' blocks in the paged pool across calls; mode={self.mode!r} "
                              "has no paged pool: use mode='paged' or 'auto' (which then takes paged)")
+        if self.shared_prefix_attention not in SHARED_PREFIX_ATTENTIONS:
+            raise ValueError(f"shared_prefix_attention must be one of {list(SHARED_PREFIX_ATTENTIONS)}, "
+                             f"got {self.shared_prefix_attention!r}")
+        if self.shared_prefix_attention == "on":
+            if not self.share_prompt_blocks:
+                raise ValueError("shared_prefix_attention='on' reads the prompt blocks a prompt's samples share, "
+                                 "and share_prompt_blocks=False gives each sample a copy: turn "
+                                 "share_prompt_blocks on, or shared_prefix_attention to 'auto' or 'off'")
+            if self.mode not in ("paged", "auto") or self.cache_capacity is not None or self.trim_cache:
+                raise ValueError(f"shared_prefix_attention='on' reads the paged pool's shared blocks; "
+                                 f"mode={self.mode!r}" + (", cache_capacity" if self.cache_capacity is not None else "")
+                                 + (", trim_cache" if self.trim_cache else "") + " rule the paged route out: use "
+                                 "mode='paged' or 'auto' (which then takes paged), without the aligned cache's "
+                                 "cache_capacity and trim_cache")
         if self.prefix_cache and (self.cache_capacity is not None or self.trim_cache):
             raise ValueError("prefix_cache needs the paged route, which cache_capacity and trim_cache (the aligned "
                              "cache's settings) rule out: size the paged pool with kv_cache_tokens or "

@@ -38,6 +38,8 @@ from rollout_lab.engine.api.config import EOS_CHECK_INTERVAL, RolloutConfig
 from rollout_lab.engine.api.costs import resolve_costs
 from rollout_lab.engine.api.loading import load_model_and_tokenizer, rollout_config
 from rollout_lab.engine.api.result import RolloutResult
+from rollout_lab.engine.kernels.available import kernel_available
+from rollout_lab.engine.kernels.shared_prefix import prefix_splits
 from rollout_lab.engine.kv.sizing import PagedLayout, aligned_capacity, kv_budget_bytes, paged_layout
 from rollout_lab.engine.limits import ModelLimits, check_cache_sizes
 from rollout_lab.engine.model_info import model_metadata
@@ -57,6 +59,7 @@ from rollout_lab.planner.checks import is_int
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import SETTLED_CALLS, OnlineCalibrator
+from rollout_lab.planner.kv_reads import shared_prefix_pays
 from rollout_lab.planner.routes import choose_shared_route, group_sizes
 from rollout_lab.planner.shape_classes import ShapeClasses
 
@@ -395,9 +398,12 @@ class Rollout:
             layout = self.paged_layout(lengths, budgets, bursts, groups=[r.group for r in requests])
             num_slots = layout.num_slots
             kept, cached = self.runner.stepper, self.runner.num_cached_blocks
+            prefix_groups = self.shared_prefix_groups(lengths, [r.group for r in requests], num_slots,
+                                                      -(-capacity // cfg.kv_block_size))
             with timer.phase("stepper_build_ms"):
                 stepper = self.runner.stepper_for(num_slots, capacity, False, num_blocks=layout.num_blocks,
-                                                  block_size=cfg.kv_block_size, max_blocks=layout.max_blocks, **rows)
+                                                  block_size=cfg.kv_block_size, max_blocks=layout.max_blocks,
+                                                  prefix_groups=prefix_groups, **rows)
             if cached and stepper is not kept:
                 stats.prefix_cache_dropped = "pool"
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
@@ -510,8 +516,8 @@ class Rollout:
             return "nocb", None
         if cfg.mode != "auto":
             return cfg.mode, None  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
-        if cfg.prefix_cache:  # only the paged pool keeps prompts' blocks across calls
-            self._explored = False
+        if cfg.prefix_cache or cfg.shared_prefix_attention == "on":  # only the paged pool keeps prompts'
+            self._explored = False                                        # blocks across calls, or shares them
             return "paged", None
         sizes = group_sizes(range(n) if groups is None else groups)
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
@@ -566,6 +572,38 @@ class Rollout:
         return kv_budget_bytes(self.device, num_slots=num_slots, gpu_memory_fraction=self.config.gpu_memory_fraction,
                                vocab_size=self.vocab_size, free_extra_bytes=self.runner.kept_cache_bytes,
                                reserve_extra_bytes=self.runner.pending_bytes(self.geometry.kv_bytes_per_token))
+
+    def shared_prefix_groups(self, lengths: Sequence[int], groups: Sequence[int], num_slots: int,
+                             max_blocks_per_row: int) -> int:
+        """The groups the paged decode reads shared prompt blocks of once per step
+        (``RolloutConfig.shared_prefix_attention``; 0: the plain read) for rows of prompt ``lengths``
+        and shared-prefill ``groups`` on ``num_slots`` slots: at most the prompts with two samples or
+        more, and half the slots, rounded up to a power of two (nearby calls share a captured step).
+        "auto" reads them so where the kernel runs and ``planner.kv_reads.shared_prefix_pays`` for the
+        groups the slots hold at first (each prompt's full blocks, once per tile of its rows)."""
+        cfg = self.config
+        if cfg.shared_prefix_attention == "off" or not cfg.share_prompt_blocks:
+            return 0
+        size = cfg.kv_block_size
+        sizes = group_sizes(groups)  # first row of each prompt -> its rows
+        shared = [(lengths[g] // size * size, n) for g, n in sizes.items() if n > 1 and lengths[g] >= size]
+        if not shared:
+            return 0
+        count = min(len(shared), max(1, num_slots // 2))
+        count = 1 << (count - 1).bit_length()
+        if cfg.shared_prefix_attention == "on":
+            return count
+        if not kernel_available(self.device):
+            return 0
+        prefix, rows, room = [], [], num_slots  # the groups the slots hold at first, in input order
+        for tokens, n in shared:
+            if room <= 1:
+                break
+            prefix.append(tokens)
+            rows.append(min(n, room))
+            room -= rows[-1]
+        splits = prefix_splits(count, self.geometry.num_kv_heads, max_blocks_per_row, self.device)
+        return count if shared_prefix_pays(prefix, rows, self.geometry, prefix_splits=splits) else 0
 
     def paged_layout(self, lengths: Sequence[int], budgets: Sequence[int], bursts: int = 1, *,
                      groups: Sequence[int] | None = None) -> PagedLayout:

@@ -49,6 +49,8 @@ from rollout_lab.engine.kernels.span import MAX_SPLITS, merge_splits, split_buff
 from rollout_lab.planner.kv_reads import PREFIX_TILE_QUERIES
 
 OP_NAME = "rollout_lab::shared_prefix_attention"
+# RolloutConfig.shared_prefix_attention: whether the paged decode reads shared prompt blocks once per group
+SHARED_PREFIX_ATTENTIONS = ("auto", "on", "off")
 SCAN_ROWS = 128  # group_of_row entries a level-1 program reads per step of its search for members
 
 

@@ -53,6 +53,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from rollout_lab.engine.kv.aligned import device_tensor
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.planner.checks import check_int
 from rollout_lab.planner.cost import ModelGeometry
 from rollout_lab.planner.occupancy import blocks_for
 
@@ -90,6 +91,9 @@ class BlockAllocator:
         self.key_of: dict[int, bytes] = {}  # block -> its key (cached blocks only)
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no row reads, least recently used first
         self.num_evicted = 0  # idle cached blocks taken back since the last reset
+        # bumped whenever a slot's shared blocks may change (share, attach, release, move, reset): the
+        # groups of rows reading the same prefix (``prefix_groups``) are found again only then
+        self.version = 0
 
     @property
     def num_free(self) -> int:
@@ -161,6 +165,7 @@ class BlockAllocator:
             else:
                 self.extra_refs += 1
                 self.num_shared += self.refs[block] == 2
+        self.version += 1
         self.blocks[slot] = list(blocks)
         self.peak_used = max(self.peak_used, self.num_used)
         self.peak_shared = max(self.peak_shared, self.num_shared)
@@ -199,6 +204,7 @@ class BlockAllocator:
             self.refs[block] += 1
             self.extra_refs += 1
             self.num_shared += self.refs[block] == 2
+        self.version += 1
         self.blocks[slot] = list(shared)
         self.peak_shared = max(self.peak_shared, self.num_shared)
         return list(enumerate(shared))
@@ -221,11 +227,13 @@ class BlockAllocator:
                 self.idle[block] = None
             else:
                 self.free.append(block)
+        self.version += 1
         self.blocks[slot] = []
 
     def move(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Slots ``dst`` take over the blocks of ``src`` (compaction; their readers move with them);
         ``src`` hold none after."""
+        self.version += 1
         taken = [self.blocks[s] for s in src]
         for s in src:
             self.blocks[s] = []
@@ -233,6 +241,43 @@ class BlockAllocator:
             if self.blocks[d]:
                 raise RuntimeError(f"slot {d} still holds blocks")
             self.blocks[d] = blocks
+
+    def prefix_groups(self, num_rows: int, max_groups: int) -> tuple[list[int], list[list[int]]]:
+        """The rows among slots ``[0, num_rows)`` that read the same leading blocks, grouped for the
+        shared-prefix decode read (``engine.kernels.shared_prefix``): each row's group (-1: none) and
+        each group's shared blocks, at most ``max_groups`` groups of two rows or more (rows past them
+        read as ungrouped). A shared block is a full prompt block that ``share`` or ``attach`` put at
+        the same logical index of every reader's list, so rows whose first blocks are one block share
+        the common start of their lists, and where two lists hold one block at index i they agree
+        before it."""
+        lead: dict[int, int] = {}  # first block -> group
+        heads: list[int] = []  # group -> its first row
+        shared: list[int] = []  # group -> blocks its rows have in common so far
+        members: list[int] = []
+        group_of_row = [-1] * num_rows
+        for slot in range(num_rows):
+            blocks = self.blocks[slot]
+            if not blocks or self.refs[blocks[0]] < 2:
+                continue
+            group = lead.get(blocks[0])
+            if group is None:
+                if len(heads) == max_groups:
+                    continue
+                group = lead[blocks[0]] = len(heads)
+                heads.append(slot)
+                shared.append(len(blocks))
+                members.append(0)
+            else:
+                head, n = self.blocks[heads[group]], min(shared[group], len(blocks))
+                while blocks[n - 1] != head[n - 1]:
+                    n -= 1
+                shared[group] = n
+            members[group] += 1
+            group_of_row[slot] = group
+        keep = [g for g in range(len(heads)) if members[g] > 1]  # a lone reader (its sharers retired) reads plainly
+        renumber = {g: i for i, g in enumerate(keep)}
+        group_of_row = [renumber.get(g, -1) for g in group_of_row]
+        return group_of_row, [self.blocks[heads[g]][: shared[g]] for g in keep]
 
     def reset(self) -> None:
         """Every slot holds none again; the prefix cache stays (its blocks idle)."""
@@ -245,6 +290,7 @@ class BlockAllocator:
         self.num_shared = self.extra_refs = 0
         self.peak_used = self.peak_shared = 0
         self.num_evicted = 0
+        self.version += 1
 
 
 @torch.library.custom_op("rollout_lab::paged_write", mutates_args=("key_pool", "value_pool"))
@@ -328,6 +374,7 @@ class PagedKVCache:
     def __init__(
         self, *, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int,
         num_blocks: int, max_blocks_per_row: int, dtype: torch.dtype, device: torch.device | str,
+        prefix_groups: int = 0,
     ):
         if num_slots < 1 or max_blocks_per_row < 1:
             raise ValueError(f"num_slots and max_blocks_per_row must be >= 1, got {num_slots}, {max_blocks_per_row}")
@@ -347,15 +394,27 @@ class PagedKVCache:
         self.capacity = max_blocks_per_row * block_size  # tokens one row can hold
         self.allocator = BlockAllocator(num_blocks, num_slots, block_size, max_blocks_per_row)
         self._views: dict[int, Cache] = {}
+        # the shared-prefix read (``prefix_groups`` > 0, ``engine.kernels.shared_prefix``): each row's group
+        # (-1: none), each group's shared blocks and their tokens, found on the host when the rows'
+        # blocks changed (``refresh_prefix_groups``) and read by the decode step on the device
+        self.prefix_groups = check_int(prefix_groups, name="prefix_groups", minimum=0)
+        self.group_of_row = torch.full((num_slots,), -1, dtype=torch.int32, device=device)  # [slots]
+        self.prefix_blocks = torch.zeros(max(1, prefix_groups), max_blocks_per_row, dtype=torch.int32,
+                                         device=device)  # [groups, max_blocks]
+        self.prefix_len = torch.zeros(max(1, prefix_groups), dtype=torch.int32, device=device)  # [groups]
+        self.group_rows: list[int] = []  # rows of each group as last refreshed
+        self.group_tokens: list[int] = []  # shared tokens of each group as last refreshed
+        self._groups_seen: tuple[int, int] | None = None  # (allocator version, rows) of the last refresh
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, num_slots: int, num_blocks: int, block_size: int,
-                  max_blocks_per_row: int) -> "PagedKVCache":
+                  max_blocks_per_row: int, prefix_groups: int = 0) -> "PagedKVCache":
         param = next(model.parameters())
         geometry = ModelGeometry.from_config(model.config.get_text_config(decoder=True), param.dtype)
         return cls(num_layers=geometry.num_layers, num_slots=num_slots, num_kv_heads=geometry.num_kv_heads,
                    head_dim=geometry.head_dim, block_size=block_size, num_blocks=num_blocks,
-                   max_blocks_per_row=max_blocks_per_row, dtype=param.dtype, device=param.device)
+                   max_blocks_per_row=max_blocks_per_row, dtype=param.dtype, device=param.device,
+                   prefix_groups=prefix_groups)
 
     # -- sizes ------------------------------------------------------------------------------
     @property
@@ -382,6 +441,29 @@ class PagedKVCache:
         tables = self.block_tables[:num_rows]  # [rows, max_blocks]
         block = tables.gather(1, torch.div(positions, self.block_size, rounding_mode="floor")[:, None])[:, 0]
         self.slot_mapping[:num_rows].copy_(block.long() * self.block_size + positions % self.block_size)
+
+    def refresh_prefix_groups(self, num_rows: int) -> None:
+        """Before a decode step over the first ``num_rows`` slots with the shared-prefix read: the groups
+        of rows reading the same leading blocks (``BlockAllocator.prefix_groups``) into the device
+        buffers the step reads; found again only when the rows' blocks changed since the last time."""
+        seen = (self.allocator.version, num_rows)
+        if not self.prefix_groups or seen == self._groups_seen:
+            return
+        group_of_row, blocks = self.allocator.prefix_groups(num_rows, self.prefix_groups)
+        device = self.group_of_row.device
+        rows = torch.full((self.num_slots,), -1, dtype=torch.int32)
+        rows[:num_rows] = torch.tensor(group_of_row, dtype=torch.int32)
+        table = torch.zeros(self.prefix_blocks.shape, dtype=torch.int32)
+        for group, shared in enumerate(blocks):
+            table[group, : len(shared)] = torch.tensor(shared, dtype=torch.int32)
+        tokens = [len(shared) * self.block_size for shared in blocks]
+        lengths = torch.zeros(self.prefix_len.shape, dtype=torch.int32)
+        lengths[: len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        for buf, host in ((self.group_of_row, rows), (self.prefix_blocks, table), (self.prefix_len, lengths)):
+            buf.copy_(host.to(device))
+        self.group_rows = [group_of_row.count(g) for g in range(len(blocks))]
+        self.group_tokens = tokens
+        self._groups_seen = seen
 
     # -- the tables -----------------------------------------------------------------------------
     def grow(self, slot: int, num_tokens: int) -> None:
@@ -421,6 +503,9 @@ class PagedKVCache:
         self.allocator.reset()
         self.block_tables.fill_(SCRATCH_BLOCK)
         self.slot_mapping.zero_()
+        self.group_of_row.fill_(-1)
+        self.prefix_len.zero_()
+        self.group_rows, self.group_tokens, self._groups_seen = [], [], None
 
     def release(self, slots: Sequence[int]) -> None:
         """The rows in ``slots`` retired or were preempted: they drop their blocks, free again once

@@ -140,6 +140,9 @@ def decode_step(
         cache.prepare_step(num_rows, positions[:, 0])
         mask, view = cache.mask[:num_rows], cache.hf_cache(num_rows)  # [rows, 1, 1, 1]: attention reads the tables
         extra = {"paged_tables": cache.block_tables[:num_rows], "paged_positions": positions[:, 0]}
+        if cache.prefix_groups:  # each group's shared prompt blocks read once (engine.kernels.shared_prefix)
+            extra.update(prefix_group_of_row=cache.group_of_row[:num_rows], prefix_blocks=cache.prefix_blocks,
+                         prefix_len=cache.prefix_len)
     else:
         mask = cache.mask[:num_rows]  # [rows, 1, 1, capacity]
         mask.index_fill_(3, cache.front, 0.0)  # each row's new token attends to itself

@@ -208,6 +208,9 @@ class StepperKey:
     # scratch); capacity is then the most tokens one row holds (its table's blocks x block_size)
     block_size: int | None = None
     num_blocks: int = 0
+    # the shared-prefix read (engine.kernels.shared_prefix): the groups of rows sharing prompt blocks
+    # the step reads once each (0: the plain paged read, every row its own blocks)
+    prefix_groups: int = 0
 
     @property
     def paged(self) -> bool:
@@ -239,7 +242,8 @@ class EagerStepper:
         if key.paged:
             self.cache = PagedKVCache.for_model(model, num_slots=key.num_slots, num_blocks=key.num_blocks,
                                                 block_size=key.block_size,
-                                                max_blocks_per_row=-(-key.capacity // key.block_size))
+                                                max_blocks_per_row=-(-key.capacity // key.block_size),
+                                                prefix_groups=key.prefix_groups)
         else:
             self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         sampling = RowSampling.zeros(key.num_slots, device, max_top_k=key.max_top_k, top_p_filter=key.top_p_filter,
@@ -414,4 +418,4 @@ def describe(stepper: Any) -> dict[str, Any]:
             "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity, "block_size": stepper.key.block_size,
-            "num_blocks": stepper.key.num_blocks}
+            "num_blocks": stepper.key.num_blocks, "prefix_groups": stepper.key.prefix_groups}

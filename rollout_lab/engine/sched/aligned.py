@@ -138,6 +138,7 @@ class ContinuousBatcher:
                     burst = min(burst, self.settings.eos_check_interval)
             burst = self._reserve(self._cap_burst(burst))
             num_rows = len(self.rows)
+            self._before_burst(num_rows, burst)
             with self.timer.phase("decode_ms"), self.timer.record("decode", rows=num_rows, steps=burst):
                 front = self._decode_front()
                 steps, step_logprobs = [], []
@@ -246,6 +247,10 @@ class ContinuousBatcher:
         """Make room for ``burst`` more tokens of every live row; the burst that fits (here all of it:
         admission already kept the columns every live row's budget needs)."""
         return burst
+
+    def _before_burst(self, num_rows: int, burst: int) -> None:
+        """What the cache's step needs and the profile counts before ``burst`` steps over ``num_rows``
+        rows; nothing on the aligned cache."""
 
     def _decode_front(self) -> int:
         """The column the next step writes (the shared front)."""

@@ -60,6 +60,7 @@ from rollout_lab.engine.sched.request import Request
 from rollout_lab.engine.kv.paged import PagedKVCache, block_keys
 from rollout_lab.engine.runner.prefill import prefill_bucket
 from rollout_lab.planner.bucket_dp import BucketPlan
+from rollout_lab.planner.kv_reads import kv_bytes_read
 
 
 @dataclass
@@ -97,6 +98,7 @@ class PagedBatcher(ContinuousBatcher):
         self._turn_tokens = 0  # prompt tokens this turn prefilled so far
         self._turn_stalls = False  # whether rows were live when this turn began (they wait for it)
         self._counter = 0
+        self._kv_bytes_read = 0  # by the decode's attention, over the call's steps so far
         self.profile.kv_block_size = self.cache.block_size
         self.profile.num_kv_blocks = self.cache.num_blocks
 
@@ -118,6 +120,19 @@ class PagedBatcher(ContinuousBatcher):
                 self.prefilling is not None or (self.queue and len(self.rows) < self.settings.num_slots)):
             return 1
         return burst
+
+    def _before_burst(self, num_rows: int, burst: int) -> None:
+        """The groups of the shared-prefix read as the rows hold their blocks now (found again only
+        when they changed), and the KV bytes the burst's steps read (``planner.kv_reads``: each row's
+        context, a group's shared prefix once per tile of its rows where the step reads it so; the
+        context grows by a token per row and step) into ``Profile.kv_bytes_read_per_step``."""
+        cache = self.cache
+        cache.refresh_prefix_groups(num_rows)
+        context = sum(self._cached_tokens(row) + 1 for row in self.rows)  # each row attends to its new token too
+        groups = dict(prefix_tokens=cache.group_tokens, group_rows=cache.group_rows) if cache.prefix_groups else {}
+        first = kv_bytes_read(context, self.geometry, **groups)
+        self._kv_bytes_read += burst * first + num_rows * (burst * (burst - 1) // 2) * self.geometry.kv_bytes_per_token
+        self.profile.kv_bytes_read_per_step = self._kv_bytes_read / (self.profile.num_decode_forwards + burst)
 
     def _decode_front(self) -> int:
         return 0  # every row writes at its own position (the stepper's one window holds any)
