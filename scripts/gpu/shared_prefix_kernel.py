@@ -33,6 +33,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from rollout_lab.engine.kernels.paged import paged_attention, paged_splits  # noqa: E402
+from rollout_lab.engine.kernels import shared_prefix  # noqa: E402
 from rollout_lab.engine.kernels.shared_prefix import prefix_splits, shared_prefix_attention  # noqa: E402
 from rollout_lab.measure.provenance import provenance  # noqa: E402
 from rollout_lab.planner.cost import ModelGeometry  # noqa: E402
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="small shapes, under TRITON_INTERPRET=1 on the CPU (TINY=1 sets both)")
     parser.add_argument("--iters", type=int, default=20, help="graph replays timed")
     parser.add_argument("--layers", type=int, default=36, help="calls per graph (Qwen2.5-3B's layers)")
+    parser.add_argument("--prefix-splits", type=int, nargs="*", default=[],
+                        help="also time the shared read at each of these level-1 split counts (the op's own "
+                             "choice, engine.kernels.shared_prefix.prefix_splits, stands in for them one by one)")
     parser.add_argument("--out", type=Path, required=True, help="the JSON record")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,6 +171,17 @@ def main(argv: list[str] | None = None) -> int:
                                      "effective_gb_per_s": plain_bytes / ms / 1e6, "max_abs_diff": diff}
             lines.append(f"  {read:14} {ms * 1e3:9.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  effective "
                          f"{plain_bytes / ms / 1e6:7.0f} GB/s  max |diff| {diff:.2e}")
+        chosen = shared_prefix.prefix_splits
+        record["prefix_split_sweep"] = {}
+        for count in args.prefix_splits:
+            shared_prefix.prefix_splits = lambda *_, count=count: count  # noqa: E731  (the op looks it up per call)
+            try:
+                ms = timed_ms(reads["shared read"][0], layers=args.layers, iters=iters, device=device)
+            finally:
+                shared_prefix.prefix_splits = chosen
+            record["prefix_split_sweep"][count] = ms
+            lines.append(f"  shared read at {count:2} prefix splits {ms * 1e3:9.1f} us  effective "
+                         f"{plain_bytes / ms / 1e6:7.0f} GB/s")
         record["speedup_over_copies"] = times["copies"] / times["shared read"]
         record["speedup_over_shared_blocks"] = times["shared blocks"] / times["shared read"]
         # the extra time at the plain read's bandwidth, less the partials the formula prices apart
