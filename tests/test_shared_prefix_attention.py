@@ -163,7 +163,8 @@ def test_bad_inputs_are_named():
 def test_prefix_splits_fill_the_device_and_fit_the_prefix():
     assert prefix_splits(1, 1, 1, "cpu") == 1  # one block: one split
     assert prefix_splits(1, 1, 3, "cpu") == 3
-    assert prefix_splits(1, 1, 100, "cpu") == 32  # capped
+    assert prefix_splits(1, 1, 100, "cpu") == 8  # one wave of the CPU's 8 "multiprocessors"
+    assert prefix_splits(3, 1, 100, "cpu") == 2
     assert prefix_splits(32, 2, 31, "cpu") == 1  # enough programs already
 
 

@@ -55,11 +55,14 @@ SCAN_ROWS = 128  # group_of_row entries a level-1 program reads per step of its 
 
 
 def prefix_splits(groups: int, kv_heads: int, max_prefix_blocks: int, device: torch.device | str) -> int:
-    """Splits of each group's prefix: enough level-1 programs to fill the GPU about four times over,
-    at most ``MAX_SPLITS``, and no more than a prefix has blocks."""
+    """Splits of each group's prefix: as many as keep the level-1 programs within one wave of the
+    GPU's multiprocessors (each split adds a partial per row and query head, written and merged, and a
+    second, partial wave leaves most of the GPU idle at its end: on an H100, 32 groups x 2 KV heads
+    read fastest at 2 splits, of 1-9, data/diagnostics/shared_prefix_kernel_splits_h100_f4f6e4f.txt),
+    at least 1, at most ``MAX_SPLITS``, and no more than a prefix has blocks."""
     device = torch.device(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    wanted = -(-4 * sms // max(1, groups * kv_heads))
+    wanted = sms // max(1, groups * kv_heads)
     return max(1, min(wanted, MAX_SPLITS, max_prefix_blocks))
 
 
