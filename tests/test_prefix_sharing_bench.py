@@ -220,6 +220,25 @@ def test_the_figure_draws_reads_speed_and_memory_over_the_prompt_length():
     plt.close(fig)
 
 
+@pytest.mark.slow  # ~0.4 s: a figure laid out
+def test_a_record_of_one_prompt_length_is_drawn_as_bars_per_path():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rollout_lab.plots.prefix_sharing import plot_prefix_sharing
+
+    rows = [r for r in synthetic_rows() if r["prompt_length"] == 1024]
+    fig = plot_prefix_sharing(rows, title="one")
+    reads, speed, memory = fig.axes
+    assert [len(ax.patches) for ax in (reads, speed, memory)] == [2, 2, 4]  # memory: peak and unique per path
+    assert [p.get_height() for p in speed.patches] == [6000.0, 12000.0]
+    assert [t.get_text() for t in speed.get_xticklabels()] == ["copies", "shared"]
+    assert {t.get_text() for t in speed.texts} == {"2.00× faster"} and "1,024 tokens" in fig.texts[0].get_text()
+    plt.close(fig)
+
+
 def test_the_figure_reads_in_the_largest_byte_unit_and_refuses_no_rows():
     from rollout_lab.plots.prefix_sharing import byte_unit, plot_prefix_sharing
 

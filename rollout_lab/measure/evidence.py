@@ -47,6 +47,9 @@ def measured(record: Mapping[str, Any]) -> str:
         what = f"paths {', '.join(record['results'])}"
     elif "variants" in record:
         what = f"variants {', '.join(record['variants'])}"
+    elif "cases" in record and all(isinstance(c, Mapping) and "results" in c for c in record["cases"]):
+        paths = dict.fromkeys(p for c in record["cases"] for p in c["results"])  # a prefix-sharing record
+        what = f"{record.get('workload', {}).get('name', '?')}, paths {', '.join(paths)}"
     elif "cases" in record:
         what = f"cases {', '.join(record['cases'])}"
     else:

@@ -35,9 +35,11 @@ def plot_prefix_sharing(rows: Sequence[Mapping[str, Any]], *, title: str = "") -
         raise ValueError("no prefix-sharing rows to draw")
     paths = list(dict.fromkeys(r["path"] for r in rows))
     lengths = sorted({float(r["prompt_length"]) for r in rows})
-    fig, (reads, speed, memory) = plt.subplots(1, 3, figsize=(14, 3.9))
     read_values = [r["kv_bytes_read_per_step"] for r in rows if r.get("kv_bytes_read_per_step") is not None]
     unit, size = byte_unit(read_values)
+    if len(lengths) == 1:
+        return _plot_one_length(rows, paths, unit, size, title=title)
+    fig, (reads, speed, memory) = plt.subplots(1, 3, figsize=(14, 3.9))
     for k, path in enumerate(paths):
         mine = sorted((r for r in rows if r["path"] == path), key=lambda r: float(r["prompt_length"]))
         x = [float(r["prompt_length"]) for r in mine]
@@ -73,5 +75,40 @@ def plot_prefix_sharing(rows: Sequence[Mapping[str, Any]], *, title: str = "") -
         ax.grid(alpha=0.3)
     speed.legend(loc="lower left", fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_one_length(rows: Sequence[Mapping[str, Any]], paths: Sequence[str], unit: str, size: int, *,
+                     title: str) -> Figure:
+    """A record of one prompt length: the same three panels as bars, one per path."""
+    by_path = {r["path"]: r for r in rows}
+    fig, (reads, speed, memory) = plt.subplots(1, 3, figsize=(13, 3.6))
+    x = range(len(paths))
+    colors = [PALETTE(k) for k in x]
+    read = [by_path[p].get("kv_bytes_read_per_step") for p in paths]
+    if any(v is not None for v in read):
+        reads.bar(x, [math.nan if v is None else v / size for v in read], color=colors)
+        reads.set_ylabel(f"KV {unit} read per decode step")
+    else:
+        draw_not_measured(reads, "KV bytes read per decode step\n(the profile keeps none)")
+    speed.bar(x, [by_path[p]["output_tokens_per_s"] for p in paths], color=colors)
+    for k, path in enumerate(paths):
+        ratio = by_path[path].get("tokens_per_s_over_copies")
+        if ratio is not None and path != "copies":
+            speed.annotate(speed_words(ratio), (k, by_path[path]["output_tokens_per_s"]), xytext=(0, 3),
+                           textcoords="offset points", ha="center", fontsize=8)
+    speed.set_ylabel("output tokens / s")
+    memory.bar(x, [by_path[p]["peak_kv_tokens"] for p in paths], color=colors, alpha=0.45, label="peak")
+    memory.bar(x, [by_path[p]["unique_kv_tokens"] for p in paths], color=colors, width=0.4, label="unique")
+    memory.set_ylabel("peak KV tokens (narrow: unique)")
+    length = float(rows[0]["prompt_length"])
+    for ax in (reads, speed, memory):
+        if ax.axison:
+            ax.set_xticks(list(x), paths, fontsize=8)
+            ax.set_ylim(bottom=0)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{title} (prompts of {length:,.0f} tokens on average)" if title else
+                 f"prompts of {length:,.0f} tokens on average", fontsize=10)
     fig.tight_layout()
     return fig
