@@ -20,6 +20,8 @@ class SampleOutput:
     logprobs: list[float] | None  # with generate(return_logprobs=True)
     finish_reason: str  # "stop" or "length"
     text: str | None  # with a tokenizer
+    env_mask: list[bool] | None = None  # with generate(env=...): True on the environment's tokens
+    num_turns: int = 1  # the model's turns (an episode's: one more than the environment's answers)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class RequestOutput:
 @dataclass(frozen=True)
 class RolloutResult:
     """Per (request, sample), request-major, the generated ids up to and including the token that
-    stopped the row (an EOS or stop id, or the one completing a stop string).
+    stopped the row (an EOS or stop id, or the one completing a stop string); in an episode
+    (``generate(env=...)``) the model's and the environment's ids in order, up to the token that
+    ended the episode (``env_masks`` tells them apart).
 
     ``sequences[r * num_samples + s]`` is sample s of request r (HF's ``num_return_sequences``
     order); where requests have their own sample counts (``SamplingParams.n``) ``samples`` holds
@@ -59,6 +63,9 @@ class RolloutResult:
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # per request, the ids prefilled
     pad_token_id: int = 0  # the call's pad id: to_tensors' padding unless it is given one
     samples: list[int] | None = None  # per request, its samples; None: num_samples each
+    # with generate(env=...): per sequence, True on the environment's tokens, and its model turns
+    env_masks: list[list[bool]] | None = None
+    num_turns: list[int] | None = None
 
     def sample_counts(self) -> list[int]:
         """Per request, its samples (rows)."""
@@ -83,7 +90,9 @@ class RolloutResult:
         """Per request, in input order, its prompt and its samples in sample order."""
         def sample(row: int) -> SampleOutput:
             return SampleOutput(self.sequences[row], None if self.logprobs is None else self.logprobs[row],
-                                self.finish_reasons[row], None if self.texts is None else self.texts[row])
+                                self.finish_reasons[row], None if self.texts is None else self.texts[row],
+                                None if self.env_masks is None else self.env_masks[row],
+                                1 if self.num_turns is None else self.num_turns[row])
 
         return [RequestOutput(prompt, [sample(row) for row in rows])
                 for prompt, rows in zip(self._prompts(), self._row_ranges())]
@@ -98,6 +107,8 @@ class RolloutResult:
           ``attention_mask`` [rows, P + R] int64, 1 on every prompt and response token;
         - ``prompt_ids`` [rows, P] and ``response_ids`` [rows, R]: its two blocks;
         - ``response_mask`` [rows, R] bool: True on generated tokens (the stopping token included);
+        - ``loss_mask`` [rows, R] bool: True on the model's tokens: ``response_mask`` less an episode's
+          environment tokens (``env_masks``);
         - ``logprobs`` [rows, R] fp32, 0 where ``response_mask`` is False (with ``return_logprobs=True``).
 
         A forward over ``input_ids`` predicts ``response_ids`` with its logits at columns
@@ -111,6 +122,9 @@ class RolloutResult:
         width = max(map(len, prompts), default=0)  # P
         out = {"input_ids": ids, "attention_mask": attention_mask, "prompt_ids": ids[:, :width].contiguous(),
                "response_ids": ids[:, width:].contiguous(), "response_mask": response_mask[:, width:].contiguous()}
+        out["loss_mask"] = out["response_mask"].clone()
+        for row, mask in enumerate(self.env_masks or ()):
+            out["loss_mask"][row, : len(mask)] &= ~torch.tensor(mask, dtype=torch.bool, device=ids.device)
         if self.logprobs is not None:
             length = ids.shape[1] - width  # R
             out["logprobs"] = torch.tensor([list(lp) + [0.0] * (length - len(lp)) for lp in self.logprobs],

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -50,12 +50,13 @@ from rollout_lab.engine.sample.params import SamplingParams
 from rollout_lab.engine.sample.processors import LOGPROB_MODES, STEP_LOGPROB_MODES, RowPenalties, holds_stops_back
 from rollout_lab.engine.sample.sampler import RowSampling
 from rollout_lab.engine.sched.aligned import BatchSettings, ContinuousBatcher
+from rollout_lab.engine.sched.episodes import EpisodeBatcher, Episodes, env_mask
 from rollout_lab.engine.sched.hf_generate import run_nocb
 from rollout_lab.engine.sched.paged import PagedBatcher
 from rollout_lab.engine.sched.progress import check_progress, progress_hook, shows_progress
 from rollout_lab.engine.trainer import eval_mode, rollout_logprobs
 from rollout_lab.planner.bucket_dp import BucketPlan
-from rollout_lab.planner.checks import is_int
+from rollout_lab.planner.checks import check_context, is_int
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.decode_steps import ResponseLengthPrior
 from rollout_lab.planner.fit import SETTLED_CALLS, OnlineCalibrator
@@ -250,6 +251,9 @@ class Rollout:
         stop: Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         progress: bool | None = None,
+        env: Callable[[int, int, list[int]], list[int] | None] | None = None,
+        max_turns: int | None = None,
+        max_env_tokens: int | None = None,
     ) -> RolloutResult:
         """``num_samples`` responses per prompt, greedy unless ``do_sample``; every check runs
         before the first forward. The model runs in eval mode for the call (dropout off, as vLLM and
@@ -304,6 +308,19 @@ class Rollout:
         ``sched.progress.DELAY_S`` seconds: True always, False never, None keeps
         ``config.progress`` (None there: where a person watches, a terminal or a Jupyter kernel, and
         not when the environment variable CI is set).
+
+        ``env`` makes each row a multi-turn episode (``engine.sched.episodes``; the paged route, which
+        ``mode="auto"`` then takes): ``env(request_index, sample_index, token_ids) -> list[int] | None``
+        is called, in a thread pool off the decode loop, when a row stops at one of its stop ids that
+        is not an EOS id (``stop_token_ids``) or at a stop string, with the row's tokens so far; the ids
+        it returns are appended as environment tokens and the model goes on after them, None ends the
+        episode. EOS, ``max_new_tokens`` (the model's tokens of the whole episode) and ``max_turns``
+        (the model's turns; None: no bound) end it too. ``max_env_tokens`` bounds the environment's
+        tokens of one episode (None: its ``max_new_tokens``; they size the row's cache); an answer
+        past it, or one that is not a list of ids in the vocabulary, is a ValueError. A row's
+        ``sequences`` entry then holds the model's and the environment's tokens in order (logprobs 0.0
+        on the environment's); ``result.env_masks`` marks the environment's, ``num_turns`` counts the
+        model's turns.
         """
         call = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_samples=num_samples,
                     do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -331,6 +348,7 @@ class Rollout:
             raise ValueError(f"profile must be a bool or None, got {profile!r}")
         check_progress(progress)
         eos_ids = self._eos_ids(config)
+        episodes = self._check_episodes(config, env, max_turns, max_env_tokens, eos_ids)
         spec = check_call(
             input_ids if prompts is None else prompts, attention_mask=attention_mask, **call, seed=seed,
             sampling=sampling, stop=stop, stop_token_ids=stop_token_ids, num_beams=num_beams,
@@ -340,12 +358,32 @@ class Rollout:
             repetition_penalty=float(config.repetition_penalty), eos_token_ids=eos_ids,
             pad_token_id=self._pad_token_id(config, eos_ids), vocab_size=self.vocab_size,
             max_positions=self.max_positions, tokenizer=self.tokenizer, share_prefill=config.share_prefill)
+        if episodes is not None:  # the environment's tokens take positions too
+            for index, (prompt, params) in enumerate(zip(spec.prompts, spec.params)):
+                check_context(len(prompt), params.max_tokens + episodes.env_budget(params.max_tokens),
+                              self.max_positions, what=f"request {index} (max_new_tokens includes max_env_tokens)")
         with eval_mode(self.model):  # dropout off for the decode and the "trainer" logprobs alike
-            return self._run(spec, progress=shows_progress(config.progress if progress is None else progress))
+            return self._run(spec, progress=shows_progress(config.progress if progress is None else progress),
+                             episodes=episodes)
 
-    def _run(self, spec: CallSpec, *, progress: bool = False) -> RolloutResult:
+    @staticmethod
+    def _check_episodes(config: RolloutConfig, env: Any, max_turns: Any, max_env_tokens: Any,
+                        eos_ids: Sequence[int]) -> Episodes | None:
+        """``generate``'s episode arguments checked (``Episodes``, ending at ``eos_ids``); None without ``env``."""
+        if env is None:
+            for name, value in (("max_turns", max_turns), ("max_env_tokens", max_env_tokens)):
+                if value is not None:
+                    raise ValueError(f"{name}={value!r} bounds an episode and this call has none: pass env= too")
+            return None
+        episodes = Episodes(env, max_turns, max_env_tokens, eos_ids=frozenset(eos_ids))
+        if config.mode not in ("paged", "auto"):
+            raise ValueError(f"env= runs episodes on the paged route only, and this Rollout has mode={config.mode!r}: "
+                             "use mode='paged' or mode='auto'")
+        return episodes
+
+    def _run(self, spec: CallSpec, *, progress: bool = False, episodes: Episodes | None = None) -> RolloutResult:
         """Run a checked call: route it, size its cache, schedule its requests, learn from it;
-        ``progress``: with its bar (``sched.progress``)."""
+        ``progress``: with its bar (``sched.progress``); ``episodes``: its rows call that environment."""
         start = time.perf_counter()
         compiled_before = compiled_graphs() if self._compiled_metadata is not None else None
         cfg = self.config
@@ -383,6 +421,9 @@ class Rollout:
             route, first_plan = self._choose_route(lengths, budgets, groups=[r.group for r in requests],
                                                    read_interval=read_interval, bursts=bursts,
                                                    uniform_stops=len(set(spec.stop_ids)) <= 1)
+            if episodes is not None:  # paged only (checked); each row's positions hold the env's tokens too
+                route, first_plan = "paged", None
+                budgets = [b + episodes.env_budget(b) for b in budgets]
         if not requests:
             return RolloutResult([], route, (), stats if spec.profile else None, spec.num_samples or 1, spec.seed,
                                  logprobs=[] if spec.logprobs_mode else None, pad_token_id=spec.pad_token_id,
@@ -431,10 +472,10 @@ class Rollout:
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               prefill_graphs=self.runner.captured_prefill())
                 if route == "paged":
-                    batcher = PagedBatcher(self.model, requests, settings, refill_rows=cfg.refill_rows_for(num_slots),
-                                           admit_tokens=cfg.admit_tokens_per_step,
-                                           share_prompt_blocks=cfg.share_prompt_blocks,
-                                           prefix_cache=cfg.prefix_cache, **common)
+                    paged = dict(refill_rows=cfg.refill_rows_for(num_slots), admit_tokens=cfg.admit_tokens_per_step,
+                                 share_prompt_blocks=cfg.share_prompt_blocks, prefix_cache=cfg.prefix_cache)
+                    batcher = PagedBatcher(self.model, requests, settings, **paged, **common) if episodes is None \
+                        else EpisodeBatcher(self.model, requests, settings, episodes=episodes, **paged, **common)
                 else:
                     batcher = ContinuousBatcher(self.model, requests, settings, **common)
                 plans = batcher.run()
@@ -443,6 +484,9 @@ class Rollout:
         if spec.logprobs_mode is not None and step_logprobs is None:
             logprobs = rollout_logprobs(self.model, [r.prompt for r in requests], sequences,
                                         pad_token_id=spec.pad_token_id, fp32_head=spec.logprobs_mode == "trainer_fp32")
+        env_masks = None if episodes is None else [env_mask(r) for r in requests]
+        if env_masks is not None and logprobs is not None:  # the environment's tokens were not drawn
+            logprobs = [[0.0 if env else lp for lp, env in zip(lps, mask)] for lps, mask in zip(logprobs, env_masks)]
         plans = [_plan_of_requests(plan, [r.request for r in requests]) for plan in plans]  # plans name rows
         stats.num_generated_tokens = sum(len(s) for s in sequences)
         timer.sync()
@@ -456,13 +500,18 @@ class Rollout:
             for i, r in enumerate(requests):
                 if r.stop_strings is None:
                     continue
+                if episodes is not None:  # an episode's text is whole; its last turn's string ended it
+                    turn = self.tokenizer.decode(r.turn_tokens, skip_special_tokens=True)
+                    reasons[i] = "stop" if r.stop_strings.find(turn) is not None else reasons[i]
+                    continue
                 floor = r.stop_strings.floor(r.tokens, r.min_tokens)
                 if r.stop_strings.find(texts[i], floor) is not None:
                     reasons[i] = "stop"
                 texts[i] = r.stop_strings.cut(texts[i], floor)
         return RolloutResult(sequences, route, tuple(plans), stats if spec.profile else None, spec.num_samples or 1,
                              spec.seed, reasons, logprobs, texts, spec.prompts, spec.pad_token_id,
-                             samples=spec.samples)
+                             samples=spec.samples, env_masks=env_masks,
+                             num_turns=None if episodes is None else [1 + len(r.env_spans) for r in requests])
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

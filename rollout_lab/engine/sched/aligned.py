@@ -267,7 +267,8 @@ class ContinuousBatcher:
         if not self.has_stop_strings or not live:
             return live
         rows = [self.rows[slot] for slot in live]
-        hits = stop_string_hits([r.stop_strings for r in rows], [r.tokens for r in rows], [r.min_tokens for r in rows])
+        hits = stop_string_hits([r.stop_strings for r in rows], [r.turn_tokens for r in rows],
+                                [r.min_tokens for r in rows])
         return [slot for slot, hit in zip(live, hits) if not hit]
 
     def _note_peak(self) -> None:

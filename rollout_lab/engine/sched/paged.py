@@ -507,17 +507,18 @@ class PagedBatcher(ContinuousBatcher):
         self.profile.num_prefill_forwards += 1
         self._place_resumed(requests, slots, layer_kv)
 
-    def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv) -> None:
+    def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv,
+                       starts: Sequence[int] | None = None) -> None:
         """Preempted rows whose prefill ``layer_kv`` (left-padded, one row each) ran enter ``slots``
-        (their blocks grown): positions, the ids seen and counted, the sampling step and settings
-        continue."""
+        (their blocks grown; ``starts``: the positions before them are cached blocks they read, not
+        written): positions, the ids seen and counted, the sampling step and settings continue."""
         ids = [self._prefill_ids(r) for r in requests]
         rows = [self.requests[r] for r in requests]
         with self.timer.phase("prefill_ms"):
             settings = self._row_settings(rows)
         self.profile.num_prefill_rows += len(requests)
         with self.timer.phase("cache_ms"):
-            self.cache.admit(slots, layer_kv, [len(i) for i in ids])
+            self.cache.admit(slots, layer_kv, [len(i) for i in ids], starts=starts)
             last = torch.tensor([row.tokens[-1] for row in rows], dtype=torch.long, device=self.device)
             self.state.admit(slots, last, [len(i) for i in ids], steps=[len(row.tokens) for row in rows], **settings)
         for row in rows:

@@ -24,7 +24,10 @@ class Request:
 
     ``params`` is resolved: ``max_tokens``, ``min_tokens`` and ``repetition_penalty`` are set (the
     call's values where the request left them None). ``num_generated`` counts the tokens the decode
-    made for it; ``tokens`` holds those read back so far (a burst read one burst late counts first)."""
+    made for it and, in an episode (``sched.episodes``), the environment's tokens appended to it
+    (``env_spans``: each answer's (start, stop) in ``tokens``): the positions past its prompt, whereas
+    its budget counts the model's tokens only; ``tokens`` holds those read back so far (a burst read
+    one burst late counts first)."""
 
     index: int
     request: int
@@ -38,6 +41,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     num_generated: int = 0
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.group < 0:
@@ -52,17 +56,31 @@ class Request:
         return self.params.min_tokens or 0
 
     @property
+    def num_env_tokens(self) -> int:
+        return sum(stop - start for start, stop in self.env_spans)
+
+    @property
+    def turn_tokens(self) -> list[int]:
+        """Its tokens since the environment's last answer (all of them outside an episode)."""
+        return self.tokens[self.env_spans[-1][1]:] if self.env_spans else self.tokens
+
+    @property
     def remaining(self) -> int:
-        """Decode steps left before its budget."""
-        return self.max_tokens - self.num_generated
+        """Decode steps left before its budget (the model's tokens)."""
+        return self.max_tokens - self.num_generated + self.num_env_tokens
+
+    @property
+    def ends_with_env(self) -> bool:
+        """Whether its last tokens are an environment's answer (the model's turn comes next)."""
+        return bool(self.env_spans) and self.env_spans[-1][1] == len(self.tokens)
 
     @property
     def is_done(self) -> bool:
         """Its budget is spent or its last token read is one of its stop ids (stop strings are the
         scheduler's: they need the tokenizer, one batched decode for the live rows)."""
-        if self.num_generated >= self.max_tokens:
+        if self.remaining <= 0:
             return True
-        return bool(self.stop_ids) and bool(self.tokens) and self.tokens[-1] in self.stop_ids
+        return bool(self.stop_ids) and bool(self.tokens) and self.tokens[-1] in self.stop_ids and not self.ends_with_env
 
     def append(self, token: int, logprob: float | None = None) -> None:
         """One token read back (and its log-probability), counted."""

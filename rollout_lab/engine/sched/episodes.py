@@ -1,0 +1,214 @@
+"""Multi-turn episodes on the paged route: ``generate(..., env=, max_turns=)``.
+
+A row is an episode: the model's turns and the environment's answers, one token list. When a row
+stops at one of its stop ids that is not an EOS id, or at a stop string, with its budget and turns
+left, it leaves its slot (the other rows keep decoding) and ``env(request, sample, tokens)`` runs in a
+thread pool off the decode loop, with the row's tokens so far. Its answer (a list of token ids) is
+appended to the row as environment tokens and the row waits at the head of the queue as a resuming
+row (``PagedBatcher``'s resume path): its prompt and all its tokens but the last are its history, the
+last (an environment token) is its next input, so the next turn's first token is drawn from the logits
+after the answer, and its sampling step goes on from its count (seeded sampling draws the same tokens
+however the rows were scheduled). ``None`` ends the episode; EOS, the budget (``max_new_tokens``
+counts the model's tokens of the whole episode) or ``max_turns`` (the model's turns) end it too.
+
+The history's KV is kept across the wait: a row that leaves keys its full blocks in the pool's prefix
+cache (``BlockAllocator.register``, as a prompt's), where they stay idle (counted as free, taken back
+least recently used first); a resuming row reads its longest cached chain (``attach``) and prefills
+only the rest over it (``extend_prefill``): its partial last block and the answer. The profile counts
+the history tokens prefilled again (``Profile.prefilled_history_tokens``) and the environment's
+tokens (``Profile.env_tokens``).
+
+    episodes = Episodes(env=calculator, max_turns=4, eos_ids=frozenset({2}))
+    batcher = EpisodeBatcher(model, requests, settings, episodes=episodes, ...)
+
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from rollout_lab.engine.kv.paged import block_keys
+from rollout_lab.engine.runner.prefill import prefill_bucket
+from rollout_lab.engine.sched.aligned import extend_prefill
+from rollout_lab.engine.sched.paged import PagedBatcher
+from rollout_lab.engine.sched.request import Request
+from rollout_lab.planner.checks import check_int, is_int
+
+ENV_WORKERS = 32  # threads that run env calls: rows waiting on a slow environment at once
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """A call's environment: ``env(request_index, sample_index, token_ids) -> list[int] | None``,
+    ``max_turns`` (the model's turns an episode may take; None: no bound) and ``max_env_tokens`` (the
+    environment's tokens one episode may take in all, which sizes each row's positions; None: as
+    many as its ``max_new_tokens``); ``eos_ids`` end an episode where other stop ids call ``env``."""
+
+    env: Callable[[int, int, list[int]], "list[int] | None"]
+    max_turns: int | None = None
+    max_env_tokens: int | None = None
+    eos_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not callable(self.env):
+            raise TypeError("env must be a callable env(request_index, sample_index, token_ids) -> "
+                            f"list[int] | None, got {self.env!r}")
+        if self.max_turns is not None:
+            check_int(self.max_turns, name="max_turns", or_none=True)
+        if self.max_env_tokens is not None:
+            check_int(self.max_env_tokens, name="max_env_tokens", minimum=0, or_none=True)
+
+    def env_budget(self, max_tokens: int) -> int:
+        """The environment tokens a row of budget ``max_tokens`` may take in its episode."""
+        return max_tokens if self.max_env_tokens is None else self.max_env_tokens
+
+
+class EpisodeBatcher(PagedBatcher):
+    """``PagedBatcher`` whose rows call the environment ``episodes`` (module docstring)."""
+
+    def __init__(self, *args, episodes: Episodes, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.episodes = episodes
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=ENV_WORKERS, thread_name_prefix="env")
+        self._waiting: dict[concurrent.futures.Future, int] = {}  # env call -> its row
+        self._answered: dict[int, int] = {}  # resuming row -> the positions its KV held when it left
+
+    def run(self):
+        try:
+            return super().run()
+        finally:  # an error (a bad answer) leaves calls in flight: the call returns without them
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop's hooks ---------------------------------------------------------------------
+    def _pending(self) -> bool:
+        return super()._pending() or bool(self._waiting)
+
+    def _admit_queued(self) -> None:
+        """The answers in so far join the queue, then admission; with nothing live it waits for the
+        next answer (nothing else can run)."""
+        self._take_answers(wait=False)
+        super()._admit_queued()
+        while not self.rows and self._waiting:
+            self._take_answers(wait=True)
+            super()._admit_queued()
+
+    def _retire(self) -> None:
+        """Rows that stopped for the environment leave their slots (``_leave``) as finished rows do,
+        but only the finished ones are reported."""
+        keep = self._live_slots()
+        kept = set(keep)
+        leaving = [slot for slot, row in enumerate(self.rows) if slot not in kept and self._calls_env(row)]
+        for slot in leaving:
+            self._leave(slot)
+        self._report_retired(sorted(kept.union(leaving)))
+        if len(keep) < len(self.rows):
+            self._compact(keep)
+
+    # -- leaving and coming back --------------------------------------------------------------
+    def _calls_env(self, row: Request) -> bool:
+        """Whether ``row``, no longer live, stopped for the environment: at a stop id other than
+        EOS or at a stop string (the only other way a row with budget left stops), with a turn left."""
+        if row.remaining <= 0 or row.ends_with_env:
+            return False
+        if self.episodes.max_turns is not None and len(row.env_spans) + 1 >= self.episodes.max_turns:
+            return False
+        last = row.tokens[-1]
+        return last not in self.episodes.eos_ids if last in row.stop_ids else row.stop_strings is not None
+
+    def _leave(self, slot: int) -> None:
+        """Key the full blocks of ``slot``'s history in the prefix cache (they stay when it releases
+        them) and call the environment with its tokens."""
+        row = self.rows[slot]
+        written = self._cached_tokens(row)  # its last token is the next input: not written
+        self.cache.allocator.register(slot, block_keys((row.prompt + row.tokens)[:written], self.cache.block_size))
+        self._answered[row.index] = written
+        self.profile.num_env_calls += 1
+        future = self._pool.submit(self.episodes.env, row.request, row.sample, list(row.tokens))
+        self._waiting[future] = row.index
+
+    def _take_answers(self, *, wait: bool) -> None:
+        """The env calls done (with ``wait``, at least one): each answer is appended to its row,
+        which joins the head of the queue in row order; a None ends the row's episode."""
+        if not self._waiting:
+            return
+        if wait:
+            done, _ = concurrent.futures.wait(self._waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+        else:
+            done = [future for future in self._waiting if future.done()]
+        answered = sorted((self._waiting.pop(future), future) for future in done)
+        for request, future in reversed(answered):  # inserted at the head: the first row ends first
+            row = self.requests[request]
+            answer = future.result()  # the env's own exception, raised here
+            if answer is None:
+                self._answered.pop(request)
+                if self.settings.on_retire is not None:
+                    self.settings.on_retire([row])
+                continue
+            ids = self._check_answer(row, answer)
+            start = len(row.tokens)
+            row.tokens.extend(ids)
+            row.env_spans.append((start, len(row.tokens)))
+            if self.settings.logprobs_mode:
+                row.logprobs.extend([0.0] * len(ids))
+            row.num_generated += len(ids)
+            self.profile.env_tokens += len(ids)
+            self.resuming.add(request)
+            self.queue.insert(0, request)
+
+    def _check_answer(self, row: Request, answer: object) -> list[int]:
+        """``answer`` as token ids; a ValueError naming the request, the sample and the value unless
+        it is a list of ids in the vocabulary within the row's environment budget."""
+        where = f"env(request_index={row.request}, sample_index={row.sample}, ...)"
+        if not isinstance(answer, (list, tuple)) or not all(is_int(t) and 0 <= t < self.vocab_size for t in answer):
+            raise ValueError(f"{where} returned {answer!r:.200}: it must return a list of token ids in "
+                             f"[0, {self.vocab_size}) to append, or None to end the episode")
+        budget = self.episodes.env_budget(row.max_tokens)
+        if row.num_env_tokens + len(answer) > budget:
+            raise ValueError(f"{where} returned {len(answer)} tokens after {row.num_env_tokens}, more than the "
+                             f"{budget} environment tokens an episode may take: raise max_env_tokens")
+        return [int(t) for t in answer]
+
+    def _resume(self, requests: Sequence[int]) -> None:
+        """Resuming rows come back one by one: each reads its longest cached chain of history blocks
+        (at most those before its last prefilled id) and prefills the rest over them (a preempted row
+        without cached blocks: all of it)."""
+        size = self.cache.block_size
+        for request in requests:
+            slot = len(self.rows)
+            ids = self._prefill_ids(request)
+            with self.timer.phase("cache_ms"):
+                hits = self.cache.allocator.match(block_keys(ids, size)[: (len(ids) - 1) // size])
+                if hits:
+                    self.cache.attach(slot, hits)
+                self.cache.grow(slot, self._entry_tokens(request))
+            done = len(hits) * size
+            with self.timer.phase("prefill_ms"):
+                if hits:
+                    _, layer_kv = extend_prefill(
+                        self.model, self.cache.gather(hits), [ids[done:]], cache_kwarg=self.settings.cache_kwarg,
+                        record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o))
+                else:
+                    with self.timer.record("prefill", batch=1, width=len(ids)):
+                        _, layer_kv = prefill_bucket(self.model, [ids], pad_token_id=self.settings.pad_token_id,
+                                                     cache_kwarg=self.settings.cache_kwarg)
+            self.profile.num_prefill_forwards += 1
+            self._place_resumed([request], [slot], layer_kv, starts=[done])
+
+    def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv,
+                       starts: Sequence[int] | None = None) -> None:
+        """Count, for rows back from the environment, the history positions they prefilled again
+        (written before they left, read from no cached block)."""
+        for j, request in enumerate(requests):
+            if request in self._answered:
+                written = self._answered.pop(request)
+                self.profile.prefilled_history_tokens += max(0, written - (0 if starts is None else starts[j]))
+        super()._place_resumed(requests, slots, layer_kv, starts)
+
+
+def env_mask(row: Request) -> list[bool]:
+    """Per token of ``row``, whether the environment gave it."""
+    mask = [False] * len(row.tokens)
+    for start, stop in row.env_spans:
+        mask[start:stop] = [True] * (stop - start)
+    return mask
