@@ -240,3 +240,34 @@ def test_a_bad_answer_names_the_request_sample_and_value(bad, words):
             max_env_tokens=20)
     for word in ["request_index=1", "sample_index=0", *words]:
         assert word in str(caught.value)
+
+
+@pytest.mark.slow
+def test_a_stop_string_calls_the_environment_as_its_stop_id_does(tokenizer):
+    """The tiny tokenizer's words: "w123" is token 123's text alone, so a stop string of it ends each
+    turn where the stop id does; each turn is checked past the last answer, and the episode's text is
+    whole."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5, 33, 12])
+    stop = next(t for t in frequent_stops(model, prompts, count=9) if t >= 100)
+    rollout = Rollout(model, RolloutConfig(**PAGED), tokenizer=tokenizer)
+    call = dict(max_new_tokens=16, env=answer, max_turns=3, return_logprobs=True)
+    by_string = rollout.generate(prompts, stop=[f"w{stop}"], **call)
+    by_id = rollout.generate(prompts, stop_token_ids=[stop], **call)
+    assert by_string.sequences == by_id.sequences and by_string.num_turns == by_id.num_turns
+    assert by_string.finish_reasons == by_id.finish_reasons and max(by_string.num_turns) > 1
+    assert by_string.texts == tokenizer.batch_decode(by_string.sequences, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_are_zero_on_the_environment_tokens():
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5])
+    stops = frequent_stops(model, prompts)
+    rollout = Rollout(model, RolloutConfig(**PAGED))
+    raw, trainer = (rollout.generate(prompts, max_new_tokens=12, stop_token_ids=stops, env=answer, max_turns=3,
+                                     return_logprobs=True, logprobs_mode=mode) for mode in ("raw", "trainer"))
+    assert raw.sequences == trainer.sequences and any(any(m) for m in raw.env_masks)
+    for mask, lps, want in zip(trainer.env_masks, trainer.logprobs, raw.logprobs):
+        assert [lp for lp, env in zip(lps, mask) if env] == [0.0] * sum(mask)
+        assert max(abs(a - b) for a, b in zip(lps, want)) < 1e-4

@@ -57,8 +57,9 @@ def test_to_tensors_pads_prompts_left_and_responses_right():
     rows, width, length = len(PROMPTS) * 3, max(map(len, PROMPTS)), max(map(len, result.sequences))
     shapes = {"prompt_ids": (rows, width), "response_ids": (rows, length), "response_mask": (rows, length),
               "logprobs": (rows, length), "input_ids": (rows, width + length),
-              "attention_mask": (rows, width + length)}
+              "attention_mask": (rows, width + length), "loss_mask": (rows, length)}
     assert {name: tuple(v.shape) for name, v in t.items()} == shapes
+    assert torch.equal(t["loss_mask"], t["response_mask"])  # no episode: every response token is the model's
     assert t["response_mask"].dtype == torch.bool and t["logprobs"].dtype == torch.float32
     assert t["input_ids"].dtype == t["attention_mask"].dtype == torch.long
     pad = result.pad_token_id

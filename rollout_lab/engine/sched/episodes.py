@@ -12,8 +12,8 @@ however the rows were scheduled). ``None`` ends the episode; EOS, the budget (``
 counts the model's tokens of the whole episode) or ``max_turns`` (the model's turns) end it too.
 
 The history's KV is kept across the wait: a row that leaves keys its full blocks in the pool's prefix
-cache (``BlockAllocator.register``, as a prompt's), where they stay idle (counted as free, taken back
-least recently used first); a resuming row reads its longest cached chain (``attach``) and prefills
+cache (``BlockAllocator.register``, as a prompt's; with ``prefix_cache`` off, for this call only),
+where they stay idle (counted as free, taken back least recently used first); a resuming row reads its longest cached chain (``attach``) and prefills
 only the rest over it (``extend_prefill``): its partial last block and the answer. The profile counts
 the history tokens prefilled again (``Profile.prefilled_history_tokens``) and the environment's
 tokens (``Profile.env_tokens``).
@@ -79,6 +79,8 @@ class EpisodeBatcher(PagedBatcher):
             return super().run()
         finally:  # an error (a bad answer) leaves calls in flight: the call returns without them
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if not self.prefix_cache:  # the histories were keyed for this call alone
+                self.cache.allocator.clear_cached()
 
     # -- the loop's hooks ---------------------------------------------------------------------
     def _pending(self) -> bool:
