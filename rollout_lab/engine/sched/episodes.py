@@ -28,9 +28,11 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+from transformers import DynamicCache
+
 from rollout_lab.engine.kv.paged import block_keys
 from rollout_lab.engine.runner.prefill import prefill_bucket
-from rollout_lab.engine.sched.aligned import extend_prefill
 from rollout_lab.engine.sched.paged import PagedBatcher
 from rollout_lab.engine.sched.request import Request
 from rollout_lab.planner.checks import check_int, is_int
@@ -172,30 +174,31 @@ class EpisodeBatcher(PagedBatcher):
         return [int(t) for t in answer]
 
     def _resume(self, requests: Sequence[int]) -> None:
-        """Resuming rows come back one by one: each reads its longest cached chain of history blocks
-        (at most those before its last prefilled id) and prefills the rest over them (a preempted row
-        without cached blocks: all of it)."""
-        size = self.cache.block_size
-        for request in requests:
-            slot = len(self.rows)
-            ids = self._prefill_ids(request)
-            with self.timer.phase("cache_ms"):
-                hits = self.cache.allocator.match(block_keys(ids, size)[: (len(ids) - 1) // size])
-                if hits:
-                    self.cache.attach(slot, hits)
+        """Resuming rows come back: each reads its longest cached chain of history blocks (at most
+        those before its last prefilled id), and one left-padded forward prefills the rest of each
+        over them (``resume_prefill``; a preempted row without cached blocks: all of it)."""
+        size, start = self.cache.block_size, len(self.rows)
+        slots = list(range(start, start + len(requests)))
+        ids = [self._prefill_ids(r) for r in requests]
+        hits = []
+        with self.timer.phase("cache_ms"):
+            for slot, request, row_ids in zip(slots, requests, ids):
+                hits.append(self.cache.allocator.match(block_keys(row_ids, size)[: (len(row_ids) - 1) // size]))
+                if hits[-1]:
+                    self.cache.attach(slot, hits[-1])
                 self.cache.grow(slot, self._entry_tokens(request))
-            done = len(hits) * size
-            with self.timer.phase("prefill_ms"):
-                if hits:
-                    _, layer_kv = extend_prefill(
-                        self.model, self.cache.gather(hits), [ids[done:]], cache_kwarg=self.settings.cache_kwarg,
-                        record=lambda w, o: self.timer.record("chunk", batch=1, width=w, offset=o))
-                else:
-                    with self.timer.record("prefill", batch=1, width=len(ids)):
-                        _, layer_kv = prefill_bucket(self.model, [ids], pad_token_id=self.settings.pad_token_id,
-                                                     cache_kwarg=self.settings.cache_kwarg)
-            self.profile.num_prefill_forwards += 1
-            self._place_resumed([request], [slot], layer_kv, starts=[done])
+        done = [len(h) * size for h in hits]
+        suffixes = [row_ids[n:] for row_ids, n in zip(ids, done)]
+        with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=len(ids), width=max(map(len, suffixes))):
+            if any(hits):
+                past = self.cache.gather([b for h in hits for b in h])  # every row's, one copy
+                layer_kv = resume_prefill(self.model, past, done, suffixes, pad_token_id=self.settings.pad_token_id,
+                                          cache_kwarg=self.settings.cache_kwarg)
+            else:
+                _, layer_kv = prefill_bucket(self.model, ids, pad_token_id=self.settings.pad_token_id,
+                                             cache_kwarg=self.settings.cache_kwarg)
+        self.profile.num_prefill_forwards += 1
+        self._place_resumed(requests, slots, layer_kv, starts=done)
 
     def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv,
                        starts: Sequence[int] | None = None) -> None:
@@ -214,3 +217,40 @@ def env_mask(row: Request) -> list[bool]:
     for start, stop in row.env_spans:
         mask[start:stop] = [True] * (stop - start)
     return mask
+
+
+@torch.no_grad()
+def resume_prefill(model: torch.nn.Module, past: Sequence[tuple[torch.Tensor, torch.Tensor]], done: Sequence[int],
+                   suffixes: Sequence[Sequence[int]], *, pad_token_id: int,
+                   cache_kwarg: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward of each row's ``suffixes[i]`` after its first ``done[i]`` positions, whose KV
+    ``past`` holds, the rows' one after the other (per layer ``[1, kv_heads, sum(done), head_dim]``):
+    per layer (keys, values) ``[rows, kv_heads, C + S, head_dim]``, row i's positions right-aligned
+    (C = max(done), S = the longest suffix; its past at columns ``C - done[i]`` on, its suffix
+    left-padded to S), so ``PagedKVCache.admit`` from ``done[i]`` writes its suffix."""
+    device = next(model.parameters()).device
+    rows, most, longest = len(suffixes), max(done), max(map(len, suffixes))
+    cache = DynamicCache(config=model.config)
+    offsets = [0]
+    for n in done:
+        offsets.append(offsets[-1] + n)
+    for layer, pair in enumerate(past):
+        padded = []
+        for tensor in pair:  # [1, kv_heads, sum(done), head_dim] -> [rows, kv_heads, C, head_dim]
+            out = tensor.new_zeros(rows, tensor.shape[1], most, tensor.shape[3])
+            for i, n in enumerate(done):
+                if n:
+                    out[i, :, most - n:] = tensor[0, :, offsets[i]: offsets[i] + n]
+            padded.append(out)
+        cache.update(padded[0], padded[1], layer)
+    ids = torch.full((rows, longest), pad_token_id, dtype=torch.long, device=device)  # [rows, S]
+    attention = torch.zeros(rows, most + longest, dtype=torch.long, device=device)  # [rows, C + S]
+    positions = torch.zeros(rows, longest, dtype=torch.long, device=device)  # [rows, S]
+    for i, (n, suffix) in enumerate(zip(done, suffixes)):
+        ids[i, longest - len(suffix):] = torch.tensor(list(suffix), dtype=torch.long, device=device)
+        attention[i, most - n: most] = 1
+        attention[i, most + longest - len(suffix):] = 1
+        positions[i, longest - len(suffix):] = torch.arange(n, n + len(suffix), device=device)
+    model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1,
+          **{cache_kwarg: cache})
+    return [(layer.keys, layer.values) for layer in cache.layers]
