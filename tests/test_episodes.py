@@ -271,3 +271,25 @@ def test_trainer_logprobs_are_zero_on_the_environment_tokens():
     for mask, lps, want in zip(trainer.env_masks, trainer.logprobs, raw.logprobs):
         assert [lp for lp, env in zip(lps, mask) if env] == [0.0] * sum(mask)
         assert max(abs(a - b) for a, b in zip(lps, want)) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, num_samples, calls", [
+    (dict(admit_tokens_per_step=16, continuous_batch_size=3), 1, 1),  # long histories prefilled across turns
+    (dict(prefix_cache=True), 1, 2),  # the second call reads the first's prompts and histories
+    (dict(share_prompt_blocks=True), 3, 1),  # samples reading their prompt's blocks leave and come back
+])
+def test_episodes_equal_the_oracle_under_the_paged_settings(oracle, config, num_samples, calls):
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5, 33, 12, 40])
+    stops = frequent_stops(model, prompts)
+    rollout = Rollout(model, RolloutConfig(**config, **PAGED))
+    for _ in range(calls):
+        out = rollout.generate(prompts, max_new_tokens=24, num_samples=num_samples, stop_token_ids=stops, env=answer,
+                               max_turns=4)
+        for row, tokens in enumerate(out.sequences):
+            r, s = divmod(row, num_samples)
+            want, _, _ = oracle_episode(oracle, model, prompts[r], stops=stops, budget=24, env=answer, request=r,
+                                        sample=s, max_turns=4)
+            assert tokens == want, (r, s)
+        assert out.profile.num_env_calls >= 2
