@@ -551,6 +551,18 @@ class PagedKVCache:
             flat = pool.view(-1, pool.shape[2], pool.shape[3])  # [num_blocks * block_size, kv_heads, head_dim]
             flat.index_copy_(0, dst, flat.index_select(0, src))
 
+    def read_positions(self, slot: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The KV of positions ``[start, stop)`` of ``slot``, per layer ``[1, kv_heads, stop - start,
+        head_dim]`` (a copy: a row's partial last block, kept while it waits outside the pool)."""
+        index = self._flat_positions([slot], [stop], [start])
+        return [tuple(pool.view(-1, pool.shape[2], pool.shape[3]).index_select(0, index).transpose(0, 1)[None]
+                      for pool in pair) for pair in zip(self.keys, self.values)]
+
+    def write_positions(self, slot: int, start: int, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``layer_kv`` (``read_positions``'s) into positions from ``start`` of ``slot`` (its blocks held)."""
+        dst = self._flat_positions([slot], [start + layer_kv[0][0].shape[2]], [start])
+        self._scatter(dst, layer_kv, lambda src: src[0].transpose(0, 1))  # [n, kv_heads, head_dim]
+
     def _scatter(self, dst_index: torch.Tensor, layer_kv, gather) -> None:
         for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
             for dst, src in ((dst_k, src_k), (dst_v, src_v)):

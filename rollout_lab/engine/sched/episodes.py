@@ -75,6 +75,8 @@ class EpisodeBatcher(PagedBatcher):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=ENV_WORKERS, thread_name_prefix="env")
         self._waiting: dict[concurrent.futures.Future, int] = {}  # env call -> its row
         self._answered: dict[int, int] = {}  # resuming row -> the positions its KV held when it left
+        # a waiting row's partial last block: its positions' KV, outside the pool (per layer [1, kv_heads, n, head_dim])
+        self._partials: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def run(self):
         try:
@@ -122,10 +124,13 @@ class EpisodeBatcher(PagedBatcher):
 
     def _leave(self, slot: int) -> None:
         """Key the full blocks of ``slot``'s history in the prefix cache (they stay when it releases
-        them) and call the environment with its tokens."""
+        them), keep its partial last block's KV aside, and call the environment with its tokens."""
         row = self.rows[slot]
         written = self._cached_tokens(row)  # its last token is the next input: not written
         self.cache.allocator.register(slot, block_keys((row.prompt + row.tokens)[:written], self.cache.block_size))
+        full = written // self.cache.block_size * self.cache.block_size
+        if written > full:
+            self._partials[row.index] = self.cache.read_positions(slot, full, written)
         self._answered[row.index] = written
         self.profile.num_env_calls += 1
         future = self._pool.submit(self.episodes.env, row.request, row.sample, list(row.tokens))
@@ -146,6 +151,7 @@ class EpisodeBatcher(PagedBatcher):
             answer = future.result()  # the env's own exception, raised here
             if answer is None:
                 self._answered.pop(request)
+                self._partials.pop(request, None)
                 if self.settings.on_retire is not None:
                     self.settings.on_retire([row])
                 continue
@@ -175,23 +181,34 @@ class EpisodeBatcher(PagedBatcher):
 
     def _resume(self, requests: Sequence[int]) -> None:
         """Resuming rows come back: each reads its longest cached chain of history blocks (at most
-        those before its last prefilled id), and one left-padded forward prefills the rest of each
-        over them (``resume_prefill``; a preempted row without cached blocks: all of it)."""
+        those before its last prefilled id); a row back from the environment whose chain reaches its
+        partial last block gets that block's KV back (``_partials``) and prefills the answer alone.
+        One left-padded forward prefills the rest of each over its KV (``resume_prefill``; a
+        preempted row without cached blocks: all of it)."""
         size, start = self.cache.block_size, len(self.rows)
         slots = list(range(start, start + len(requests)))
         ids = [self._prefill_ids(r) for r in requests]
-        hits = []
+        pasts, done = [], []
         with self.timer.phase("cache_ms"):
             for slot, request, row_ids in zip(slots, requests, ids):
-                hits.append(self.cache.allocator.match(block_keys(row_ids, size)[: (len(row_ids) - 1) // size]))
-                if hits[-1]:
-                    self.cache.attach(slot, hits[-1])
+                hits = self.cache.allocator.match(block_keys(row_ids, size)[: (len(row_ids) - 1) // size])
+                if hits:
+                    self.cache.attach(slot, hits)
                 self.cache.grow(slot, self._entry_tokens(request))
-        done = [len(h) * size for h in hits]
+                past = self.cache.gather(hits) if hits else []
+                partial = self._partials.pop(request, None)
+                if partial is not None and len(hits) == self._answered[request] // size:  # the chain reaches it
+                    self.cache.write_positions(slot, len(hits) * size, partial)
+                    past = [(torch.cat([k, pk], 2), torch.cat([v, pv], 2)) for (k, v), (pk, pv) in zip(past, partial)] \
+                        if past else partial
+                # at least its last id is prefilled (an empty answer leaves none past its KV)
+                done.append(min(past[0][0].shape[2] if past else 0, len(row_ids) - 1))
+                pasts.append([(k[:, :, : done[-1]], v[:, :, : done[-1]]) for k, v in past])
         suffixes = [row_ids[n:] for row_ids, n in zip(ids, done)]
         with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=len(ids), width=max(map(len, suffixes))):
-            if any(hits):
-                past = self.cache.gather([b for h in hits for b in h])  # every row's, one copy
+            if any(done):
+                past = [tuple(torch.cat([p[layer][i] for p in pasts if p], 2) for i in (0, 1))
+                        for layer in range(len(next(p for p in pasts if p)))]  # the rows' pasts, one after the other
                 layer_kv = resume_prefill(self.model, past, done, suffixes, pad_token_id=self.settings.pad_token_id,
                                           cache_kwarg=self.settings.cache_kwarg)
             else:
@@ -205,6 +222,7 @@ class EpisodeBatcher(PagedBatcher):
         """Count, for rows back from the environment, the history positions they prefilled again
         (written before they left, read from no cached block)."""
         for j, request in enumerate(requests):
+            self._partials.pop(request, None)  # prefilled across turns: recomputed
             if request in self._answered:
                 written = self._answered.pop(request)
                 self.profile.prefilled_history_tokens += max(0, written - (0 if starts is None else starts[j]))
