@@ -13,10 +13,18 @@ counts the model's tokens of the whole episode) or ``max_turns`` (the model's tu
 
 The history's KV is kept across the wait: a row that leaves keys its full blocks in the pool's prefix
 cache (``BlockAllocator.register``, as a prompt's; with ``prefix_cache`` off, for this call only),
-where they stay idle (counted as free, taken back least recently used first); a resuming row reads its longest cached chain (``attach``) and prefills
-only the rest over it (``extend_prefill``): its partial last block and the answer. The profile counts
-the history tokens prefilled again (``Profile.prefilled_history_tokens``) and the environment's
-tokens (``Profile.env_tokens``).
+where they stay idle (counted as free, taken back least recently used first), and keeps its partial
+last block's KV aside, outside the pool (``PagedKVCache.read_positions``). A resuming row reads its
+longest cached chain (``attach``); where the chain reaches the partial block, that block's KV is
+written back and only the answer is prefilled, over them; where blocks were taken back meanwhile,
+the rest of the history is prefilled again. The rows back in one admission turn are prefilled in one
+left-padded forward (``resume_prefill``). Under ``admit_tokens_per_step`` a history longer than the
+bound is prefilled again across turns (its whole length counts against the bound). The profile
+counts the history tokens prefilled again (``Profile.prefilled_history_tokens``) and the
+environment's tokens (``Profile.env_tokens``) and calls (``Profile.num_env_calls``).
+
+Penalties and ``min_new_tokens`` see an episode's tokens as its output: the environment's count too
+(frequency and presence, and toward the minimum).
 
     episodes = Episodes(env=calculator, max_turns=4, eos_ids=frozenset({2}))
     batcher = EpisodeBatcher(model, requests, settings, episodes=episodes, ...)
