@@ -80,14 +80,14 @@ def run_tool_episodes(model: torch.nn.Module, *, model_name: str, dtype: str, se
     prompts = [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
     stops = call_ids(vocab, spec["max_new_tokens"] / spec["max_turns"], seed)
     rollout = Rollout(model, RolloutConfig(**({"mode": "paged", "ignore_eos": True, "profile": True} | (config or {}))))
-    sampling = dict(do_sample=True, temperature=spec["temperature"], seed=seed, progress=False)
+    sampling = dict(do_sample=True, temperature=spec["temperature"], seed=seed)
 
     def episodes(latency_ms: float, rows: list[list[int]]):
         env = ToolEnv(vocab, answer_min=spec["answer_min"], answer_max=spec["answer_max"], latency_ms=latency_ms,
                       seed=seed)
         return rollout.generate(rows, max_new_tokens=spec["max_new_tokens"], stop_token_ids=stops, env=env,
                                 max_turns=spec["max_turns"], max_env_tokens=spec["answer_max"] * (spec["max_turns"] - 1),
-                                **sampling)
+                                progress=False, **sampling)
 
     episodes(0.0, prompts[: max(1, len(prompts) // 8)])  # warm-up: compile and capture, untimed
     runs: dict[str, dict[str, Any]] = {}
@@ -101,7 +101,8 @@ def run_tool_episodes(model: torch.nn.Module, *, model_name: str, dtype: str, se
             "prefilled_history_tokens": result.profile.prefilled_history_tokens,
             "mean_turns": sum(result.num_turns) / len(result.num_turns)}
     totals = [len(s) for s in outputs[latencies_ms[0]]]
-    wall_ms, single = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=totals, **sampling), device)
+    wall_ms, single = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=totals, progress=False,
+                                                                     **sampling), device)
     runs["single_turn"] = _run_fields(wall_ms, single, 0)
     base = runs[f"episodes_{latencies_ms[0]:g}ms"]
     ratios = {"episodes_over_single_turn": base["tok_s"] / runs["single_turn"]["tok_s"]}
