@@ -8,6 +8,7 @@ import torch
 
 from rollout_lab.engine.api.loading import resolve_device
 from rollout_lab.engine.profile import Profile
+from rollout_lab.engine.sched.request import Continuation
 from rollout_lab.engine.trainer import padded_batch
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import check_int
@@ -18,8 +19,11 @@ class SampleOutput:
 
     token_ids: list[int]
     logprobs: list[float] | None  # with generate(return_logprobs=True)
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "unfinished" (a call with finish_fraction returned first)
     text: str | None  # with a tokenizer
+    # (call index, tokens) runs: which call made which of its tokens (RolloutResult.segments); not
+    # compared: two outputs of the same tokens from different calls are equal
+    segments: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class RolloutResult:
     profile: Profile | None
     num_samples: int = 1
     seed: int | None = None
-    # per sequence: "stop" (an EOS id, a stop id or a stop string ended it) or "length" (its budget)
+    # per sequence: "stop" (an EOS id, a stop id or a stop string ended it), "length" (its budget) or
+    # "unfinished" (generate's finish_fraction returned before it ended: it is in ``unfinished``)
     finish_reasons: list[str] = field(default_factory=list)
     # with generate(return_logprobs=True): per sequence, each token's log-probability
     logprobs: list[list[float]] | None = None
@@ -59,6 +64,12 @@ class RolloutResult:
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # per request, the ids prefilled
     pad_token_id: int = 0  # the call's pad id: to_tensors' padding unless it is given one
     samples: list[int] | None = None  # per request, its samples; None: num_samples each
+    # per sequence, (call index, tokens) runs in order: which call of the Rollout (Rollout.num_calls)
+    # made which of its tokens; a continued row's earlier calls first
+    segments: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    # the rows generate(..., finish_fraction=f) returned before they ended, in row order: pass them
+    # among a later call's prompts to continue them
+    unfinished: list[Continuation] = field(default_factory=list)
 
     def sample_counts(self) -> list[int]:
         """Per request, its samples (rows)."""
@@ -83,7 +94,8 @@ class RolloutResult:
         """Per request, in input order, its prompt and its samples in sample order."""
         def sample(row: int) -> SampleOutput:
             return SampleOutput(self.sequences[row], None if self.logprobs is None else self.logprobs[row],
-                                self.finish_reasons[row], None if self.texts is None else self.texts[row])
+                                self.finish_reasons[row], None if self.texts is None else self.texts[row],
+                                self.segments[row] if self.segments else ())
 
         return [RequestOutput(prompt, [sample(row) for row in rows])
                 for prompt, rows in zip(self._prompts(), self._row_ranges())]
