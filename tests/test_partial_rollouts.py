@@ -258,3 +258,25 @@ def test_bad_inputs_are_refused_before_any_work(made, monkeypatch):
         rollout.generate([without], max_new_tokens=BUDGET, return_logprobs=True)
     with pytest.raises(ValueError, match="give no attention_mask"):
         rollout.generate([continuation], attention_mask=[[1, 1]], max_new_tokens=BUDGET)
+
+
+@pytest.mark.slow  # about 1 s on 2 CPU cores
+def test_a_continuation_keeps_its_stop_strings(tokenizer):
+    """Rows that end at a stop string (its tokenizer's text) continue to the tokens and texts of one
+    call: the continuation carries the rule of the call that made it."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts(6, seed=8)
+    free = Rollout(model, RolloutConfig(**PAGED, ignore_eos=True)).generate(prompts, max_new_tokens=BUDGET, **SAMPLED)
+    often = max(range(3, TINY_VOCAB_SIZE), key=lambda t: sum(t in s[: BUDGET // 2] for s in free.sequences))
+    cfg = RolloutConfig(**PAGED, ignore_eos=True)
+    generate = dict(max_new_tokens=BUDGET, stop=[f"w{often}"], **SAMPLED)
+    full = Rollout(model, cfg, tokenizer=tokenizer).generate(prompts, **generate)
+    assert "stop" in full.finish_reasons and "length" in full.finish_reasons
+    rollout = Rollout(model, cfg, tokenizer=tokenizer)
+    part = rollout.generate(prompts, finish_fraction=0.3, **generate)
+    rows = [i for i, reason in enumerate(part.finish_reasons) if reason == "unfinished"]
+    assert rows and all(c.stop_strings is not None for c in part.unfinished)
+    more = rollout.generate(part.unfinished, max_new_tokens=BUDGET, return_logprobs=True)
+    assert more.sequences == [full.sequences[i] for i in rows]
+    assert more.texts == [full.texts[i] for i in rows]
+    assert more.finish_reasons == [full.finish_reasons[i] for i in rows]
