@@ -280,3 +280,40 @@ def test_a_continuation_keeps_its_stop_strings(tokenizer):
     assert more.sequences == [full.sequences[i] for i in rows]
     assert more.texts == [full.texts[i] for i in rows]
     assert more.finish_reasons == [full.finish_reasons[i] for i in rows]
+
+
+@pytest.mark.slow  # about 2 s on 2 CPU cores
+def test_the_long_tail_measurement_runs_tiny():
+    from rollout_lab.measure.partial_rollouts import partial_rollout_rows, run_partial_rollouts
+
+    saved = []
+    record = run_partial_rollouts(get_tiny("qwen2"), model_name="tiny-qwen2", dtype="float32", dataset="gsm8k",
+                                  num_prompts=8, max_new_tokens=32, hazard=0.05, slots=4, num_calls=3,
+                                  finish_fraction=0.75, save=saved.append)
+    assert record["kind"] == "partial_rollouts" and len(saved) == 2
+    one, loop = record["results"]["one_call"], record["results"]["loop"]
+    assert one["full"]["num_unfinished_rows"] == 0 and one["full"]["finish_reasons"].get("unfinished") is None
+    assert one["partial"]["finish_reasons"].get("unfinished", 0) == one["partial"]["num_unfinished_rows"] <= 2
+    assert one["time_ratio"] > 0 and loop["speedup"] > 0
+    for name in ("full", "partial"):
+        calls = loop[name]["calls"]
+        assert [c["rows"] for c in calls] == [8, 8, 8]
+        assert loop[name]["delivered_tokens"] == sum(c["delivered_tokens"] for c in calls)
+    assert loop["full"]["left_unfinished"] == 0 and all(c["continued_rows"] == 0 for c in loop["full"]["calls"])
+    partial = loop["partial"]["calls"]
+    assert [c["continued_rows"] for c in partial[1:]] == [c["unfinished_rows"] for c in partial[:-1]]
+    assert len(partial_rollout_rows(record)) == 6
+
+
+def test_the_long_tail_measurement_refuses_bad_settings():
+    from rollout_lab.measure.partial_rollouts import check_partial_settings
+
+    good = dict(num_prompts=8, dataset="gsm8k", hazard=0.05, max_new_tokens=32, slots=4, seed=0, reps=1,
+                finish_fraction=0.9, num_calls=4)
+    for name, bad, message in (("finish_fraction", 0, r"finish_fraction must be a number in \(0, 1\].*got 0"),
+                               ("finish_fraction", None, "finish_fraction must be a number in .*got None"),
+                               ("num_calls", 0, "num_calls must be an int >= 1 and <= 64, got 0"),
+                               ("slots", 0, "slots must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            check_partial_settings(**(good | {name: bad}))
+    check_partial_settings(**good)
