@@ -10,6 +10,7 @@ import random
 import re
 
 import pytest
+import torch
 from conftest import get_tiny
 
 from rollout_lab import Rollout, RolloutConfig, SamplingParams
@@ -317,3 +318,31 @@ def test_the_long_tail_measurement_refuses_bad_settings():
         with pytest.raises(ValueError, match=message):
             check_partial_settings(**(good | {name: bad}))
     check_partial_settings(**good)
+
+
+@pytest.mark.slow  # about 1 s on 2 CPU cores
+def test_a_continuation_resumes_under_the_current_weights():
+    """After a weight update (another Rollout over the updated model, as a trainer's next step), a
+    greedy continuation's new tokens are the updated model's continuation of its prompt and earlier
+    tokens: its KV is computed again under the weights of the call that continues it."""
+    import copy
+
+    model = get_tiny("qwen2")
+    prompts = make_prompts(6, seed=9)
+    eos = eos_of(model, prompts)
+    cfg = RolloutConfig(**PAGED, eos_token_id=eos)
+    part = Rollout(model, cfg).generate(prompts, max_new_tokens=BUDGET, finish_fraction=0.3)
+    assert part.unfinished
+    updated = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in updated.parameters():
+            param.mul_(1.05)
+    more = Rollout(updated, cfg).generate(part.unfinished, max_new_tokens=BUDGET)
+    for continuation, tokens in zip(part.unfinished, more.sequences):
+        earlier = list(continuation.token_ids)
+        again = Rollout(updated, cfg).generate([list(continuation.prompt_token_ids) + earlier],
+                                               max_new_tokens=BUDGET - len(earlier)).sequences[0]
+        assert tokens == earlier + again
+    full = Rollout(model, cfg).generate(prompts, max_new_tokens=BUDGET).sequences
+    rows = [i for i, reason in enumerate(part.finish_reasons) if reason == "unfinished"]
+    assert any(tokens != full[i] for tokens, i in zip(more.sequences, rows)), "the update changes some row"
