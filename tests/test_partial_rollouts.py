@@ -241,6 +241,10 @@ def test_bad_inputs_are_refused_before_any_work(made, monkeypatch):
     for budget in (have, have - 1):
         with pytest.raises(ValueError, match=f"holds {have} tokens, and max_new_tokens={budget}.*more than {have}"):
             rollout.generate([continuation], max_new_tokens=budget)
+    minimum = dataclasses.replace(continuation, params=dataclasses.replace(continuation.params, min_tokens=have + 5,
+                                                                                      max_tokens=have + 5))
+    with pytest.raises(ValueError, match=f"has min_tokens={have + 5}, more than max_new_tokens={have + 2}"):
+        rollout.generate([minimum], max_new_tokens=have + 2)
     length = len(continuation.prompt_token_ids)
     with pytest.raises(ValueError, match=f"request 1: prompt length {length} \\+ max_new_tokens 10000 exceeds"):
         rollout.generate([[1, 2], continuation], max_new_tokens=[4, 10_000])

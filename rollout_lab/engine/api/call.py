@@ -462,6 +462,9 @@ def _continued_params(continued: Continuation, mine: SamplingParams | None, budg
     if budget <= continued.num_steps:
         raise ValueError(f"{where} holds {continued.num_steps} tokens, and max_new_tokens={budget} counts them: "
                          f"give it more than {continued.num_steps}")
+    if (continued.params.min_tokens or 0) > budget:
+        raise ValueError(f"{where} has min_tokens={continued.params.min_tokens}, more than max_new_tokens={budget}: "
+                         f"give it at least {continued.params.min_tokens}")
     if logprobs_mode in STEP_LOGPROB_MODES and (continued.logprobs is None or continued.logprobs_mode != logprobs_mode):
         raise ValueError(f"{where} carries {'no' if continued.logprobs is None else repr(continued.logprobs_mode)} "
                          f"logprobs and this call returns logprobs_mode={logprobs_mode!r}: continue it with the mode "
