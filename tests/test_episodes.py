@@ -204,6 +204,7 @@ def test_auto_takes_the_paged_route_for_episodes():
     (dict(env=answer, max_turns=2.5), ValueError, ["max_turns", "got 2.5"]),
     (dict(env=answer, max_env_tokens=-1), ValueError, ["max_env_tokens must be an int >= 0", "got -1"]),
     (dict(max_turns=3), ValueError, ["max_turns=3", "pass env="]),
+    (dict(env=answer, finish_fraction=0.5), ValueError, ["env=", "finish_fraction="]),
     (dict(env=answer, max_new_tokens=300), ValueError, ["request 0", "max_env_tokens", "context"]),
 ])
 def test_bad_episode_arguments_fail_before_any_work(no_forward, kwargs, error, words):
@@ -215,7 +216,7 @@ def test_bad_episode_arguments_fail_before_any_work(no_forward, kwargs, error, w
 
 
 def test_episodes_refuse_other_routes(no_forward):
-    with pytest.raises(ValueError, match="mode='bucketed'.*use mode='paged' or mode='auto'"):
+    with pytest.raises(ValueError, match="env=.*mode='bucketed'.*use mode='paged' or 'auto'"):
         Rollout(no_forward, RolloutConfig(mode="bucketed")).generate([[3, 4]], max_new_tokens=4, env=answer)
 
 

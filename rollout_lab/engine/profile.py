@@ -81,6 +81,12 @@ class Profile:
     # the most prompt tokens one admission turn prefilled while rows were live (the paged route): the
     # longest stall of the live rows between two decode steps, in tokens (admit_tokens_per_step bounds it)
     max_turn_prefill_tokens: int = 0
+    # partial rollouts (generate's finish_fraction, continuations): the rows this call continued from
+    # an earlier one and the tokens they brought (prefilled again with their prompts), and the rows
+    # it returned unfinished
+    num_continued_rows: int = 0
+    num_continued_tokens: int = 0
+    num_unfinished_rows: int = 0
     # episodes (generate(env=...), sched.episodes): the environment's tokens appended, its calls, and
     # the tokens before an answer that a resuming row prefilled again (its history's KV was written
     # before it left and no cached block held it: its partial last block, or blocks taken back)

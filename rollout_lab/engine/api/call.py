@@ -11,9 +11,10 @@ import torch
 
 from rollout_lab.engine.limits import check_call_rows
 from rollout_lab.engine.sample.params import MAX_SAMPLES, SamplingParams, check_seed
+from rollout_lab.engine.sample.processors import STEP_LOGPROB_MODES
 from rollout_lab.engine.sample.sampler import sample_key
 from rollout_lab.engine.sample.stopping import StopStrings
-from rollout_lab.engine.sched.request import Request
+from rollout_lab.engine.sched.request import Continuation, Request
 from rollout_lab.planner.checks import as_int, budgets_of, check_context, ints_per_request, is_int
 from rollout_lab.planner.routes import prompt_groups
 
@@ -296,6 +297,9 @@ class CallSpec:
     logprobs_mode: str | None = None  # LOGPROB_MODES, or None without return_logprobs
     profile: bool = False
     share_prefill: bool = True
+    # per request, the Continuation it continues (None: a new prompt); None: the call continues none
+    continuations: tuple[Continuation | None, ...] | None = None
+    finish_fraction: float | None = None  # the call returns once this share of its rows finished
 
     @property
     def samples(self) -> list[int]:
@@ -310,10 +314,22 @@ class CallSpec:
 
     def requests(self) -> list[Request]:
         """The call's rows, request-major: sample s of request r, keyed for sampling by the call's
-        seed and its indices, or by its own seed as request 0 of a call with that seed."""
-        groups = prompt_groups(self.prompts, num_samples=self.samples, share=self.share_prefill)
+        seed and its indices, or by its own seed as request 0 of a call with that seed. A
+        continuation is one row that goes on from its tokens, with its own key and stop rules."""
+        continuations = self.continuations or (None,) * len(self.prompts)
+        # a continued row resumes with its tokens: it shares no prefill with a new prompt's rows
+        grouped = [prompt if c is None or not c.token_ids else (-1 - r,)
+                   for r, (prompt, c) in enumerate(zip(self.prompts, continuations))]
+        groups = prompt_groups(grouped, num_samples=self.samples, share=self.share_prefill)
         rows = []
-        for r, (prompt, params) in enumerate(zip(self.prompts, self.params)):
+        for r, (prompt, params, continued) in enumerate(zip(self.prompts, self.params, continuations)):
+            if continued is not None:
+                logprobs = list(continued.logprobs or ()) if self.logprobs_mode in STEP_LOGPROB_MODES else []
+                rows.append(Request(len(rows), r, 0, prompt, params, key=continued.key, group=groups[len(rows)],
+                                    stop_ids=continued.stop_ids, stop_strings=continued.stop_strings,
+                                    tokens=list(continued.token_ids), logprobs=logprobs,
+                                    num_generated=continued.num_steps))
+                continue
             for s in range(params.n):
                 key = 0 if params.is_greedy else \
                     sample_key(self.seed, r, s) if params.seed is None else sample_key(params.seed, 0, s)
@@ -328,14 +344,21 @@ def check_call(prompts: Any, *, attention_mask: Any = None, max_new_tokens: Any,
                stop_token_ids: Any = None, num_beams: Any = 1, num_return_sequences: Any = 1,
                logprobs_mode: str | None = None, profile: bool = False, repetition_penalty: float = 1.0,
                eos_token_ids: Sequence[int], pad_token_id: int, vocab_size: int, max_positions: int | None,
-               tokenizer: Any = None, share_prefill: bool = True) -> CallSpec:
+               tokenizer: Any = None, share_prefill: bool = True, finish_fraction: Any = None,
+               model_type: str = "") -> CallSpec:
     """Every check of a call, before any forward, into one ``CallSpec``.
 
     The call-wide arguments (``max_new_tokens``: one budget or one per request, ``min_new_tokens``
     likewise, ``num_samples``, ``stop``, ``stop_token_ids``, ``repetition_penalty``, and
     ``do_sample`` with ``temperature``/``top_k``/``top_p``) set each request's ``SamplingParams``;
     with ``sampling=[...]`` (one per request) a request's own fields win and its None fields take the
-    call's. ``eos_token_ids`` end every row, as its stop ids do."""
+    call's. ``eos_token_ids`` end every row, as its stop ids do.
+
+    A ``Continuation`` among the prompts (``continuations``) keeps its own sampling settings and
+    stop rules and is one row, whatever ``num_samples``; the call gives it only its budget, which
+    counts the tokens it has (``max_new_tokens``, or a ``sampling`` entry that sets max_tokens alone).
+    ``model_type`` (the model's config) and ``vocab_size`` must be the continuation's."""
+    finish_fraction = check_finish_fraction(finish_fraction)
     if as_int(num_beams) != 1:
         raise ValueError(f"num_beams={num_beams!r} is not supported (1): no beam search")
     if as_int(num_return_sequences) != 1:
@@ -347,10 +370,13 @@ def check_call(prompts: Any, *, attention_mask: Any = None, max_new_tokens: Any,
             if token >= vocab_size:
                 raise ValueError(f"{name} {token} is outside the vocabulary [0, {vocab_size})")
     call_strings, call_ids = stop_conditions(stop, stop_token_ids, tokenizer=tokenizer, vocab_size=vocab_size)
+    prompts, continuations = split_continuations(prompts, attention_mask)
     prompts = prompt_lists(prompts, attention_mask, pad_token_id=pad_token_id, eos_token_ids=eos_token_ids)
     own = sampling_params(do_sample, temperature, top_k, top_p, seed, sampling, num_requests=len(prompts))
-    # each request's n (its own, else the call's): before its SamplingParams and its rows are built
-    check_call_rows([num_samples if mine is None or mine.n is None else mine.n for mine in own or [None] * len(prompts)])
+    continued = continuations or (None,) * len(prompts)
+    # each request's n (its own, else the call's; a continuation's 1): before its SamplingParams and its rows are built
+    check_call_rows([1 if c is not None else num_samples if mine is None or mine.n is None else mine.n
+                     for c, mine in zip(continued, own or [None] * len(prompts))])
     if max_new_tokens is None and not (own is not None and sampling is not None and prompts
                                        and all(p.max_tokens is not None for p in own)):
         raise ValueError("max_new_tokens is required (as a keyword, in generation_config, or as every "
@@ -359,6 +385,15 @@ def check_call(prompts: Any, *, attention_mask: Any = None, max_new_tokens: Any,
     minimums = ints_per_request(min_new_tokens, len(prompts), name="min_new_tokens", minimum=0, what="minimums")
     params, stop_ids, stop_strings = [], [], []
     for index, (prompt, mine) in enumerate(zip(prompts, own or [SamplingParams(temperature=0.0)] * len(prompts))):
+        if continued[index] is not None:
+            resolved = _continued_params(continued[index], mine if sampling is not None else None, budgets[index],
+                                         index=index, vocab_size=vocab_size, model_type=model_type,
+                                         logprobs_mode=logprobs_mode)
+            _check_prompt(prompt, resolved.max_tokens, index=index, vocab_size=vocab_size, max_positions=max_positions)
+            params.append(resolved)
+            stop_ids.append(continued[index].stop_ids)
+            stop_strings.append(continued[index].stop_strings)
+            continue
         filled = {"n": num_samples, "max_tokens": budgets[index], "min_tokens": minimums[index],
                   "repetition_penalty": float(repetition_penalty)}
         if (mine.min_tokens if mine.min_tokens is not None else minimums[index]) > \
@@ -376,12 +411,65 @@ def check_call(prompts: Any, *, attention_mask: Any = None, max_new_tokens: Any,
         params.append(resolved)
         stop_ids.append(frozenset((*eos_token_ids, *ids)))
         stop_strings.append(strings)
-    if all(p.is_greedy or p.seed is not None for p in params):
+    if all(p.is_greedy or p.seed is not None for p, c in zip(params, continued) if c is None):
         seed = None  # greedy (temperature=0 among it) draws nothing; own seeds key their requests
     elif seed is None:
         seed = int(torch.randint(0, 2**63 - 1, ()).item())  # torch.manual_seed reproduces it
     return CallSpec(prompts, params, seed, pad_token_id, stop_ids, stop_strings, logprobs_mode=logprobs_mode,
-                    profile=profile, share_prefill=share_prefill)
+                    profile=profile, share_prefill=share_prefill, continuations=continuations,
+                    finish_fraction=finish_fraction)
+
+
+def check_finish_fraction(value: Any) -> float | None:
+    """``generate``'s ``finish_fraction``: None (off) or a number in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"finish_fraction must be a number in (0, 1] (the share of the call's rows that finish "
+                         f"before it returns; 1 waits for all) or None (off), got {value!r}")
+    return float(value)
+
+
+def split_continuations(prompts: Any, attention_mask: Any) -> tuple[Any, tuple[Continuation | None, ...] | None]:
+    """(the prompts with each ``Continuation`` replaced by its prompt's ids, per request its
+    continuation or None); (``prompts``, None) when it holds none."""
+    if isinstance(prompts, (str, bytes, Mapping, torch.Tensor)) or not isinstance(prompts, Sequence) \
+            or not any(isinstance(p, Continuation) for p in prompts):
+        return prompts, None
+    if attention_mask is not None:
+        raise ValueError("prompts with continuations are id lists and continuations: give no attention_mask")
+    continuations = tuple(p if isinstance(p, Continuation) else None for p in prompts)
+    return [list(p.prompt_token_ids) if isinstance(p, Continuation) else p for p in prompts], continuations
+
+
+def _continued_params(continued: Continuation, mine: SamplingParams | None, budget: int | None, *, index: int,
+                      vocab_size: int, model_type: str, logprobs_mode: str | None) -> SamplingParams:
+    """A continuation's ``SamplingParams`` in this call: its own, with the budget this call gives it
+    (``budget``, or its ``sampling`` entry's max_tokens, which may set nothing else), counting the
+    tokens it has. Its model, its budget and its logprobs are checked."""
+    where = f"request {index} (a continuation of request {continued.request}, sample {continued.sample})"
+    if (continued.model_type, continued.vocab_size) != (model_type, vocab_size):
+        raise ValueError(f"{where} comes from a model_type={continued.model_type!r} with a vocabulary of "
+                         f"{continued.vocab_size}; this rollout's model is model_type={model_type!r} with "
+                         f"{vocab_size}: continue it on the model that made it")
+    if mine is not None:
+        if dataclasses.replace(mine, max_tokens=None) != SamplingParams():
+            raise ValueError(f"{where}: sampling[{index}]={mine!r} sets more than max_tokens; a continuation keeps "
+                             "its own settings: give SamplingParams(max_tokens=...) or SamplingParams()")
+        budget = mine.max_tokens if mine.max_tokens is not None else budget
+    if budget is None:
+        raise ValueError(f"{where} needs a budget: max_new_tokens, or max_tokens in its sampling entry")
+    if budget <= continued.num_steps:
+        raise ValueError(f"{where} holds {continued.num_steps} tokens, and max_new_tokens={budget} counts them: "
+                         f"give it more than {continued.num_steps}")
+    if (continued.params.min_tokens or 0) > budget:
+        raise ValueError(f"{where} has min_tokens={continued.params.min_tokens}, more than max_new_tokens={budget}: "
+                         f"give it at least {continued.params.min_tokens}")
+    if logprobs_mode in STEP_LOGPROB_MODES and (continued.logprobs is None or continued.logprobs_mode != logprobs_mode):
+        raise ValueError(f"{where} carries {'no' if continued.logprobs is None else repr(continued.logprobs_mode)} "
+                         f"logprobs and this call returns logprobs_mode={logprobs_mode!r}: continue it with the mode "
+                         "of the call that made it, a 'trainer' mode (recomputed) or without return_logprobs")
+    return dataclasses.replace(continued.params, n=1, max_tokens=budget)
 
 
 def _check_prompt(ids: list[int], max_new_tokens: int, *, index: int, vocab_size: int,

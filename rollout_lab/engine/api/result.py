@@ -8,6 +8,7 @@ import torch
 
 from rollout_lab.engine.api.loading import resolve_device
 from rollout_lab.engine.profile import Profile
+from rollout_lab.engine.sched.request import Continuation
 from rollout_lab.engine.trainer import padded_batch
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import check_int
@@ -18,8 +19,11 @@ class SampleOutput:
 
     token_ids: list[int]
     logprobs: list[float] | None  # with generate(return_logprobs=True)
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "unfinished" (a call with finish_fraction returned first)
     text: str | None  # with a tokenizer
+    # (call index, tokens) runs: which call made which of its tokens (RolloutResult.segments); not
+    # compared: two outputs of the same tokens from different calls are equal
+    segments: tuple[tuple[int, int], ...] = field(default=(), compare=False)
     env_mask: list[bool] | None = None  # with generate(env=...): True on the environment's tokens
     num_turns: int = 1  # the model's turns (an episode's: one more than the environment's answers)
 
@@ -54,7 +58,8 @@ class RolloutResult:
     profile: Profile | None
     num_samples: int = 1
     seed: int | None = None
-    # per sequence: "stop" (an EOS id, a stop id or a stop string ended it) or "length" (its budget)
+    # per sequence: "stop" (an EOS id, a stop id or a stop string ended it), "length" (its budget) or
+    # "unfinished" (generate's finish_fraction returned before it ended: it is in ``unfinished``)
     finish_reasons: list[str] = field(default_factory=list)
     # with generate(return_logprobs=True): per sequence, each token's log-probability
     logprobs: list[list[float]] | None = None
@@ -63,6 +68,12 @@ class RolloutResult:
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # per request, the ids prefilled
     pad_token_id: int = 0  # the call's pad id: to_tensors' padding unless it is given one
     samples: list[int] | None = None  # per request, its samples; None: num_samples each
+    # per sequence, (call index, tokens) runs in order: which call of the Rollout (Rollout.num_calls)
+    # made which of its tokens; a continued row's earlier calls first
+    segments: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    # the rows generate(..., finish_fraction=f) returned before they ended, in row order: pass them
+    # among a later call's prompts to continue them
+    unfinished: list[Continuation] = field(default_factory=list)
     # with generate(env=...): per sequence, True on the environment's tokens, and its model turns
     env_masks: list[list[bool]] | None = None
     num_turns: list[int] | None = None
@@ -91,8 +102,9 @@ class RolloutResult:
         def sample(row: int) -> SampleOutput:
             return SampleOutput(self.sequences[row], None if self.logprobs is None else self.logprobs[row],
                                 self.finish_reasons[row], None if self.texts is None else self.texts[row],
-                                None if self.env_masks is None else self.env_masks[row],
-                                1 if self.num_turns is None else self.num_turns[row])
+                                env_mask=None if self.env_masks is None else self.env_masks[row],
+                                num_turns=1 if self.num_turns is None else self.num_turns[row],
+                                segments=self.segments[row] if self.segments else ())
 
         return [RequestOutput(prompt, [sample(row) for row in rows])
                 for prompt, rows in zip(self._prompts(), self._row_ranges())]

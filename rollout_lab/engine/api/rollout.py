@@ -27,6 +27,7 @@ tokens too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -54,6 +55,7 @@ from rollout_lab.engine.sched.episodes import EpisodeBatcher, Episodes, env_mask
 from rollout_lab.engine.sched.hf_generate import run_nocb
 from rollout_lab.engine.sched.paged import PagedBatcher
 from rollout_lab.engine.sched.progress import check_progress, progress_hook, shows_progress
+from rollout_lab.engine.sched.request import Continuation, Request
 from rollout_lab.engine.trainer import eval_mode, rollout_logprobs
 from rollout_lab.planner.bucket_dp import BucketPlan
 from rollout_lab.planner.checks import check_context, is_int
@@ -152,6 +154,7 @@ class Rollout:
                                        settled_after=1 if resolved.refitted else SETTLED_CALLS) if learn else None
         self._explored = False
         self._layout_memo: tuple[tuple, PagedLayout] | None = None  # paged_layout's last (args, answer)
+        self.num_calls = 0  # generate calls run so far; the next one's index (RolloutResult.segments)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
@@ -251,6 +254,7 @@ class Rollout:
         stop: Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         progress: bool | None = None,
+        finish_fraction: float | None = None,
         env: Callable[[int, int, list[int]], list[int] | None] | None = None,
         max_turns: int | None = None,
         max_env_tokens: int | None = None,
@@ -309,6 +313,16 @@ class Rollout:
         ``config.progress`` (None there: where a person watches, a terminal or a Jupyter kernel, and
         not when the environment variable CI is set).
 
+        Partial rollouts (the paged route; ``mode="auto"`` takes it): ``finish_fraction=f`` (in
+        (0, 1]; None: off) returns once ceil(f x rows) rows have finished. The others keep the tokens
+        they have, with the finish reason "unfinished", and come back as ``result.unfinished``, one
+        ``Continuation`` each. A later call takes continuations among its prompts (beside id lists):
+        each is one row (whatever ``num_samples``) that keeps its sampling settings, key and stop
+        rules, and goes on to the budget this call gives it (``max_new_tokens`` counts the tokens it
+        has): it resumes as a preempted row does (its prompt and tokens prefilled again under the
+        current weights), so with unchanged weights it draws the tokens it would have drawn in one
+        call. Its output holds its whole response; ``segments`` tell which call made which tokens.
+
         ``env`` makes each row a multi-turn episode (``engine.sched.episodes``; the paged route, which
         ``mode="auto"`` then takes): ``env(request_index, sample_index, token_ids) -> list[int] | None``
         is called, in a thread pool off the decode loop, when a row stops at one of its stop ids that
@@ -357,17 +371,39 @@ class Rollout:
             profile=config.profile if profile is None else profile,
             repetition_penalty=float(config.repetition_penalty), eos_token_ids=eos_ids,
             pad_token_id=self._pad_token_id(config, eos_ids), vocab_size=self.vocab_size,
-            max_positions=self.max_positions, tokenizer=self.tokenizer, share_prefill=config.share_prefill)
-        if episodes is not None:  # the environment's tokens take positions too
-            for index, (prompt, params) in enumerate(zip(spec.prompts, spec.params)):
+            max_positions=self.max_positions, tokenizer=self.tokenizer, share_prefill=config.share_prefill,
+            finish_fraction=finish_fraction, model_type=self._model_type)
+        if spec.finish_fraction is not None or spec.continuations is not None:
+            self._check_paged_available("finish_fraction" if spec.finish_fraction is not None else "continuations")
+        if episodes is not None:
+            if spec.finish_fraction is not None or spec.continuations is not None:
+                raise ValueError("env= runs whole episodes in one call: finish_fraction= and continuations "
+                                 "among the prompts do not combine with it yet")
+            for index, (prompt, params) in enumerate(zip(spec.prompts, spec.params)):  # the env's tokens take positions too
                 check_context(len(prompt), params.max_tokens + episodes.env_budget(params.max_tokens),
                               self.max_positions, what=f"request {index} (max_new_tokens includes max_env_tokens)")
         with eval_mode(self.model):  # dropout off for the decode and the "trainer" logprobs alike
             return self._run(spec, progress=shows_progress(config.progress if progress is None else progress),
                              episodes=episodes)
 
-    @staticmethod
-    def _check_episodes(config: RolloutConfig, env: Any, max_turns: Any, max_env_tokens: Any,
+    @property
+    def _model_type(self) -> str:
+        """The model's kind as a continuation records it (``Continuation.model_type``)."""
+        return str(getattr(self.model_config, "model_type", ""))
+
+    def _check_paged_available(self, what: str) -> None:
+        """A ``ValueError`` naming ``what`` when this rollout's route cannot be the paged one, the only
+        route that resumes rows (partial rollouts)."""
+        cfg = self.config
+        if cfg.mode not in ("paged", "auto"):
+            raise ValueError(f"{what} needs the paged route, which resumes rows across calls; mode={cfg.mode!r} "
+                             "has none: use mode='paged' or 'auto' (which then takes paged)")
+        if cfg.cache_capacity is not None or cfg.trim_cache:
+            raise ValueError(f"{what} needs the paged route, which cache_capacity and trim_cache (the aligned "
+                             "cache's settings) rule out: size the paged pool with kv_cache_tokens or "
+                             "gpu_memory_fraction")
+
+    def _check_episodes(self, config: RolloutConfig, env: Any, max_turns: Any, max_env_tokens: Any,
                         eos_ids: Sequence[int]) -> Episodes | None:
         """``generate``'s episode arguments checked (``Episodes``, ending at ``eos_ids``); None without ``env``."""
         if env is None:
@@ -376,9 +412,7 @@ class Rollout:
                     raise ValueError(f"{name}={value!r} bounds an episode and this call has none: pass env= too")
             return None
         episodes = Episodes(env, max_turns, max_env_tokens, eos_ids=frozenset(eos_ids))
-        if config.mode not in ("paged", "auto"):
-            raise ValueError(f"env= runs episodes on the paged route only, and this Rollout has mode={config.mode!r}: "
-                             "use mode='paged' or mode='auto'")
+        self._check_paged_available("env=")
         return episodes
 
     def _run(self, spec: CallSpec, *, progress: bool = False, episodes: Episodes | None = None) -> RolloutResult:
@@ -389,6 +423,8 @@ class Rollout:
         cfg = self.config
         self._layout_memo = None  # paged_layout's answer holds for this call only (the device's memory moves)
         stats = Profile()
+        call_index = self.num_calls
+        self.num_calls += 1
         if self.runner.refresh_weights() and self.runner.drop_prefix_cache():
             stats.prefix_cache_dropped = "weights"
         # timed (the device synchronised at every phase) when profiled or when the costs learn from
@@ -420,7 +456,9 @@ class Rollout:
             read_interval = bursts if can_stop or has_strings else 1
             route, first_plan = self._choose_route(lengths, budgets, groups=[r.group for r in requests],
                                                    read_interval=read_interval, bursts=bursts,
-                                                   uniform_stops=len(set(spec.stop_ids)) <= 1)
+                                                   uniform_stops=len(set(spec.stop_ids)) <= 1,
+                                                   resumes=spec.finish_fraction is not None
+                                                   or spec.continuations is not None)
             if episodes is not None:  # paged only (checked); each row's positions hold the env's tokens too
                 route, first_plan = "paged", None
                 budgets = [b + episodes.env_budget(b) for b in budgets]
@@ -468,6 +506,7 @@ class Rollout:
                     prefill_classes=self.prefill_classes(lengths, min(num_rows, cfg.continuous_batch_size or num_rows)),
                     logprobs_mode=step_logprobs, eos_check_interval=self.eos_check_interval,
                     first_plan=first_plan if route in ("bucketed", "paged") else None, on_retire=on_retire,
+                    finish_rows=None if spec.finish_fraction is None else math.ceil(spec.finish_fraction * num_rows),
                 )
                 common = dict(geometry=self.geometry, costs=self.costs, profile=stats, timer=timer, stepper=stepper,
                               prefill_graphs=self.runner.captured_prefill())
@@ -479,6 +518,7 @@ class Rollout:
                 else:
                     batcher = ContinuousBatcher(self.model, requests, settings, **common)
                 plans = batcher.run()
+        finished = batcher.finished if spec.finish_fraction is not None else None
         sequences = [r.tokens for r in requests]
         logprobs = [r.logprobs for r in requests] if step_logprobs else None
         if spec.logprobs_mode is not None and step_logprobs is None:
@@ -488,10 +528,13 @@ class Rollout:
         if env_masks is not None and logprobs is not None:  # the environment's tokens were not drawn
             logprobs = [[0.0 if env else lp for lp, env in zip(lps, mask)] for lps, mask in zip(logprobs, env_masks)]
         plans = [_plan_of_requests(plan, [r.request for r in requests]) for plan in plans]  # plans name rows
-        stats.num_generated_tokens = sum(len(s) for s in sequences)
+        continued = spec.continuations or (None,) * len(spec.prompts)
+        earlier = sum(c.num_steps for c in continued if c is not None)  # tokens earlier calls made
+        stats.num_generated_tokens = sum(len(s) for s in sequences) - earlier
         timer.sync()
         stats.total_ms = (time.perf_counter() - start) * 1e3
-        self._learn(route, sequences, stats)
+        # an unfinished row's length is not a response length
+        self._learn(route, [s for r, s in zip(requests, sequences) if finished is None or r.index in finished], stats)
         if self._compiled_metadata is not None and compiled_graphs() != compiled_before:
             save_compiled(self._compiled_metadata)  # this call compiled: the next process loads it
         reasons = [r.finish_reason for r in requests]
@@ -508,10 +551,30 @@ class Rollout:
                 if r.stop_strings.find(texts[i], floor) is not None:
                     reasons[i] = "stop"
                 texts[i] = r.stop_strings.cut(texts[i], floor)
+        segments = [_segments(continued[r.request], len(r.tokens), call_index) for r in requests]
+        unfinished = []
+        if finished is not None:
+            for i, r in enumerate(requests):
+                if r.index not in finished:
+                    reasons[i] = "unfinished"
+                    unfinished.append(self._continuation(r, segments[i], logprobs=None if logprobs is None else logprobs[i],
+                                                          logprobs_mode=spec.logprobs_mode))
+        stats.num_continued_rows = sum(c is not None and bool(c.token_ids) for c in continued)
+        stats.num_continued_tokens = earlier
+        stats.num_unfinished_rows = len(unfinished)
         return RolloutResult(sequences, route, tuple(plans), stats if spec.profile else None, spec.num_samples or 1,
                              spec.seed, reasons, logprobs, texts, spec.prompts, spec.pad_token_id,
-                             samples=spec.samples, env_masks=env_masks,
+                             samples=spec.samples, segments=segments, unfinished=unfinished, env_masks=env_masks,
                              num_turns=None if episodes is None else [1 + len(r.env_spans) for r in requests])
+
+    def _continuation(self, row: Request, segments: tuple[tuple[int, int], ...], *, logprobs: list[float] | None,
+                      logprobs_mode: str | None) -> Continuation:
+        """An unfinished ``row`` as a later call continues it."""
+        return Continuation(tuple(row.prompt), tuple(row.tokens), None if logprobs is None else tuple(logprobs),
+                            dataclasses.replace(row.params, n=1), row.key, row.request, row.sample, segments,
+                            stop_ids=row.stop_ids, stop_strings=row.stop_strings,
+                            logprobs_mode=None if logprobs is None else logprobs_mode,
+                            model_type=self._model_type, vocab_size=self.vocab_size)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -550,10 +613,11 @@ class Rollout:
 
     def _choose_route(
         self, lengths: Sequence[int], budgets: Sequence[int], *, groups: Sequence[int] | None,
-        read_interval: int, bursts: int, uniform_stops: bool,
+        read_interval: int, bursts: int, uniform_stops: bool, resumes: bool = False,
     ) -> tuple[str, BucketPlan | None]:
         """``route_for``'s route, and Auto's prefill plan over the unique prompts (in order of first
-        appearance) when it priced one: the first admission of all of them runs it (plan once)."""
+        appearance) when it priced one: the first admission of all of them runs it (plan once).
+        ``resumes``: the call returns or continues unfinished rows, which only paged does."""
         cfg = self.config
         n, slots = len(lengths), cfg.continuous_batch_size
         if cfg.mode == "nocb":
@@ -565,8 +629,8 @@ class Rollout:
             return "nocb", None
         if cfg.mode != "auto":
             return cfg.mode, None  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
-        if cfg.prefix_cache or cfg.shared_prefix_attention == "on":  # only the paged pool keeps prompts'
-            self._explored = False                                        # blocks across calls, or shares them
+        if cfg.prefix_cache or cfg.shared_prefix_attention == "on" or resumes:  # only the paged pool keeps
+            self._explored = False             # prompts' blocks across calls, shares them, or resumes rows
             return "paged", None
         sizes = group_sizes(range(n) if groups is None else groups)
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
@@ -674,6 +738,13 @@ class Rollout:
                               budget_name=f"gpu_memory_fraction={cfg.gpu_memory_fraction}", groups=groups)
         self._layout_memo = (key, layout)
         return layout
+
+
+def _segments(continued: Continuation | None, num_tokens: int, call_index: int) -> tuple[tuple[int, int], ...]:
+    """A row's (call index, tokens) runs: a continuation's earlier ones, then this call's tokens."""
+    earlier = () if continued is None else continued.segments
+    made = num_tokens - (0 if continued is None else continued.num_steps)
+    return earlier + ((call_index, made),) if made > 0 else earlier
 
 
 def _plan_of_requests(plan: BucketPlan, request_of: Sequence[int]) -> BucketPlan:

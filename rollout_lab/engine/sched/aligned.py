@@ -78,6 +78,9 @@ class BatchSettings:
     first_plan: BucketPlan | None = None
     # called after each retirement pass with the rows it retired, maybe none (the call's progress bar)
     on_retire: Callable[[Sequence[Request]], None] | None = None
+    # the call returns once this many rows finished, the others as they are (generate's
+    # finish_fraction; the paged route's preemption resumes them in a later call); None: all
+    finish_rows: int | None = None
 
 
 class ContinuousBatcher:
@@ -116,13 +119,16 @@ class ContinuousBatcher:
         self.tails: dict[int, tuple[int, ...]] = {}  # request -> tail chunk widths (this admission)
         self._spans: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # bucket row -> whole KV
         self._in_flight: tuple | None = None  # a burst whose tokens are read late (``_send_burst``)
+        self.finished: set[int] = set()  # the rows retired (their index)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> tuple[list[list[int]], list[BucketPlan]]:
-        while self.queue or self.rows or self._pending():
+        while (self.queue or self.rows or self._pending()) and not self._finished_enough():
             if self.queue or self._pending():
                 self._read_burst()  # admission may read a row's tokens (a preempted row resuming)
             self._admit_queued()
+            if self._finished_enough():
+                break  # rows that finished on their first token reached it
             if not self.rows:
                 if not self.queue and not self._pending():
                     break  # the last admissions all finished on their first token
@@ -164,6 +170,10 @@ class ContinuousBatcher:
             self._retire()
         self._read_burst()
         return self.plans
+
+    def _finished_enough(self) -> bool:
+        """Whether ``settings.finish_rows`` rows have finished (never without it)."""
+        return self.settings.finish_rows is not None and len(self.finished) >= self.settings.finish_rows
 
     @property
     def sequences(self) -> list[list[int]]:
@@ -520,10 +530,13 @@ class ContinuousBatcher:
                 self._set_front(front)
 
     def _report_retired(self, keep: Sequence[int]) -> None:
-        """Tell ``settings.on_retire`` which rows leave: those outside the slots ``keep``."""
+        """Count the rows that leave, those outside the slots ``keep``, as finished and tell
+        ``settings.on_retire`` which they are."""
+        kept = set(keep)
+        retired = [row for slot, row in enumerate(self.rows) if slot not in kept]
+        self.finished.update(row.index for row in retired)
         if self.settings.on_retire is not None:
-            kept = set(keep)
-            self.settings.on_retire([row for slot, row in enumerate(self.rows) if slot not in kept])
+            self.settings.on_retire(retired)
 
     def _compact(self, keep: Sequence[int]) -> None:
         """Only the rows in slots ``keep`` stay; the last of them fill the holes the others left."""

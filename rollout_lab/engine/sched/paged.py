@@ -42,6 +42,9 @@ The ``paged`` route (``engine.kv.paged``). Every loop turn, before a decode step
   blocks back and returns to the head of the queue, its tokens kept. When it is admitted again its
   prompt and all but its last token are prefilled (recompute), its last token is the next input and
   its sampling step continues from its count, so its tokens are those it would have made unpreempted.
+- **continuations** (``generate``'s ``finish_fraction``): a call that returns once enough rows
+  finished leaves the others as they are; a later call's continuation of one (a row with tokens
+  from the start) enters as a preempted row resumes.
 
 Slots stay dense by compaction, which moves block-table rows only (no KV). The profile counts the
 live rows of every decode step (occupancy), the preemptions, the peak of blocks in use, of blocks
@@ -93,7 +96,9 @@ class PagedBatcher(ContinuousBatcher):
         self._keys: dict[int, list[bytes]] = {}  # group -> its prompt's full blocks' keys (block_keys)
         self._hits: dict[int, list[int]] = {}  # a new prompt's first row this turn -> the cached blocks it reads
         self.admitted_order: dict[int, int] = {}  # request -> admission counter (the newest is preempted first)
-        self.resuming: set[int] = set()  # preempted requests waiting in the queue with their tokens
+        # preempted requests waiting in the queue with their tokens; a continuation of an earlier
+        # call (``Request`` with tokens from the start) resumes as one
+        self.resuming: set[int] = {r.index for r in self.requests if r.tokens}
         self.prefilling: _Prefilling | None = None  # a long prompt prefilled across turns
         self._turn_tokens = 0  # prompt tokens this turn prefilled so far
         self._turn_stalls = False  # whether rows were live when this turn began (they wait for it)

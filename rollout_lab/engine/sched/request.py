@@ -9,6 +9,9 @@ resolved ``SamplingParams`` (budget, minimum, penalties, filters), its sampling 
     request = Request(index=3, request=1, sample=1, prompt=[5, 6, 7], params=SamplingParams(max_tokens=16))
     request.is_done    # its budget spent, or its last token one of its stop ids
 
+A row that a call with ``finish_fraction`` returned before it finished comes back as a
+``Continuation``: what a later call needs to make it a row again that goes on where it stopped.
+
 """
 from __future__ import annotations
 
@@ -94,3 +97,36 @@ class Request:
         """"stop" when its last token is one of its stop ids, else "length" (a stop string's
         "stop" is decided on its text, by the result)."""
         return "stop" if self.tokens and self.tokens[-1] in self.stop_ids else "length"
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A row a call returned unfinished (``generate(..., finish_fraction=f)``): a later call takes it
+    among its prompts and continues it (``Rollout.generate``).
+
+    It keeps what makes its next tokens those it would have drawn uninterrupted: its resolved
+    ``params`` (sampling, penalties, minimum), its sampling ``key`` (its step count is
+    ``num_steps``), its stop ids and strings, and its tokens (with their log-probabilities when its
+    call returned them, in ``logprobs_mode``). ``request`` and ``sample`` are its indices in the call
+    that made it; ``segments`` are (call index, tokens) runs: which of its tokens each call made, in
+    order (``Rollout.num_calls`` counts the calls). ``model_type`` and ``vocab_size`` name the model
+    whose tokens these are: another model's continuation is refused."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    params: SamplingParams  # resolved (n=1: a continuation is one row); a later call sets max_tokens
+    key: int
+    request: int
+    sample: int
+    segments: tuple[tuple[int, int], ...]
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: StopStrings | None = None
+    logprobs_mode: str | None = None  # processors.LOGPROB_MODES of its logprobs; None without them
+    model_type: str = ""
+    vocab_size: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        """The sampling steps it has taken: its tokens."""
+        return len(self.token_ids)
