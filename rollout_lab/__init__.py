@@ -7,7 +7,7 @@ Four layers, imports pointing one way (each folder's ``__init__`` says what it m
     measure/  models, workloads, calibration, sweeps, peers          imports engine/, planner/
     plots/    one module per figure family, the explorer             imports measure/ and below
 
-The public API: ``Rollout``, ``RolloutConfig``, ``RolloutResult``, ``SamplingParams`` (loaded on first use, so that
+The public API: ``Rollout``, ``RolloutConfig``, ``RolloutResult``, ``SamplingParams``, ``Continuation`` (loaded on first use, so that
 ``import rollout_lab.planner`` never imports torch), ``CostCoefficients``, ``ModelGeometry``,
 ``plan_buckets`` and ``choose_route``.
 """
@@ -19,10 +19,11 @@ from rollout_lab.planner.bucket_dp import plan_buckets
 from rollout_lab.planner.cost import CostCoefficients, ModelGeometry
 from rollout_lab.planner.routes import choose_route
 
-__all__ = ["Rollout", "RolloutConfig", "RolloutResult", "SamplingParams", "CostCoefficients", "ModelGeometry",
-           "plan_buckets", "choose_route"]
+__all__ = ["Rollout", "RolloutConfig", "RolloutResult", "SamplingParams", "Continuation", "CostCoefficients",
+           "ModelGeometry", "plan_buckets", "choose_route"]
 _ENGINE = {"Rollout": "rollout_lab.engine.api.rollout", "RolloutConfig": "rollout_lab.engine.api.config",
-           "RolloutResult": "rollout_lab.engine.api.result", "SamplingParams": "rollout_lab.engine.sample.params"}
+           "RolloutResult": "rollout_lab.engine.api.result", "SamplingParams": "rollout_lab.engine.sample.params",
+           "Continuation": "rollout_lab.engine.sched.request"}
 
 
 def __getattr__(name: str) -> Any:

@@ -307,7 +307,34 @@ def test_the_long_tail_measurement_runs_tiny():
     assert loop["full"]["left_unfinished"] == 0 and all(c["continued_rows"] == 0 for c in loop["full"]["calls"])
     partial = loop["partial"]["calls"]
     assert [c["continued_rows"] for c in partial[1:]] == [c["unfinished_rows"] for c in partial[:-1]]
-    assert len(partial_rollout_rows(record)) == 6
+    rows = partial_rollout_rows(record)
+    assert [(r["part"], r["loop"]) for r in rows[:2]] == [("one_call", "full"), ("one_call", "partial")]
+    assert len(rows) == 2 + 6
+    one_part = {"results": {"one_call": record["results"]["one_call"]}}  # as saved after the one-call part
+    assert len(partial_rollout_rows(one_part)) == 2
+
+
+def test_partial_rollout_defaults_are_the_run_functions():
+    import inspect
+
+    from rollout_lab.measure.partial_rollouts import PARTIAL_ROLLOUT_DEFAULTS, run_partial_rollouts
+
+    params = inspect.signature(run_partial_rollouts).parameters
+    assert PARTIAL_ROLLOUT_DEFAULTS == {k: params[k].default for k in PARTIAL_ROLLOUT_DEFAULTS}
+
+
+def test_bench_partial_rollouts_refuses_bad_settings_before_the_model(tmp_path, monkeypatch, capsys):
+    from rollout_lab.cli.main import main
+
+    monkeypatch.setattr("rollout_lab.cli.bench.build_model", lambda *a, **k: pytest.fail("built a model"))
+    base = ["bench", "partial-rollouts", "--tiny", "qwen2", "--dataset", "gsm8k", "--max-new-tokens", "64",
+            "--out", str(tmp_path / "rec")]
+    for extra, message in ((["--finish-fraction", "1.5"], "finish_fraction must be a number in (0, 1]"),
+                           (["--num-calls", "65"], "num_calls must be an int >= 1 and <= 64, got 65"),
+                           (["--hazard", "0.9"], "hazard")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_the_long_tail_measurement_refuses_bad_settings():

@@ -1,6 +1,6 @@
 """``rollout-lab bench ...``: one benchmark on a tiny or preset model, one record. Each bench is a
 measure module's run (``measure.rl``, ``grpo``, ``decode_step``, ``prefill_routes``, ``fidelity``,
-``long_tail``, ``trainer_loop``, ``defaults``, ``prefix_sharing``), whose docstring gives its H200 command.
+``long_tail``, ``trainer_loop``, ``defaults``, ``prefix_sharing``, ``partial_rollouts``), whose docstring gives its H200 command.
 
 A bench's options take their choices and defaults from its measure module (torch): ``BenchParser``
 adds them when that bench parses, so `plan` and `bench --help` import no torch."""
@@ -218,6 +218,40 @@ def cmd_bench_long_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _partial_rollouts_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.partial_rollouts import PARTIAL_ROLLOUT_DEFAULTS  # torch: when it parses
+
+    d = PARTIAL_ROLLOUT_DEFAULTS  # run_partial_rollouts' own defaults
+    _add_bench_options(p, preset="qwen2.5-0.5b")
+    p.add_argument("--num-prompts", type=positive_int, default=d["num_prompts"],
+                   help="rows of every call (default %(default)s)")
+    p.add_argument("--dataset", default=d["dataset"], choices=DATASETS, help="whose prompt lengths (default %(default)s)")
+    p.add_argument("--hazard", type=float, default=d["hazard"], help="per-step EOS probability, in (0, 0.5] (default 1/295)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"],
+                   help="every row's budget over its whole response (default %(default)s)")
+    p.add_argument("--slots", type=positive_int, default=d["slots"], help="slots of the paged pool (default %(default)s)")
+    p.add_argument("--finish-fraction", type=float, default=d["finish_fraction"],
+                   help="a call returns once this fraction of its rows finished, in (0, 1] (default %(default)s)")
+    p.add_argument("--num-calls", type=positive_int, default=d["num_calls"],
+                   help="consecutive calls of the loops (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="seed of the workload and of the sampling")
+    p.add_argument("--reps", type=positive_int, default=d["reps"],
+                   help="timed one-call runs per path after one warm-up (default %(default)s)")
+
+
+def cmd_bench_partial_rollouts(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.partial_rollouts import (PARTIAL_ROLLOUT_DEFAULTS,  # torch
+                                                      check_partial_settings, partial_rollout_rows,
+                                                      run_partial_rollouts)
+
+    settings = {k: getattr(args, k) for k in PARTIAL_ROLLOUT_DEFAULTS}
+    check_partial_settings(**settings, limits=_model_limits(args))
+    _run_bench(args, partial_rollout_rows, lambda model, name, save: run_partial_rollouts(
+        model, model_name=name, dtype=args.dtype, save=save, config=_bench_config(args), **_bench_provenance(args),
+        **settings))
+    return 0
+
+
 def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
     from rollout_lab.engine.sample.processors import LOGPROB_MODES  # torch: a bench's options, when it parses
     from rollout_lab.engine.api.config import MODES  # torch, as above
@@ -361,6 +395,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                _logits_options, cmd_bench_logits),
     "long-tail": ("sampled RL rows ending at EOS at very different times: the aligned cache against the paged pool",
                   _long_tail_options, cmd_bench_long_tail),
+    "partial-rollouts": ("the EOS long tail with finish_fraction: one call and a loop of calls carrying their "
+                         "unfinished rows, against full calls", _partial_rollouts_options, cmd_bench_partial_rollouts),
     "trainer-loop": ("rollout alternated with a GRPO trainer step on one model: sync cost, recaptures, logprob mismatch",
                      _trainer_loop_options, cmd_bench_trainer_loop),
     "defaults": ("RolloutConfig() with nothing set against the tuned setting, one Rollout each: ratio and first call",

@@ -48,6 +48,10 @@ from rollout_lab.planner.checks import check_int
 PARTIAL_CALL_TIME_TARGET = 0.6
 PARTIAL_LOOP_SPEEDUP_TARGET = 1.4
 MAX_LOOP_CALLS = 64
+# run_partial_rollouts' settings and their defaults (its signature's): the command line's defaults
+PARTIAL_ROLLOUT_DEFAULTS: dict[str, Any] = {
+    "num_prompts": 512, "dataset": "gpqa_diamond", "hazard": 1 / 295, "max_new_tokens": 2048, "slots": 128,
+    "seed": 0, "reps": 1, "finish_fraction": 0.9, "num_calls": 4}
 
 
 def check_partial_settings(*, num_prompts: int, dataset: str, hazard: float, max_new_tokens: int, slots: int,
@@ -161,7 +165,13 @@ def _run_loop(rollout: Rollout, calls: Sequence[Sequence[Sequence[int]]], device
 
 
 def partial_rollout_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The record's loop calls as table rows (loop, call, ms, rows, continued, delivered tokens)."""
-    return [{"loop": name, "call": k, **call} for name in ("full", "partial")
-            for k, call in enumerate(record["results"]["loop"][name]["calls"])]
+    """The record as table rows: the one-call comparison's two calls (part "one_call", loop "full" or
+    "partial", call 0), then each loop's calls (part "loop": ms, rows, continued, delivered tokens),
+    as far as the record got (it is saved after each part)."""
+    results = record["results"]
+    rows = [{"part": "one_call", "loop": name, "call": 0, "ms": results["one_call"][name]["mean_ms"],
+             "output_tokens": results["one_call"][name]["output_tokens"]}
+            for name in ("full", "partial") if name in results.get("one_call", {})]
+    return rows + [{"part": "loop", "loop": name, "call": k, **call} for name in ("full", "partial")
+                   if name in results.get("loop", {}) for k, call in enumerate(results["loop"][name]["calls"])]
 
