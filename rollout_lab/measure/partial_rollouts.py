@@ -102,7 +102,7 @@ def run_partial_rollouts(
         "results": results,
     }
     engine = RolloutConfig(mode="paged", continuous_batch_size=slots, eos_token_id=eos_ids, pad_token_id=pad_id)
-    generate = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, progress=False)
+    generate = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0)
     rollout = Rollout(model, engine)
     one = {}
     for name, fraction in (("full", None), ("partial", finish_fraction)):
@@ -126,10 +126,10 @@ def run_partial_rollouts(
 def _time_call(rollout: Rollout, prompts: Sequence[Sequence[int]], device: torch.device, *, reps: int, name: str,
                **generate: Any) -> dict[str, Any]:
     """One warm-up and ``reps`` timed calls of ``prompts``: their times, tokens and finish reasons."""
-    rollout.generate(prompts, **generate)
+    rollout.generate(prompts, progress=False, **generate)
     samples, result = [], None
     for _ in range(reps):
-        ms, result = timed_ms(lambda: rollout.generate(prompts, **generate), device)
+        ms, result = timed_ms(lambda: rollout.generate(prompts, progress=False, **generate), device)
         samples.append(ms)
     mean_ms = statistics.fmean(samples)
     tokens = sum(map(len, result.sequences))
@@ -149,7 +149,7 @@ def _run_loop(rollout: Rollout, calls: Sequence[Sequence[Sequence[int]]], device
     for k, prompts in enumerate(calls):
         batch = [*carried, *prompts[: len(prompts) - len(carried)]]
         ms, result = timed_ms(lambda: rollout.generate(batch, finish_fraction=finish_fraction, seed=seed + k,
-                                                       profile=True, **generate), device)
+                                                       profile=True, progress=False, **generate), device)
         delivered = sum(len(s) for s, reason in zip(result.sequences, result.finish_reasons) if reason != "unfinished")
         per_call.append({"ms": ms, "rows": len(batch), "continued_rows": len(carried),
                          "generated_tokens": result.profile.num_generated_tokens, "delivered_tokens": delivered,
