@@ -3,6 +3,7 @@ the same at every latency (so are the tokens), the call tokens a share of the vo
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import get_tiny
 
 from rollout_lab.measure.tool_episodes import ToolEnv, call_ids, run_tool_episodes
@@ -34,3 +35,30 @@ def test_the_environment_answers_are_a_function_of_the_row_and_its_call():
 def test_unknown_settings_are_refused_before_any_work(no_forward):
     with pytest.raises(ValueError, match="unknown tool_episodes settings \\['turns'\\]"):
         run_tool_episodes(no_forward, model_name="tiny-qwen2", dtype="float32", turns=3)
+
+
+def test_tool_episode_settings_are_checked_before_any_work():
+    from rollout_lab.engine.limits import ModelLimits
+    from rollout_lab.measure.tool_episodes import TOOL_EPISODES, check_tool_episodes_settings
+
+    assert check_tool_episodes_settings() == TOOL_EPISODES
+    limits = ModelLimits(512, 1024, 384, torch.device("cpu"))
+    for kwargs, message in ((dict(num_prompts=0), "num_prompts must be an int >= 1, got 0"),
+                            (dict(min_len=40, max_len=20), "min_len=40 is above max_len=20"),
+                            (dict(latencies_ms=(0.0, -5.0)), "latencies_ms must be one or more numbers"),
+                            (dict(warp=1), r"unknown tool_episodes settings \['warp'\]"),
+                            (dict(limits=limits), "max_new_tokens=512: a prompt of 512 tokens")):
+        with pytest.raises(ValueError, match=message):
+            check_tool_episodes_settings(**kwargs)
+
+
+def test_bench_tool_episodes_refuses_bad_settings_before_the_model(tmp_path, monkeypatch, capsys):
+    from rollout_lab.cli.main import main
+
+    monkeypatch.setattr("rollout_lab.cli.bench.build_model", lambda *a, **k: pytest.fail("built a model"))
+    base = ["bench", "tool-episodes", "--tiny", "qwen2", "--out", str(tmp_path / "rec")]
+    for extra, message in ((["--min-len", "40", "--max-len", "20"], "min_len=40 is above max_len=20"),
+                           ([], "past the model's context of 512")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err

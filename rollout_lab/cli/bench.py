@@ -1,6 +1,6 @@
 """``rollout-lab bench ...``: one benchmark on a tiny or preset model, one record. Each bench is a
 measure module's run (``measure.rl``, ``grpo``, ``decode_step``, ``prefill_routes``, ``fidelity``,
-``long_tail``, ``trainer_loop``, ``defaults``, ``prefix_sharing``, ``partial_rollouts``), whose docstring gives its H200 command.
+``long_tail``, ``trainer_loop``, ``defaults``, ``prefix_sharing``, ``partial_rollouts``, ``tool_episodes``), whose docstring gives its H200 command.
 
 A bench's options take their choices and defaults from its measure module (torch): ``BenchParser``
 adds them when that bench parses, so `plan` and `bench --help` import no torch."""
@@ -252,6 +252,40 @@ def cmd_bench_partial_rollouts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tool_episodes_options(p: argparse.ArgumentParser) -> None:
+    from rollout_lab.measure.tool_episodes import TOOL_EPISODES  # torch: when it parses
+
+    d = TOOL_EPISODES
+    _add_bench_options(p, preset=d["preset"])
+    p.add_argument("--num-prompts", type=positive_int, default=d["num_prompts"], help="episodes (default %(default)s)")
+    p.add_argument("--min-len", type=positive_int, default=d["min_len"], help="shortest prompt (default %(default)s)")
+    p.add_argument("--max-len", type=positive_int, default=d["max_len"], help="longest prompt (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=d["max_new_tokens"],
+                   help="the model's tokens per episode (default %(default)s)")
+    p.add_argument("--max-turns", type=positive_int, default=d["max_turns"], help="model turns (default %(default)s)")
+    p.add_argument("--answer-min", type=positive_int, default=d["answer_min"],
+                   help="shortest environment answer (default %(default)s)")
+    p.add_argument("--answer-max", type=positive_int, default=d["answer_max"],
+                   help="longest environment answer (default %(default)s)")
+    p.add_argument("--latencies-ms", type=float, nargs="+", default=[0.0, 50.0],
+                   help="environment latencies, one run each; the first is the baseline (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload, the answers and the sampling")
+
+
+def cmd_bench_tool_episodes(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.tool_episodes import (check_tool_episodes_settings, run_tool_episodes,  # torch
+                                                   tool_episode_rows)
+
+    names = ("num_prompts", "min_len", "max_len", "max_new_tokens", "max_turns", "answer_min", "answer_max")
+    overrides = {k: getattr(args, k) for k in names}
+    latencies = tuple(args.latencies_ms)
+    check_tool_episodes_settings(seed=args.seed, latencies_ms=latencies, limits=_model_limits(args), **overrides)
+    record = _run_bench(args, tool_episode_rows, lambda model, name, save: run_tool_episodes(
+        model, model_name=name, dtype=args.dtype, seed=args.seed, latencies_ms=latencies, config=None, **overrides))
+    print(f"ratios {record['ratios']}  targets {record['issue_targets']}")
+    return 0
+
+
 def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
     from rollout_lab.engine.sample.processors import LOGPROB_MODES  # torch: a bench's options, when it parses
     from rollout_lab.engine.api.config import MODES  # torch, as above
@@ -397,6 +431,8 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
                   _long_tail_options, cmd_bench_long_tail),
     "partial-rollouts": ("the EOS long tail with finish_fraction: one call and a loop of calls carrying their "
                          "unfinished rows, against full calls", _partial_rollouts_options, cmd_bench_partial_rollouts),
+    "tool-episodes": ("multi-turn episodes with an environment (generate(env=...)) against a single-turn call of "
+                      "the same tokens, and at an environment latency", _tool_episodes_options, cmd_bench_tool_episodes),
     "trainer-loop": ("rollout alternated with a GRPO trainer step on one model: sync cost, recaptures, logprob mismatch",
                      _trainer_loop_options, cmd_bench_trainer_loop),
     "defaults": ("RolloutConfig() with nothing set against the tuned setting, one Rollout each: ratio and first call",

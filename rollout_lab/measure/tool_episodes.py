@@ -22,15 +22,17 @@ record holds the ratios beside the issue's targets (``ISSUE_TARGETS``) and claim
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.api.rollout import Rollout
+from rollout_lab.engine.limits import ModelLimits, check_call_rows
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.planner.checks import check_int
 
 TOOL_EPISODES: dict[str, Any] = {"num_prompts": 256, "min_len": 64, "max_len": 512, "max_new_tokens": 512,
                                  "max_turns": 4, "answer_min": 20, "answer_max": 200, "temperature": 1.0,
@@ -58,6 +60,34 @@ class ToolEnv:
         return rng.integers(self.low, self.vocab_size, length).tolist()
 
 
+def check_tool_episodes_settings(*, seed: int = 0, latencies_ms: Sequence[float] = (0.0, 50.0),
+                                 limits: ModelLimits | None = None, **overrides: Any) -> dict[str, Any]:
+    """The workload ``TOOL_EPISODES`` with ``overrides``, checked: ValueError naming the first bad setting
+    and what would be valid (with ``limits``, a row's prompt, model tokens and environment answers
+    within the model's context, and one call's rows); before any model or prompt is built."""
+    unknown = sorted(set(overrides) - set(TOOL_EPISODES))
+    if unknown:
+        raise ValueError(f"unknown tool_episodes settings {unknown}; valid: {sorted(TOOL_EPISODES)}")
+    spec = TOOL_EPISODES | overrides
+    for name in ("num_prompts", "min_len", "max_len", "max_new_tokens", "max_turns", "answer_min", "answer_max"):
+        check_int(spec[name], name=name, minimum=1)
+    for low, high in (("min_len", "max_len"), ("answer_min", "answer_max")):
+        if spec[low] > spec[high]:
+            raise ValueError(f"{low}={spec[low]} is above {high}={spec[high]}: give {low} <= {high}")
+    check_int(seed, name="seed", minimum=0)
+    if isinstance(latencies_ms, str) or not latencies_ms or any(
+            isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 60_000 for x in latencies_ms):
+        raise ValueError(f"latencies_ms must be one or more numbers of milliseconds in [0, 60000], got {latencies_ms!r}")
+    if limits is not None:
+        check_call_rows([1] * spec["num_prompts"])
+        env = spec["answer_max"] * (spec["max_turns"] - 1)
+        limits.check_context("max_new_tokens", spec["max_new_tokens"], positions=spec["max_len"] + spec["max_new_tokens"] + env,
+                             what=f"a prompt of {spec['max_len']} tokens, {spec['max_new_tokens']} model tokens and "
+                                  f"{spec['max_turns'] - 1} answers of up to {spec['answer_max']} tokens",
+                             most=limits.max_positions - spec["max_len"] - env)
+    return spec
+
+
 def call_ids(vocab_size: int, mean_turn_tokens: float, seed: int) -> list[int]:
     """A random ``1 / mean_turn_tokens`` share of the vocabulary (at least one id): the call tokens."""
     count = max(1, round(vocab_size / mean_turn_tokens))
@@ -69,10 +99,8 @@ def run_tool_episodes(model: torch.nn.Module, *, model_name: str, dtype: str, se
                       **overrides: Any) -> dict[str, Any]:
     """The record of ``TOOL_EPISODES`` (``overrides`` replace its fields) on ``model`` (module
     docstring); ``config``: more ``RolloutConfig`` fields."""
-    unknown = sorted(set(overrides) - set(TOOL_EPISODES))
-    if unknown:
-        raise ValueError(f"unknown tool_episodes settings {unknown}; valid: {sorted(TOOL_EPISODES)}")
-    spec = TOOL_EPISODES | overrides
+    spec = check_tool_episodes_settings(seed=seed, latencies_ms=latencies_ms, limits=ModelLimits.of_model(model),
+                                        **overrides)
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
     rng = np.random.default_rng([seed, 0])
@@ -120,3 +148,8 @@ def _run_fields(wall_ms: float, result: Any, env_tokens: int) -> dict[str, Any]:
     tokens = sum(len(s) for s in result.sequences)
     return {"wall_ms": wall_ms, "model_tokens": tokens - env_tokens, "env_tokens": env_tokens,
             "tok_s": tokens / wall_ms * 1e3, "model_tok_s": (tokens - env_tokens) / wall_ms * 1e3}
+
+
+def tool_episode_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's runs as table rows (run, wall ms, tokens, tok/s, env calls, history prefilled again)."""
+    return [{"run": name, **fields} for name, fields in record["runs"].items()]
