@@ -59,6 +59,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
                                          "reps": 1},
                           "prefix_sharing_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 4, "reps": 1,
                                                    "prompt_lengths": [16, 80]},
+                          "partial_rollouts_shape": {"num_prompts": 8, "dataset": "gsm8k", "max_new_tokens": 32,
+                                                     "hazard": 0.05, "slots": 4, "num_calls": 2, "finish_fraction": 0.75},
                           "trainer_loop_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 4, "scale": 0.05,
                                                  "iterations": 2, "logprobs_mode": "trainer"},
                           "more_shape": {"workloads": ["short_tail"], "max_new_tokens": 2, "paths": ["bucketed", "auto"]}},
@@ -294,6 +296,9 @@ NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
         "prefix_sharing_shape": _shape("prefix_sharing_shape", "rollout_lab.measure.prefix_sharing",
                                        "PREFIX_SHARING_DEFAULTS"),
         "prefix_sharing_results_file": PATH,
+        "partial_rollouts_shape": _shape("partial_rollouts_shape", "rollout_lab.measure.partial_rollouts",
+                                         "PARTIAL_ROLLOUT_DEFAULTS"),
+        "partial_rollouts_results_file": PATH,
         "prefill_batch_sizes": _number(int, 1, MAX_PROMPTS, items=True, or_none=True), "prefill_routes_file": PATH_LIST,
         "more_results_file": PATH_LIST,
         "more_shape": _checked("a dict of workloads, max_new_tokens and optionally paths, repetitions "
@@ -365,7 +370,8 @@ def notebook_parameters(
 # the parameters that name files or folders: those read, and those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "long_tail_results_file",
                     "trainer_loop_results_file", "decode_step_file",
-                    "prefill_routes_file", "grpo_results_file", "prefix_sharing_results_file", "peer_results_file",
+                    "prefill_routes_file", "grpo_results_file", "prefix_sharing_results_file", "partial_rollouts_results_file",
+                    "peer_results_file",
                     "more_results_file", "more_peer_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
 

@@ -295,7 +295,11 @@ def test_the_long_tail_measurement_runs_tiny():
     record = run_partial_rollouts(get_tiny("qwen2"), model_name="tiny-qwen2", dtype="float32", dataset="gsm8k",
                                   num_prompts=8, max_new_tokens=32, hazard=0.05, slots=4, num_calls=3,
                                   finish_fraction=0.75, save=saved.append)
-    assert record["kind"] == "partial_rollouts" and len(saved) == 2
+    assert record["kind"] == "partial_rollouts" and len(saved) == 3  # after the one call, the trace, the loops
+    for name in ("full", "partial"):  # the live rows over a profiled call: from none to the slots, ending at none
+        trace = record["results"]["trace"][name]
+        assert trace[0] == [0.0, 0] and trace[-1][1] == 0 and max(r for _, r in trace) == 4
+        assert [t for t, _ in trace] == sorted(t for t, _ in trace)
     one, loop = record["results"]["one_call"], record["results"]["loop"]
     assert one["full"]["num_unfinished_rows"] == 0 and one["full"]["finish_reasons"].get("unfinished") is None
     assert one["partial"]["finish_reasons"].get("unfinished", 0) == one["partial"]["num_unfinished_rows"] <= 2
@@ -377,3 +381,36 @@ def test_a_continuation_resumes_under_the_current_weights():
     full = Rollout(model, cfg).generate(prompts, max_new_tokens=BUDGET).sequences
     rows = [i for i, reason in enumerate(part.finish_reasons) if reason == "unfinished"]
     assert any(tokens != full[i] for tokens, i in zip(more.sequences, rows)), "the update changes some row"
+
+
+def test_live_rows_trace_follows_the_decode_bursts():
+    from rollout_lab.measure.partial_rollouts import live_rows_trace
+
+    forwards = [{"kind": "prefill", "ms": 2.0}, {"kind": "decode", "rows": 4, "steps": 8, "ms": 3.0},
+                {"kind": "prefill", "ms": 1.0}, {"kind": "decode", "rows": 4, "steps": 1, "ms": 0.5},
+                {"kind": "decode", "rows": 2, "steps": 8, "ms": 2.0}]
+    assert live_rows_trace(forwards) == [[0.0, 0], [2.0, 4], [6.5, 2], [8.5, 0]]
+    assert live_rows_trace([]) == [[0.0, 0]]
+
+
+@pytest.mark.slow  # ~0.5 s: a figure laid out
+def test_the_figure_draws_live_rows_and_the_loop():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rollout_lab.plots.partial_rollouts import plot_partial_rollouts
+
+    record = {"config": {"finish_fraction": 0.9}, "results": {
+        "trace": {"full": [[0.0, 4], [10.0, 1], [30.0, 0]], "partial": [[0.0, 4], [10.0, 0]]},
+        "loop": {"full": {"calls": [{}, {}], "delivered_tokens_per_s": 100.0},
+                 "partial": {"calls": [{}, {}], "delivered_tokens_per_s": 150.0}, "speedup": 1.5}}}
+    fig = plot_partial_rollouts(record, title="t")
+    live, loop = fig.axes
+    assert len(live.get_lines()) == 3  # two step lines and the partial call's end
+    assert [p.get_height() for p in loop.patches] == [100.0, 150.0] and loop.texts[0].get_text() == "1.50×"
+    plt.close(fig)
+    fig = plot_partial_rollouts({"results": {}})
+    assert all(not ax.axison for ax in fig.axes)
+    plt.close(fig)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,10 +39,13 @@ from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.sched.request import Continuation
 from rollout_lab.measure.long_tail import check_long_tail_settings
-from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.models import load_model, model_config, special_token_ids
+from rollout_lab.measure.paths import release_memory
 from rollout_lab.measure.provenance import provenance
+from rollout_lab.measure.records import load_record, shape_settings
 from rollout_lab.measure.workloads import eos_long_tail, lengths_to_prompts
 from rollout_lab.planner.checks import check_int
+from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # the issue's targets: the partial call's time over the full call's (at most), the partial loop's
 # delivered tokens per second over the full loop's (at least)
@@ -111,6 +115,13 @@ def run_partial_rollouts(
     one["time_ratio"] = one["partial"]["mean_ms"] / one["full"]["mean_ms"]
     results["one_call"] = one
     save(record)
+    # one profiled call of each on the same prompts: the live rows over its time (the profile's forwards)
+    results["trace"] = {}
+    for name, fraction in (("full", None), ("partial", finish_fraction)):
+        result = rollout.generate(calls[0], finish_fraction=fraction, seed=seed, profile=True, progress=False,
+                                  **generate)
+        results["trace"][name] = live_rows_trace(result.profile.forwards)
+    save(record)
     loops = {"full": _run_loop(rollout, calls, device, finish_fraction=None, seed=seed, **generate),
              "partial": _run_loop(rollout, calls, device, finish_fraction=finish_fraction, seed=seed, **generate)}
     loops["speedup"] = loops["partial"]["delivered_tokens_per_s"] / loops["full"]["delivered_tokens_per_s"]
@@ -164,6 +175,19 @@ def _run_loop(rollout: Rollout, calls: Sequence[Sequence[Sequence[int]]], device
             "left_unfinished": len(carried)}
 
 
+def live_rows_trace(forwards: Sequence[Mapping[str, Any]]) -> list[list[float]]:
+    """The live rows over a profiled call's time from its ``Profile.forwards``: [ms, rows] where a decode
+    burst changes them (a prefill keeps the rows before it, 0 at the start: they wait for it), and
+    [its end, 0]; ms count every timed forward from the first (the host's time between them is left out)."""
+    points, clock = [], 0.0
+    for forward in forwards:
+        rows = forward.get("rows", 0) if forward["kind"] == "decode" else (points[-1][1] if points else 0)
+        if not points or points[-1][1] != rows:
+            points.append([clock, rows])
+        clock += forward["ms"]
+    return points + [[clock, 0]]
+
+
 def partial_rollout_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The record as table rows: the one-call comparison's two calls (part "one_call", loop "full" or
     "partial", call 0), then each loop's calls (part "loop": ms, rows, continued, delivered tokens),
@@ -175,3 +199,31 @@ def partial_rollout_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows + [{"part": "loop", "loop": name, "call": k, **call} for name in ("full", "partial")
                    if name in results.get("loop", {}) for k, call in enumerate(results["loop"][name]["calls"])]
 
+
+
+def partial_rollouts_or_load(
+    *, partial_rollouts_shape: Mapping[str, Any] | None, partial_rollouts_results_file: str | None, model: str,
+    dtype: str, device: str, output_dir: Any = None,
+) -> tuple[str, dict[str, Any]] | None:
+    """(name, record) of the partial-rollouts run notebook 03 shows: ``partial_rollouts_shape``
+    (``run_partial_rollouts``' settings, ``PARTIAL_ROLLOUT_DEFAULTS`` where it says nothing) measured on
+    ``model`` into ``<workspace>/data/results/partial_rollouts_<model>_<dtype>_<device>`` (written after
+    each part; an existing record there is an error), else the saved record
+    ``partial_rollouts_results_file``, else None. Giving both is an error; so are bad settings and a
+    record in the way, all raised before the model is built."""
+    if partial_rollouts_shape is not None and partial_rollouts_results_file is not None:
+        raise ValueError("give partial_rollouts_shape (measure) or partial_rollouts_results_file (render), not both")
+    if partial_rollouts_shape is None:
+        if partial_rollouts_results_file is None:
+            return None
+        return str(partial_rollouts_results_file), load_record(Path(partial_rollouts_results_file), "partial_rollouts")
+    shape = shape_settings("partial_rollouts_shape", partial_rollouts_shape, PARTIAL_ROLLOUT_DEFAULTS)
+    config, name = model_config(model)
+    check_partial_settings(**shape, limits=ModelLimits.of_config(config, dtype=dtype, device=device))
+    out = record_paths(Workspace.resolve(output_dir).results / f"partial_rollouts_{run_tag(name, dtype, device)}")
+    net, name = load_model(model, dtype=dtype, device=device)
+    record = run_partial_rollouts(net, model_name=name, dtype=dtype, script="notebook 03 (partial_rollouts_shape)",
+                                  save=lambda r: write_record(out, r, partial_rollout_rows(r)), **shape)
+    del net
+    release_memory(torch.device(device))
+    return str(out[0]), record
