@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Sequence
 
 import torch
@@ -450,7 +450,6 @@ class PagedKVCache:
         if not self.prefix_groups or seen == self._groups_seen:
             return
         group_of_row, blocks = self.allocator.prefix_groups(num_rows, self.prefix_groups)
-        device = self.group_of_row.device
         rows = torch.full((self.num_slots,), -1, dtype=torch.int32)
         rows[:num_rows] = torch.tensor(group_of_row, dtype=torch.int32)
         table = torch.zeros(self.prefix_blocks.shape, dtype=torch.int32)
@@ -460,8 +459,9 @@ class PagedKVCache:
         lengths = torch.zeros(self.prefix_len.shape, dtype=torch.int32)
         lengths[: len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
         for buf, host in ((self.group_of_row, rows), (self.prefix_blocks, table), (self.prefix_len, lengths)):
-            buf.copy_(host.to(device))
-        self.group_rows = [group_of_row.count(g) for g in range(len(blocks))]
+            buf.copy_(host)  # one host-to-device copy each
+        sizes = Counter(group_of_row)
+        self.group_rows = [sizes[g] for g in range(len(blocks))]
         self.group_tokens = tokens
         self._groups_seen = seen
 
