@@ -61,11 +61,12 @@ if triton is not None:
         products summed per output element, because the interpreter's ``tl.dot`` is numpy's matmul,
         whose BLAS kernel rounds a row differently by its index in the tile; a GPU's dot does not."""
         if NATIVE:
-            return tl.dot(a, b)
+            out = tl.dot(a, b)
         elif SERIAL:
-            return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+            out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
         else:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+        return out
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever M (its divisibility included)
     def _matmul(
@@ -261,7 +262,8 @@ def _launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, 
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HAS_BIAS=bias is not None, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
-        PRECISION="ieee", NATIVE=_native(a.dtype, a.device), SERIAL=a.device.type == "cpu", num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
+        PRECISION="ieee", NATIVE=_native(a.dtype, a.device), SERIAL=a.device.type == "cpu",
+        num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
     )
     return out
 
@@ -465,10 +467,12 @@ def invariant_paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value
     _paged_decode[grid](
         query, key_pool, value_pool, block_tables, positions, out,
         query.stride(0), query.stride(1), query.stride(3), *key_pool.stride(), *value_pool.stride(),
-        block_tables.stride(0), block_tables.stride(1), positions.stride(0), out.stride(0), out.stride(2), out.stride(3),
+        block_tables.stride(0), block_tables.stride(1), positions.stride(0),
+        out.stride(0), out.stride(2), out.stride(3),
         block_tables.shape[1], float(scale),
         KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=BLOCK_ROWS, BLOCK_N=INVARIANT_BLOCK_N, PRECISION="ieee",
-        NATIVE=_native(query.dtype, query.device), SERIAL=query.device.type == "cpu", num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
+        NATIVE=_native(query.dtype, query.device), SERIAL=query.device.type == "cpu",
+        num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
     )
     return out
