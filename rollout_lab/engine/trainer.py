@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.engine.kernels.batch_invariant import batch_invariant as invariant_forward
+from rollout_lab.engine.kernels.token_logprobs import row_logprobs
 from rollout_lab.planner.checks import MAX_INT, as_int, check_int
 
 # LM-head positions per chunk: [8192, 151936] logits are 2.5 GB in bf16, 5 GB in fp32 (fp32_head, and the
@@ -161,25 +162,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _TokenLogprobs.apply(logits, targets)
 
 
-def _token_logprobs_forward(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen - lse, lse), each [N] fp32."""
-    if not kernel_available(logits.device) or logits.shape[0] == 0:
-        lse = torch.logsumexp(logits.float(), dim=-1)
-        return logits.gather(-1, targets[:, None])[:, 0].float() - lse, lse
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    _row_logprob[(rows,)](logits, targets, out, lse, logits.stride(0), vocab,
-                          BLOCK=LOGPROB_BLOCK, num_warps=8)
-    return out, lse
-
-
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out, lse = _token_logprobs_forward(logits, targets)
+        out, lse = row_logprobs(logits, targets)
         ctx.save_for_backward(logits, targets, lse)
         return out
 
@@ -192,33 +178,6 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_logits.to(logits.dtype), None
 
 
-LOGPROB_BLOCK = 4096  # vocabulary entries a program reads per inner step
-
-if triton is not None:
-
-    @triton.jit
-    def _row_logprob(Logits, Targets, Out, Lse, stride_row, vocab, BLOCK: tl.constexpr):
-        """One row: its max, then its sum of exp(x - max), both in fp32 over BLOCK-wide strips in
-        order; out = x[target] - (max + log(sum))."""
-        row = tl.program_id(0)
-        base = Logits + row.to(tl.int64) * stride_row
-        cols = tl.arange(0, BLOCK)
-        top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-        for start in range(0, vocab, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
-            top = tl.maximum(top, x)
-        peak = tl.max(top, 0)
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, vocab, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
-            total += tl.exp(x - peak)
-        lse = peak + tl.log(tl.sum(total, 0))
-        target = tl.load(Targets + row)
-        chosen = tl.load(base + target).to(tl.float32)
-        tl.store(Out + row, chosen - lse)
-        tl.store(Lse + row, lse)
-
-
 def full_width(response_mask: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, width]: a response mask of the last R columns (``RolloutResult.to_tensors()``'s) padded
     on the left with False; a full-width one as it is."""
@@ -227,7 +186,7 @@ def full_width(response_mask: torch.Tensor, width: int) -> torch.Tensor:
 
 def sequence_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-    *, fp32_head: bool = False,
+    *, fp32_head: bool = False, batch_invariant: bool = False,
 ) -> torch.Tensor:
     """fp32 log p(input_ids[t] | input_ids[:t]) at each ``response_mask`` column t, 0 elsewhere, by one
     teacher-forced forward of the whole batch; shaped as ``response_mask``: [rows, width], or [rows, R]
@@ -242,8 +201,23 @@ def sequence_logprobs(
     Guarantee: two calls on the same tensors, in the same dtype, head precision and train/eval state,
     give the same bits. Another batch holding the same sequences (other rows beside them, another
     width, a micro-batch of it) runs other kernel shapes and in bf16 can differ by their rounding.
+    With ``batch_invariant`` the forward runs inside ``engine.kernels.batch_invariant``: a row's
+    values are the same bits in any batch, micro-batch or padding, and equal the logprobs of a
+    ``RolloutConfig(batch_invariant=True)`` rollout's decode (``logprobs_mode="raw"``); the
+    backward is autograd's usual one.
     """
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
     check_batch(model, input_ids, attention_mask, response_mask, fp32_head)
+    if batch_invariant:
+        with invariant_forward(model):
+            return _sequence_logprobs(model, input_ids, attention_mask, response_mask, fp32_head)
+    return _sequence_logprobs(model, input_ids, attention_mask, response_mask, fp32_head)
+
+
+def _sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       response_mask: torch.Tensor, fp32_head: bool) -> torch.Tensor:
+    """``sequence_logprobs`` of checked arguments."""
     rows, width = input_ids.shape
     num_columns = response_mask.shape[1]  # the result's width
     response_mask = full_width(response_mask, width)  # [rows, width]

@@ -103,6 +103,13 @@ class RolloutConfig:
     # bytes than its partials and launches cost. "on" needs share_prompt_blocks and mode "paged" or
     # "auto" (which then takes paged)
     shared_prefix_attention: str = "auto"
+    # every op of the forward gives a row the same bits whatever else is in the batch
+    # (engine.kernels.batch_invariant): the decode step's logprobs (logprobs_mode "raw") are then
+    # bit for bit those of the trainer's sequence_logprobs(..., batch_invariant=True), in any
+    # micro-batch, and a row's tokens do not depend on the slots. Needs the Triton kernels (CUDA, or
+    # TRITON_INTERPRET=1 on CPU), mode "paged" or "auto" (which then takes paged), and no compiled
+    # graphs: compile and prefill_graphs "auto" are off under it
+    batch_invariant: bool = False
     # EOS-aware decode (planner.decode_steps): recent response lengths; with prior_ewma the
     # Rollout folds each call's lengths into an EWMA histogram used by the next call's route choice
     response_length_prior: tuple[int, ...] | None = None
@@ -216,7 +223,7 @@ class RolloutConfig:
         check_progress(self.progress)
         check_window(self.online_window)
         for name in ("trim_cache", "profile", "share_prefill", "share_prompt_blocks", "prefix_cache",
-                     "online_recalibration", "override_costs", "compile_cache"):
+                     "online_recalibration", "override_costs", "compile_cache", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "nocb" and (self.cache_capacity is not None or self.trim_cache):
@@ -239,12 +246,16 @@ class RolloutConfig:
                 raise ValueError("shared_prefix_attention='on' reads the prompt blocks a prompt's samples share, "
                                  "and share_prompt_blocks=False gives each sample a copy: turn "
                                  "share_prompt_blocks on, or shared_prefix_attention to 'auto' or 'off'")
-            if self.mode not in ("paged", "auto") or self.cache_capacity is not None or self.trim_cache:
-                raise ValueError(f"shared_prefix_attention='on' reads the paged pool's shared blocks; "
-                                 f"mode={self.mode!r}" + (", cache_capacity" if self.cache_capacity is not None else "")
-                                 + (", trim_cache" if self.trim_cache else "") + " rule the paged route out: use "
-                                 "mode='paged' or 'auto' (which then takes paged), without the aligned cache's "
-                                 "cache_capacity and trim_cache")
+            self._check_paged_route("shared_prefix_attention='on' reads the paged pool's shared blocks")
+        if self.batch_invariant:
+            self._check_paged_route("batch_invariant=True serves the paged route's decode step")
+            for name in ("compile", "prefill_graphs"):
+                if getattr(self, name) not in ("auto", False):
+                    raise ValueError(f"batch_invariant=True runs its own kernels, which compiled graphs would replace: "
+                                     f"{name}={getattr(self, name)!r} must be 'auto' or False")
+            if self.shared_prefix_attention == "on":
+                raise ValueError("batch_invariant=True reads each row's blocks with the invariant kernel: "
+                                 "shared_prefix_attention='on' must be 'auto' or 'off'")
         if self.prefix_cache and (self.cache_capacity is not None or self.trim_cache):
             raise ValueError("prefix_cache needs the paged route, which cache_capacity and trim_cache (the aligned "
                              "cache's settings) rule out: size the paged pool with kv_cache_tokens or "
@@ -253,6 +264,15 @@ class RolloutConfig:
             raise ValueError(
                 "mode='paged' keeps each row in its own blocks: cache_capacity and trim_cache set the "
                 "aligned cache; size the paged pool with kv_cache_tokens or gpu_memory_fraction")
+
+    def _check_paged_route(self, what: str) -> None:
+        """A ValueError saying ``what`` needs the paged route when the mode or the aligned cache's
+        settings rule it out."""
+        if self.mode not in ("paged", "auto") or self.cache_capacity is not None or self.trim_cache:
+            raise ValueError(f"{what}; mode={self.mode!r}" + (", cache_capacity" if self.cache_capacity is not None else "")
+                             + (", trim_cache" if self.trim_cache else "") + " rule the paged route out: use "
+                             "mode='paged' or 'auto' (which then takes paged), without the aligned cache's "
+                             "cache_capacity and trim_cache")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...] | None:

@@ -26,6 +26,7 @@ tokens too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -40,6 +41,7 @@ from rollout_lab.engine.api.costs import resolve_costs
 from rollout_lab.engine.api.loading import load_model_and_tokenizer, rollout_config
 from rollout_lab.engine.api.result import RolloutResult
 from rollout_lab.engine.kernels.available import kernel_available
+from rollout_lab.engine.kernels.batch_invariant import batch_invariant, check_invariant_model
 from rollout_lab.engine.kernels.shared_prefix import prefix_splits
 from rollout_lab.engine.kv.sizing import PagedLayout, aligned_capacity, kv_budget_bytes, paged_layout
 from rollout_lab.engine.limits import ModelLimits, check_cache_sizes
@@ -126,10 +128,14 @@ class Rollout:
         cfg = self.config
         limits = ModelLimits(self.max_positions, self.geometry.kv_bytes_per_token, self.vocab_size, self.device)
         check_cache_sizes(limits, cache_capacity=cfg.cache_capacity, kv_cache_tokens=cfg.kv_cache_tokens)
+        if cfg.batch_invariant:  # before any allocation: the device's kernels and the model's ops
+            check_invariant_model(model)
         # chosen before any routing decision: graph replay on CUDA, eager elsewhere
         self.runner = ModelRunner(model, decode=cfg.decode, decode_attention=cfg.decode_attention,
-                                  compile=cfg.compile, fuse_projections=cfg.fuse_projections,
-                                  prefill_graphs=cfg.prefill_graphs, prefill_classes=cfg.prefill_classes,
+                                  compile=False if cfg.batch_invariant else cfg.compile,
+                                  fuse_projections=cfg.fuse_projections,
+                                  prefill_graphs=False if cfg.batch_invariant else cfg.prefill_graphs,
+                                  prefill_classes=cfg.prefill_classes,
                                   costs=cfg.costs, max_prefill_graphs=cfg.max_prefill_graphs,
                                   max_decode_graphs=cfg.max_decode_graphs, decode_widths=cfg.decode_widths)
         interval = cfg.eos_check_interval  # "auto": a captured step's host read is what is saved
@@ -382,7 +388,8 @@ class Rollout:
             for index, (prompt, params) in enumerate(zip(spec.prompts, spec.params)):  # the env's tokens take positions too
                 check_context(len(prompt), params.max_tokens + episodes.env_budget(params.max_tokens),
                               self.max_positions, what=f"request {index} (max_new_tokens includes max_env_tokens)")
-        with eval_mode(self.model):  # dropout off for the decode and the "trainer" logprobs alike
+        invariant = batch_invariant(self.model) if self.config.batch_invariant else contextlib.nullcontext()
+        with eval_mode(self.model), invariant:  # dropout off for the decode and the "trainer" logprobs alike
             return self._run(spec, progress=shows_progress(config.progress if progress is None else progress),
                              episodes=episodes)
 
@@ -629,8 +636,9 @@ class Rollout:
             return "nocb", None
         if cfg.mode != "auto":
             return cfg.mode, None  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
-        if cfg.prefix_cache or cfg.shared_prefix_attention == "on" or resumes:  # only the paged pool keeps
-            self._explored = False             # prompts' blocks across calls, shares them, or resumes rows
+        if cfg.prefix_cache or cfg.shared_prefix_attention == "on" or resumes or cfg.batch_invariant:
+            self._explored = False  # only the paged pool keeps prompts' blocks across calls, shares them,
+            # resumes rows, or decodes with the invariant kernels
             return "paged", None
         sizes = group_sizes(range(n) if groups is None else groups)
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
@@ -695,7 +703,7 @@ class Rollout:
         "auto" reads them so where the kernel runs and ``planner.kv_reads.shared_prefix_pays`` for the
         groups the slots hold at first (each prompt's full blocks, once per tile of its rows)."""
         cfg = self.config
-        if cfg.shared_prefix_attention == "off" or not cfg.share_prompt_blocks:
+        if cfg.shared_prefix_attention == "off" or not cfg.share_prompt_blocks or cfg.batch_invariant:
             return 0
         size = cfg.kv_block_size
         sizes = group_sizes(groups)  # first row of each prompt -> its rows

@@ -35,6 +35,8 @@ from rollout_lab.engine.kernels.shared_prefix import shared_prefix_attention
 from rollout_lab.engine.kernels.span import span_attention
 
 NAME = "rollout_gqa"
+# engine.kernels.batch_invariant's attention: a model switched to it keeps it through our decode step
+INVARIANT_NAME = "rollout_invariant"
 _registered = False
 
 
@@ -154,6 +156,9 @@ def rollout_attention(model: torch.nn.Module, *, every_sdpa_model: bool = False,
     """
     config = model.config
     current = getattr(config, "_attn_implementation", None)
+    if current == INVARIANT_NAME:  # inside engine.kernels.batch_invariant: it serves every layout
+        yield
+        return
     if not every_model and (current != "sdpa" or not (every_sdpa_model or is_grouped_query(model))):
         yield
         return
