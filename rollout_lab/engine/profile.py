@@ -87,12 +87,14 @@ class Profile:
     num_continued_rows: int = 0
     num_continued_tokens: int = 0
     num_unfinished_rows: int = 0
-    # episodes (generate(env=...), sched.episodes): the environment's tokens appended, its calls, and
-    # the tokens before an answer that a resuming row prefilled again (its history's KV was written
-    # before it left and no cached block held it: its partial last block, or blocks taken back)
+    # episodes (generate(env=...), sched.episodes): the environment's tokens appended, its calls, the
+    # tokens before an answer that a resuming row prefilled again (its history's KV was written
+    # before it left and no cached block held it: its partial last block, or blocks taken back), and
+    # the answers' tokens fed through decode steps (forced inputs; the others were prefilled)
     env_tokens: int = 0
     num_env_calls: int = 0
     prefilled_history_tokens: int = 0
+    env_tokens_decoded: int = 0
     prefill_backend: str | None = None  # "padded"/"graph" (bucketed), "segments"/"masked" (packed), "hf_padded" (nocb)
     forwards: list[dict[str, Any]] | None = None
 

@@ -5,6 +5,11 @@ place, with no host sync, so a CUDA-graph-captured version can replace it one-fo
 row count). The host reads the returned tokens afterwards, outside the step. The token choice is the
 sampling room's (``engine.sample.processors.select_tokens``).
 
+Forced inputs (``DecodeState(forced=True)``, a call with episodes: ``engine.sched.episodes``): a row
+with tokens queued in ``forced_ids`` takes the next of them as its step's token instead of its draw
+(log-probability 0.0), so an environment's answer enters the row through decode steps, with no
+prefill forward; the draw at the step whose input is the last queued token is the row's own.
+
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from rollout_lab.engine.kv.paged import PagedKVCache
 from rollout_lab.engine.sample.processors import RowPenalties, note_tokens, select_tokens
 from rollout_lab.engine.sample.sampler import RowSampling
 
+FORCE_WIDTH = 256  # forced tokens a row holds on the device at once; the host refills a longer answer
 
 class DecodeState:
     """Static per-slot decode inputs: next input id, logical position, each row's step (the number of
@@ -27,11 +33,13 @@ class DecodeState:
     output's ``counts``, as its penalties need them. With ``min_new_tokens`` each row's minimum and
     ``stop_mask`` its EOS and stop ids, which it holds back until then. With ``keep_logits`` the step
     also leaves each row's fp32 logits in ``logits`` [slots, vocab] (before the penalties), for
-    teacher-forced checks (``measure.fidelity``)."""
+    teacher-forced checks (``measure.fidelity``). With ``forced`` each row's queued forced tokens
+    (module docstring): ``forced_ids`` [slots, FORCE_WIDTH], the next one at ``forced_at``, ``forced_left``
+    of them left."""
 
     def __init__(self, num_slots: int, vocab_size: int, *, device, keep_logits: bool = False,
                  logprobs_mode: str | None = None, sampling: RowSampling | None = None,
-                 penalties: RowPenalties | None = None, min_new_tokens: bool = False):
+                 penalties: RowPenalties | None = None, min_new_tokens: bool = False, forced: bool = False):
         self.input_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.position_ids = torch.zeros(num_slots, 1, dtype=torch.long, device=device)  # [slots, 1]
         self.sample_keys = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
@@ -59,10 +67,21 @@ class DecodeState:
         self.logprobs = (
             torch.zeros(num_slots, dtype=torch.float32, device=device) if logprobs_mode else None
         )  # [slots]
+        self.forced_ids = (
+            torch.zeros(num_slots, FORCE_WIDTH, dtype=torch.long, device=device) if forced else None
+        )  # [slots, FORCE_WIDTH]
+        self.forced_at = torch.zeros(num_slots, dtype=torch.long, device=device) if forced else None  # [slots]
+        self.forced_left = torch.zeros(num_slots, dtype=torch.long, device=device) if forced else None  # [slots]
+
+    @property
+    def force_width(self) -> int:
+        """Forced tokens a row holds at once (0: the state has no forced inputs)."""
+        return 0 if self.forced_ids is None else self.forced_ids.shape[1]
 
     def _buffers(self) -> list[torch.Tensor]:
         """The per-slot buffers (moved with their rows)."""
-        optional = [self.seen, self.counts, self.min_new_tokens, self.stop_mask]
+        optional = [self.seen, self.counts, self.min_new_tokens, self.stop_mask, self.forced_ids, self.forced_at,
+                    self.forced_left]
         sampling = self.sampling.tensors if self.sampling is not None else []
         penalties = self.penalties.tensors if self.penalties is not None else []
         return [self.input_ids, self.position_ids, self.sample_keys, self.steps] + sampling + penalties + \
@@ -85,8 +104,11 @@ class DecodeState:
     ) -> None:
         """Rows enter ``slots`` with their next input id and position; ``steps``: tokens each has
         generated (default 1, the prefill's; a preempted row resumes with its own count); the rest:
-        their rows of the state's buffers, where the state keeps them."""
+        their rows of the state's buffers, where the state keeps them. They have no forced tokens
+        (``force``)."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.input_ids.device)
+        if self.forced_left is not None:  # a slot's earlier row may have left some
+            self.forced_left.index_fill_(0, index, 0)
         self.input_ids.index_copy_(0, index, first_tokens[:, None])
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.input_ids.device)
         self.position_ids.index_copy_(0, index, pos[:, None])
@@ -102,6 +124,21 @@ class DecodeState:
             if mine is not None and theirs is not None:
                 for buf, rows in zip(mine.tensors, theirs.tensors):
                     buf.index_copy_(0, index, rows)
+
+    def force(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+        """Queue ``tokens[j]`` (at most ``force_width``, replacing what the slot held) as the forced
+        tokens of ``slots[j]``: its next steps take them in order instead of their draws."""
+        width = self.force_width
+        if any(len(t) > width for t in tokens):
+            raise ValueError(f"at most {width} forced tokens a row, got {max(map(len, tokens))}")
+        device = self.input_ids.device
+        ids = torch.zeros(len(slots), width, dtype=torch.long)  # [rows, FORCE_WIDTH], built on the host
+        for j, row in enumerate(tokens):
+            ids[j, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        self.forced_ids.index_copy_(0, index, ids.to(device))
+        self.forced_at.index_fill_(0, index, 0)
+        self.forced_left.index_copy_(0, index, torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device))
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if not src:
@@ -171,6 +208,17 @@ def decode_step(
         min_new_tokens=None if state.min_new_tokens is None else state.min_new_tokens[:num_rows],
         stop_mask=None if state.stop_mask is None else state.stop_mask[:num_rows],
     )  # [rows]
+    if state.forced_left is not None:  # a row with forced tokens left takes the next instead of its draw
+        left, at = state.forced_left[:num_rows], state.forced_at[:num_rows]  # [rows]
+        forcing = left > 0  # [rows]
+        # at reaches the width once a full buffer is spent (then nothing is forced): clamp the read
+        queued = state.forced_ids[:num_rows].gather(1, at.clamp(max=state.force_width - 1)[:, None])[:, 0]  # [rows]
+        tokens = torch.where(forcing, queued, tokens)
+        if logprobs is not None:
+            logprobs = logprobs.masked_fill(forcing, 0.0)
+        step = forcing.long()
+        at.add_(step)
+        left.sub_(step)
     if logprobs is not None:
         state.logprobs[:num_rows].copy_(logprobs)
     state.input_ids[:num_rows, 0].copy_(tokens)

@@ -211,6 +211,8 @@ class StepperKey:
     # the shared-prefix read (engine.kernels.shared_prefix): the groups of rows sharing prompt blocks
     # the step reads once each (0: the plain paged read, every row its own blocks)
     prefix_groups: int = 0
+    # forced inputs (DecodeState.force): rows take queued tokens instead of their draws (a call with episodes)
+    forced: bool = False
 
     @property
     def paged(self) -> bool:
@@ -252,7 +254,7 @@ class EagerStepper:
                                        track_counts=key.track_counts) if key.track_seen or key.track_counts else None
         self.state = DecodeState(key.num_slots, vocab, device=device, keep_logits=key.keep_logits,
                                  logprobs_mode=key.logprobs_mode, sampling=sampling, penalties=penalties,
-                                 min_new_tokens=key.min_new_tokens)
+                                 min_new_tokens=key.min_new_tokens, forced=key.forced)
         # attention windows, ascending; span and paged attention read live tokens whatever the window
         self.widths = (key.capacity,) if key.spans or key.paged else width_ladder(key.capacity, key.num_widths)
         # the fused projections' copy of the model (engine.runner.fusing), which the step then runs
@@ -418,4 +420,5 @@ def describe(stepper: Any) -> dict[str, Any]:
             "replays_by_rows": dict(getattr(stepper, "replays_by_rows", {})),
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity, "block_size": stepper.key.block_size,
-            "num_blocks": stepper.key.num_blocks, "prefix_groups": stepper.key.prefix_groups}
+            "num_blocks": stepper.key.num_blocks, "prefix_groups": stepper.key.prefix_groups,
+            "forced": stepper.key.forced}

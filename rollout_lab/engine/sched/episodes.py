@@ -83,8 +83,13 @@ class EpisodeBatcher(PagedBatcher):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=ENV_WORKERS, thread_name_prefix="env")
         self._waiting: dict[concurrent.futures.Future, int] = {}  # env call -> its row
         self._answered: dict[int, int] = {}  # resuming row -> the positions its KV held when it left
+        self._history_keys: dict[int, list[bytes]] = {}  # resuming row -> those positions' full blocks' keys
         # a waiting row's partial last block: its positions' KV, outside the pool (per layer [1, kv_heads, n, head_dim])
         self._partials: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # whether answers enter through decode steps (the stepper's forced inputs); else they are prefilled
+        self.forces = self.state.force_width > 0
+        self._answers: dict[int, list[int]] = {}  # row -> its answer's tokens not read back from its steps yet
+        self._loaded: dict[int, int] = {}  # live row -> of those, how many its slot's forced inputs hold
 
     def run(self):
         try:
@@ -119,6 +124,47 @@ class EpisodeBatcher(PagedBatcher):
         if len(keep) < len(self.rows):
             self._compact(keep)
 
+    def _cap_burst(self, burst: int) -> int:
+        """Rows whose answer's forced inputs ran out with tokens of it left get the next ones; no
+        burst runs a row past its forced inputs while its answer goes on (its draw would be taken)."""
+        burst = super()._cap_burst(burst)
+        refill = [(slot, row.index) for slot, row in enumerate(self.rows)
+                  if row.index in self._answers and not self._loaded.get(row.index)]
+        if refill:
+            with self.timer.phase("cache_ms"):
+                self._load_answers(*zip(*refill))
+        for row in self.rows:
+            if len(self._answers.get(row.index, ())) > self._loaded.get(row.index, 0):
+                burst = min(burst, self._loaded[row.index])
+        return burst
+
+    def _take_burst(self, rows: Sequence[Request], tokens: list[list[int]], logprobs: list[list[float]] | None) -> int:
+        """A row's tokens of the burst that its forced inputs gave are its answer's (environment
+        tokens, never a stop); the rest are the model's, as on any row."""
+        fed = 0
+        for i, row in enumerate(rows):
+            n = min(self._loaded.get(row.index, 0), len(tokens[i]))
+            if not n:
+                continue
+            if tokens[i][:n] != self._answers[row.index][:n]:
+                raise RuntimeError(f"row {row.index}'s forced steps gave {tokens[i][:n]}, its answer is "
+                                   f"{self._answers[row.index][:n]}")
+            self._append_answer(row, n)
+            tokens[i] = tokens[i][n:]
+            if logprobs is not None:
+                logprobs[i] = logprobs[i][n:]
+            fed += n
+        self.profile.env_tokens_decoded += fed
+        return fed + super()._take_burst(rows, tokens, logprobs)
+
+    def _preempt(self) -> None:
+        """A preempted row in the middle of its answer takes the rest at once, as a resuming row
+        whose answer is prefilled (its blocks are given back: its history is prefilled anyway)."""
+        super()._preempt()
+        request = self.queue[0]  # the row it sent back
+        if request in self._answers:
+            self._append_answer(self.requests[request], len(self._answers[request]))
+
     # -- leaving and coming back --------------------------------------------------------------
     def _calls_env(self, row: Request) -> bool:
         """Whether ``row``, no longer live, stopped for the environment: at a stop id other than
@@ -135,7 +181,9 @@ class EpisodeBatcher(PagedBatcher):
         them), keep its partial last block's KV aside, and call the environment with its tokens."""
         row = self.rows[slot]
         written = self._cached_tokens(row)  # its last token is the next input: not written
-        self.cache.allocator.register(slot, block_keys((row.prompt + row.tokens)[:written], self.cache.block_size))
+        keys = block_keys((row.prompt + row.tokens)[:written], self.cache.block_size)
+        self.cache.allocator.register(slot, keys)
+        self._history_keys[row.index] = keys
         full = written // self.cache.block_size * self.cache.block_size
         if written > full:
             self._partials[row.index] = self.cache.read_positions(slot, full, written)
@@ -145,8 +193,10 @@ class EpisodeBatcher(PagedBatcher):
         self._waiting[future] = row.index
 
     def _take_answers(self, *, wait: bool) -> None:
-        """The env calls done (with ``wait``, at least one): each answer is appended to its row,
-        which joins the head of the queue in row order; a None ends the row's episode."""
+        """The env calls done (with ``wait``, at least one): each answer is the row's next
+        environment span (with forced inputs fed through its steps once it is back, else appended
+        now, to be prefilled), and the row joins the head of the queue in row order; a None ends the
+        row's episode."""
         if not self._waiting:
             return
         if wait:
@@ -160,19 +210,38 @@ class EpisodeBatcher(PagedBatcher):
             if answer is None:
                 self._answered.pop(request)
                 self._partials.pop(request, None)
+                self._history_keys.pop(request, None)
                 if self.settings.on_retire is not None:
                     self.settings.on_retire([row])
                 continue
             ids = self._check_answer(row, answer)
-            start = len(row.tokens)
-            row.tokens.extend(ids)
-            row.env_spans.append((start, len(row.tokens)))
-            if self.settings.logprobs_mode:
-                row.logprobs.extend([0.0] * len(ids))
-            row.num_generated += len(ids)
+            row.env_spans.append((len(row.tokens), len(row.tokens)))
             self.profile.env_tokens += len(ids)
+            if self.forces and ids:
+                self._answers[request] = ids
+            else:
+                self._append_answer(row, len(ids), ids)
             self.resuming.add(request)
             self.queue.insert(0, request)
+
+    def _append_answer(self, row: Request, n: int, ids: Sequence[int] | None = None) -> None:
+        """The next ``n`` tokens of ``row``'s answer (``ids``, else those not read back yet) extend its
+        last environment span (log-probability 0.0), counted as its positions."""
+        if ids is None:
+            pending = self._answers[row.index]
+            ids = pending[:n]
+            del pending[:n]
+            if not pending:
+                del self._answers[row.index]
+            left = self._loaded.pop(row.index, 0) - n
+            if left > 0:
+                self._loaded[row.index] = left
+        start, stop = row.env_spans[-1]
+        row.tokens.extend(ids)
+        row.env_spans[-1] = (start, stop + n)
+        if self.settings.logprobs_mode:
+            row.logprobs.extend([0.0] * n)
+        row.num_generated += n
 
     def _check_answer(self, row: Request, answer: object) -> list[int]:
         """``answer`` as token ids; a ValueError naming the request, the sample and the value unless
@@ -187,54 +256,102 @@ class EpisodeBatcher(PagedBatcher):
                              f"{budget} environment tokens an episode may take: raise max_env_tokens")
         return [int(t) for t in answer]
 
+    def _history_hits(self, request: int) -> list[int]:
+        """The cached blocks of ``request``'s longest cached chain of prefilled ids (a row back from
+        the environment: keyed when it left)."""
+        keys = self._history_keys.get(request)
+        if keys is None:
+            ids = self._prefill_ids(request)
+            keys = block_keys(ids, self.cache.block_size)
+        return self.cache.allocator.match(keys)
+
+    def _cached_history(self, request: int, hits: Sequence[int]) -> int:
+        """The positions of ``request``'s prefilled ids that ``hits`` hold, with its partial last
+        block kept aside where the chain reaches it."""
+        size, written = self.cache.block_size, self._answered.get(request)
+        if written is not None and len(hits) == written // size and (request in self._partials
+                                                                     or written == len(hits) * size):
+            return written
+        return len(hits) * size
+
+    def _prefill_tokens(self, request: int) -> int:
+        """A row back from the environment prefills what no cached block or kept partial block holds."""
+        tokens = super()._prefill_tokens(request)
+        if request not in self._history_keys:
+            return tokens
+        return tokens - self._cached_history(request, self._history_hits(request))
+
     def _resume(self, requests: Sequence[int]) -> None:
-        """Resuming rows come back: each reads its longest cached chain of history blocks (at most
-        those before its last prefilled id); a row back from the environment whose chain reaches its
-        partial last block gets that block's KV back (``_partials``) and prefills the answer alone.
-        One left-padded forward prefills the rest of each over its KV (``resume_prefill``; a
-        preempted row without cached blocks: all of it)."""
+        """Resuming rows come back: each reads its longest cached chain of blocks; a row back from
+        the environment whose chain reaches its partial last block gets that block's KV back
+        (``_partials``). Rows whose blocks then hold all they prefill run no forward (with forced
+        inputs, every row whose chain was kept); one left-padded forward prefills the rest of the
+        others over their KV (``resume_prefill``; a preempted row without cached blocks: all of it)."""
         size, start = self.cache.block_size, len(self.rows)
+        hits = {r: self._history_hits(r) for r in requests}
+        done = {r: self._cached_history(r, hits[r]) for r in requests}
+        ids = {r: self._prefill_ids(r) for r in requests}
+        prefilled = [r for r in requests if done[r] < len(ids[r])]
+        requests = prefilled + [r for r in requests if done[r] >= len(ids[r])]
         slots = list(range(start, start + len(requests)))
-        ids = [self._prefill_ids(r) for r in requests]
-        pasts, done = [], []
         with self.timer.phase("cache_ms"):
-            for slot, request, row_ids in zip(slots, requests, ids):
-                hits = self.cache.allocator.match(block_keys(row_ids, size)[: (len(row_ids) - 1) // size])
-                if hits:
-                    self.cache.attach(slot, hits)
+            for slot, request in zip(slots, requests):  # all first: a row's growth takes no idle block another reads
+                if hits[request]:
+                    self.cache.attach(slot, hits[request])
+            for slot, request in zip(slots, requests):
                 self.cache.grow(slot, self._entry_tokens(request))
-                past = self.cache.gather(hits) if hits else []
-                partial = self._partials.pop(request, None)
-                if partial is not None and len(hits) == self._answered[request] // size:  # the chain reaches it
-                    self.cache.write_positions(slot, len(hits) * size, partial)
-                    past = [(torch.cat([k, pk], 2), torch.cat([v, pv], 2)) for (k, v), (pk, pv) in zip(past, partial)] \
-                        if past else partial
-                # at least its last id is prefilled (an empty answer leaves none past its KV)
-                done.append(min(past[0][0].shape[2] if past else 0, len(row_ids) - 1))
-                pasts.append([(k[:, :, : done[-1]], v[:, :, : done[-1]]) for k, v in past])
-        suffixes = [row_ids[n:] for row_ids, n in zip(ids, done)]
-        with self.timer.phase("prefill_ms"), self.timer.record("prefill", batch=len(ids), width=max(map(len, suffixes))):
-            if any(done):
-                past = [tuple(torch.cat([p[layer][i] for p in pasts if p], 2) for i in (0, 1))
-                        for layer in range(len(next(p for p in pasts if p)))]  # the rows' pasts, one after the other
-                layer_kv = resume_prefill(self.model, past, done, suffixes, pad_token_id=self.settings.pad_token_id,
-                                          cache_kwarg=self.settings.cache_kwarg)
-            else:
-                _, layer_kv = prefill_bucket(self.model, ids, pad_token_id=self.settings.pad_token_id,
-                                             cache_kwarg=self.settings.cache_kwarg)
-        self.profile.num_prefill_forwards += 1
-        self._place_resumed(requests, slots, layer_kv, starts=done)
+                if done[request] > len(hits[request]) * size:
+                    self.cache.write_positions(slot, len(hits[request]) * size, self._partials.pop(request))
+        layer_kv = None
+        if prefilled:
+            starts = [done[r] for r in prefilled]
+            suffixes = [ids[r][n:] for r, n in zip(prefilled, starts)]
+            past = None
+            if any(starts):
+                with self.timer.phase("cache_ms"):  # the rows' pasts, one after the other
+                    pasts = [self.cache.read_positions(slot, 0, n) for slot, n in zip(slots, starts) if n]
+                    past = [tuple(torch.cat([p[layer][i] for p in pasts], 2) for i in (0, 1))
+                            for layer in range(len(pasts[0]))]
+            with self.timer.phase("prefill_ms"), \
+                    self.timer.record("prefill", batch=len(prefilled), width=max(map(len, suffixes))):
+                if past is not None:
+                    layer_kv = resume_prefill(self.model, past, starts, suffixes,
+                                              pad_token_id=self.settings.pad_token_id,
+                                              cache_kwarg=self.settings.cache_kwarg)
+                else:
+                    _, layer_kv = prefill_bucket(self.model, [ids[r] for r in prefilled],
+                                                 pad_token_id=self.settings.pad_token_id,
+                                                 cache_kwarg=self.settings.cache_kwarg)
+            self.profile.num_prefill_forwards += 1
+            self._place_resumed(prefilled, slots[: len(prefilled)], layer_kv, starts=starts)
+        if len(prefilled) < len(requests):
+            self._place_resumed(requests[len(prefilled):], slots[len(prefilled):], None)
 
     def _place_resumed(self, requests: Sequence[int], slots: Sequence[int], layer_kv,
                        starts: Sequence[int] | None = None) -> None:
         """Count, for rows back from the environment, the history positions they prefilled again
-        (written before they left, read from no cached block)."""
+        (written before they left, read from no cached block); rows with an answer left to feed get
+        its first tokens as their forced inputs."""
         for j, request in enumerate(requests):
-            self._partials.pop(request, None)  # prefilled across turns: recomputed
+            self._partials.pop(request, None)  # prefilled again (across turns, or its chain broken)
+            self._history_keys.pop(request, None)
             if request in self._answered:
                 written = self._answered.pop(request)
-                self.profile.prefilled_history_tokens += max(0, written - (0 if starts is None else starts[j]))
+                start = written if layer_kv is None else 0 if starts is None else starts[j]
+                self.profile.prefilled_history_tokens += max(0, written - start)
         super()._place_resumed(requests, slots, layer_kv, starts)
+        forced = [(slot, r) for slot, r in zip(slots, requests) if r in self._answers]
+        if forced:
+            with self.timer.phase("cache_ms"):
+                self._load_answers(*zip(*forced))
+
+    def _load_answers(self, slots: Sequence[int], requests: Sequence[int]) -> None:
+        """The next tokens of each row's answer (at most the forced inputs' width) into its slot's
+        forced inputs."""
+        chunks = [self._answers[r][: self.state.force_width] for r in requests]
+        self.state.force(slots, chunks)
+        for request, chunk in zip(requests, chunks):
+            self._loaded[request] = len(chunk)
 
 
 def env_mask(row: Request) -> list[bool]:

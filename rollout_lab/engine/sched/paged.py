@@ -167,6 +167,11 @@ class PagedBatcher(ContinuousBatcher):
         last) plus the first decode step's."""
         return self.lengths[request] + max(1, len(self.requests[request].tokens))
 
+    def _prefill_tokens(self, request: int) -> int:
+        """Tokens entering ``request`` prefills (what ``admit_tokens`` bounds): its entry positions
+        but the first step's."""
+        return self._entry_tokens(request) - 1
+
     def _shared_blocks(self, request: int) -> int:
         """Blocks a sample of ``request``'s prompt reads from the first sample admitted with it
         instead of holding its own: the prompt's full blocks (none without ``share_prompt_blocks``)."""
@@ -195,7 +200,7 @@ class PagedBatcher(ContinuousBatcher):
 
     def _splits(self, request: int) -> bool:
         """Whether entering ``request`` is prefilled across turns: more than ``admit_tokens`` tokens."""
-        return self.admit_tokens is not None and self._entry_tokens(request) - 1 > self.admit_tokens
+        return self.admit_tokens is not None and self._prefill_tokens(request) > self.admit_tokens
 
     def _admissible_paged(self, limit: int | None) -> tuple[list[int], bool]:
         """The longest queue prefix that fits the free slots and the pool, keeping one free block
@@ -226,7 +231,7 @@ class PagedBatcher(ContinuousBatcher):
                 need -= len(hits) - len(idle)
             if need > budget - (len(self.rows) + len(chosen) + 1):
                 break
-            tokens += self._entry_tokens(request) - 1  # its prefill: all but the first step's position
+            tokens += self._prefill_tokens(request)
             if limit is not None and tokens > limit:
                 return chosen, True
             budget -= need
@@ -266,7 +271,7 @@ class PagedBatcher(ContinuousBatcher):
         if not chosen or (self.rows and len(chosen) < wanted and not bounded):
             return self._start_prefilling(spent) or done
         del self.queue[: len(chosen)]
-        self._note_turn(sum(self._entry_tokens(r) - 1 for r in chosen))
+        self._note_turn(sum(self._prefill_tokens(r) for r in chosen))
         resumed = [r for r in chosen if r in self.resuming]
         fresh = [r for r in chosen if r not in self.resuming]
         # the prompts with cached blocks first: they are prefilled one by one over their cached KV
@@ -516,14 +521,16 @@ class PagedBatcher(ContinuousBatcher):
                        starts: Sequence[int] | None = None) -> None:
         """Preempted rows whose prefill ``layer_kv`` (left-padded, one row each) ran enter ``slots``
         (their blocks grown; ``starts``: the positions before them are cached blocks they read, not
-        written): positions, the ids seen and counted, the sampling step and settings continue."""
+        written; ``layer_kv`` None: their blocks hold all of it, nothing was prefilled): positions,
+        the ids seen and counted, the sampling step and settings continue."""
         ids = [self._prefill_ids(r) for r in requests]
         rows = [self.requests[r] for r in requests]
         with self.timer.phase("prefill_ms"):
             settings = self._row_settings(rows)
-        self.profile.num_prefill_rows += len(requests)
         with self.timer.phase("cache_ms"):
-            self.cache.admit(slots, layer_kv, [len(i) for i in ids], starts=starts)
+            if layer_kv is not None:
+                self.profile.num_prefill_rows += len(requests)
+                self.cache.admit(slots, layer_kv, [len(i) for i in ids], starts=starts)
             last = torch.tensor([row.tokens[-1] for row in rows], dtype=torch.long, device=self.device)
             self.state.admit(slots, last, [len(i) for i in ids], steps=[len(row.tokens) for row in rows], **settings)
         for row in rows:
