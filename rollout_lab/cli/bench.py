@@ -316,6 +316,9 @@ def _trainer_loop_options(p: argparse.ArgumentParser) -> None:
                    help="after each step, replace every parameter through load_state_dict(assign=True)")
     p.add_argument("--mode", default=d["mode"], choices=MODES, help="our route (default %(default)s)")
     p.add_argument("--seed", type=int, default=d["seed"], help="seed of the workload and of the sampling")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="RolloutConfig(batch_invariant=True) and the trainer's sequence_logprobs(batch_invariant=True): "
+                        "the decode's logprobs are the trainer's forward's, bit for bit (needs --mode paged or auto)")
 
 
 def cmd_bench_trainer_loop(args: argparse.Namespace) -> int:

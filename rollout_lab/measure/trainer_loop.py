@@ -59,13 +59,17 @@ TRAIN_MODES = ("toggle", "eval")
 TRAINER_LOOP_DEFAULTS: dict[str, Any] = {
     "dataset": "gsm8k", "num_prompts": 64, "num_samples": 8, "max_new_tokens": 256, "scale": 1.0, "iterations": 4,
     "lr": 1e-5, "train_rows": None, "logprobs_mode": "raw", "train_mode": "toggle", "gradient_checkpointing": False,
-    "assign": False, "mode": "bucketed", "seed": 0}
+    "assign": False, "mode": "bucketed", "seed": 0, "batch_invariant": False}
+# micro-batch sizes (rows; None: the whole batch) whose trainer forwards the first iteration compares with
+# the rollout's logprobs, and the rows the 1- and 8-row ones cover (a forward each)
+MICRO_BATCHES: tuple[int | None, ...] = (1, 8, 64, None)
+MICRO_CHECK_ROWS = 64
 
 
 def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: int, max_new_tokens: int,
                                 scale: float, iterations: int, lr: float, train_rows: int | None, logprobs_mode: str,
                                 train_mode: str, gradient_checkpointing: bool, assign: bool, mode: str,
-                                seed: int, limits: ModelLimits | None = None) -> None:
+                                seed: int, batch_invariant: bool = False, limits: ModelLimits | None = None) -> None:
     """ValueError naming the first bad setting of ``run_trainer_loop`` and what would be valid; with
     ``limits`` (the model's) the sizes too (``grpo.check_group_limits``, the trainer's logits included)."""
     if dataset not in DATASETS:
@@ -84,11 +88,14 @@ def check_trainer_loop_settings(*, dataset: str, num_prompts: int, num_samples: 
     if logprobs_mode not in LOGPROB_MODES:
         raise ValueError(f"logprobs_mode must be one of {list(LOGPROB_MODES)}, got {logprobs_mode!r}")
     check_train_mode(train_mode)
-    for name, value in (("gradient_checkpointing", gradient_checkpointing), ("assign", assign)):
+    for name, value in (("gradient_checkpointing", gradient_checkpointing), ("assign", assign),
+                        ("batch_invariant", batch_invariant)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if batch_invariant:
+        RolloutConfig(mode=mode, batch_invariant=True)  # its mode check, before any work
     lengths = scaled_prompt_lengths(dataset, num_prompts, scale=scale, seed=seed)
     if limits is not None:
         check_group_limits(limits, lengths, num_samples=num_samples, max_new_tokens=max_new_tokens, scale=scale,
@@ -142,7 +149,8 @@ def activation_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor],
-               advantages: torch.Tensor, *, train_rows: int | None, fp32_head: bool) -> torch.Tensor:
+               advantages: torch.Tensor, *, train_rows: int | None, fp32_head: bool,
+               batch_invariant: bool = False) -> torch.Tensor:
     """One GRPO step over ``batch`` (``RolloutResult.to_tensors()``) in micro-batches of ``train_rows``
     rows, gradients accumulated, then AdamW; the forward's logprobs [rows, R], detached."""
     ids, mask, response_mask = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
@@ -151,7 +159,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     pieces = []
     for start in range(0, ids.shape[0], step):
         rows = slice(start, start + step)
-        logprobs = sequence_logprobs(model, ids[rows], mask[rows], response_mask[rows], fp32_head=fp32_head)
+        logprobs = sequence_logprobs(model, ids[rows], mask[rows], response_mask[rows], fp32_head=fp32_head,
+                                     batch_invariant=batch_invariant)
         loss = policy_gradient_loss(logprobs, advantages[rows], response_mask[rows])
         (loss * response_mask[rows].sum() / num_tokens).backward()  # the mean over every response token
         pieces.append(logprobs.detach())
@@ -169,6 +178,25 @@ def logprob_mismatch(rollout: torch.Tensor, trainer: torch.Tensor, response_mask
             "equal_share": float((diff == 0).mean())}
 
 
+@torch.no_grad()
+def micro_batch_mismatch(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *, fp32_head: bool,
+                         batch_invariant: bool) -> dict[str, float]:
+    """Max |rollout logprob - trainer forward's| over the response tokens, the forward run in eval mode
+    in micro-batches of each of ``MICRO_BATCHES`` rows ("all": the whole batch); the 1- and 8-row
+    ones over the first ``MICRO_CHECK_ROWS`` rows."""
+    out = {}
+    for size in MICRO_BATCHES:
+        rows = batch["input_ids"].shape[0] if size is None or size > 8 else min(MICRO_CHECK_ROWS, batch["input_ids"].shape[0])
+        step = size or rows
+        pieces = [sequence_logprobs(model, batch["input_ids"][s: min(s + step, rows)],
+                                    batch["attention_mask"][s: min(s + step, rows)],
+                                    batch["response_mask"][s: min(s + step, rows)], fp32_head=fp32_head,
+                                    batch_invariant=batch_invariant) for s in range(0, rows, step)]
+        mask = batch["response_mask"][:rows]
+        out["all" if size is None else str(size)] = float((torch.cat(pieces) - batch["logprobs"][:rows]).abs()[mask].max())
+    return out
+
+
 def decode_captures(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[int, bool]:
     """(decode graphs captured, whether the stepper was rebuilt) between two ``Rollout.stepper_info``s.
     A rebuilt stepper (a new build: another ``build_ms``) counts every capture of its own."""
@@ -183,7 +211,7 @@ def run_trainer_loop(
     max_new_tokens: int = 256, scale: float = 1.0, iterations: int = 4, lr: float = 1e-5,
     train_rows: int | None = None, logprobs_mode: str = "raw", train_mode: str = "toggle",
     gradient_checkpointing: bool = False, assign: bool = False, mode: str = "bucketed", seed: int = 0,
-    config: Mapping[str, Any] | None = None, save: Callable[[dict[str, Any]], Any] = lambda record: None,
+    batch_invariant: bool = False, config: Mapping[str, Any] | None = None, save: Callable[[dict[str, Any]], Any] = lambda record: None,
     progress: Callable[[str], Any] = lambda line: print(line, file=sys.stderr), **prov: Any,
 ) -> dict[str, Any]:
     """The loop of the module docstring on ``model`` (built, on its device; its weights are trained);
@@ -193,7 +221,8 @@ def run_trainer_loop(
     settings = {"dataset": dataset, "num_prompts": num_prompts, "num_samples": num_samples,
                 "max_new_tokens": max_new_tokens, "scale": scale, "iterations": iterations, "lr": lr,
                 "train_rows": train_rows, "logprobs_mode": logprobs_mode, "train_mode": train_mode,
-                "gradient_checkpointing": gradient_checkpointing, "assign": assign, "mode": mode, "seed": seed}
+                "gradient_checkpointing": gradient_checkpointing, "assign": assign, "mode": mode, "seed": seed,
+                "batch_invariant": batch_invariant}
     check_trainer_loop_settings(**settings, limits=ModelLimits.of_model(model))
     device = next(model.parameters()).device
     cfg = model.config.get_text_config(decoder=True)
@@ -214,7 +243,7 @@ def run_trainer_loop(
         activation_checkpointing(model, True)
     model.eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rollout = Rollout(model, RolloutConfig(mode=mode, ignore_eos=True, pad_token_id=pad_id))
+    rollout = Rollout(model, RolloutConfig(mode=mode, ignore_eos=True, pad_token_id=pad_id, batch_invariant=batch_invariant))
     fp32_head = logprobs_mode == "trainer_fp32"
 
     def generate(iteration: int):
@@ -233,12 +262,15 @@ def run_trainer_loop(
             captures, rebuilt = decode_captures(info, after_info)
             steady_ms, steady, _ = timed_call(lambda: generate(iteration), device)
             steady_captures, _ = decode_captures(after_info, rollout.stepper_info)
+            batch = result.to_tensors(device=device)
+            micro = micro_batch_mismatch(model, batch, fp32_head=fp32_head, batch_invariant=batch_invariant) \
+                if iteration == 0 else None  # before the step changes the weights
             model.train(train_mode == "toggle")  # the trainer step's mode
             rewards = even_token_reward(result.sequences)
-            batch = result.to_tensors(device=device)
             advantages = group_advantages(rewards, num_samples=num_samples).to(device)
             train_ms, trainer_logprobs, peak_train = timed_call(lambda: train_step(
-                model, optimizer, batch, advantages, train_rows=train_rows, fp32_head=fp32_head), device)
+                model, optimizer, batch, advantages, train_rows=train_rows, fp32_head=fp32_head,
+                batch_invariant=batch_invariant), device)
             assign_ms = timed_ms(lambda: replace_parameters(model, optimizer), device)[0] if assign else None
             final = compile_counts()
             out = {
@@ -252,6 +284,7 @@ def run_trainer_loop(
                 "mean_reward": float(rewards.mean()), "route": result.route,
                 "peak_rollout_bytes": peak_rollout, "peak_train_bytes": peak_train,
                 "logprob_mismatch": logprob_mismatch(batch["logprobs"], trainer_logprobs, batch["response_mask"]),
+                "micro_batch_max_abs": micro,
             }
             iterations_out.append(out)
             save(record)

@@ -249,11 +249,6 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     """ValueError naming what keeps ``model`` from a batch-invariant forward, before any work: no
     Triton kernels on its device, a normalisation the mode does not cover (LayerNorm: OPT, GPT-2), a
     sliding window or logit softcapping."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    if not kernel_available(device):
-        raise ValueError(f"batch_invariant needs the Triton kernels: a CUDA device, or TRITON_INTERPRET=1 on CPU; "
-                         f"the model is on {device}")
     for path, module in model.named_modules():
         if isinstance(module, UNCOVERED_MODULES):
             raise ValueError(f"batch_invariant does not cover {type(model).__name__}'s {type(module).__name__} "
@@ -266,6 +261,11 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None):
             raise ValueError(f"batch_invariant does not cover {name}={getattr(config, name)}")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if not kernel_available(device):
+        raise ValueError(f"batch_invariant needs the Triton kernels: a CUDA device, or TRITON_INTERPRET=1 on CPU; "
+                         f"the model is on {device}")
 
 
 @contextmanager
