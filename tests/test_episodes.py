@@ -14,6 +14,8 @@ import torch
 from conftest import get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig, SamplingParams
+from rollout_lab.engine.runner.runner import ModelRunner
+from rollout_lab.engine.sched.episodes import EpisodeBatcher
 from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 
 EOS = 2
@@ -294,3 +296,163 @@ def test_episodes_equal_the_oracle_under_the_paged_settings(oracle, config, num_
                                         sample=s, max_turns=4)
             assert tokens == want, (r, s)
         assert out.profile.num_env_calls >= 2
+
+
+# -- answers through the decode step (forced inputs) ------------------------------------------------
+
+def with_forced_inputs(monkeypatch, forced: bool) -> None:
+    """Steppers with forced inputs (``StepperKey.forced``) or without (every answer is then
+    prefilled), whatever the call asks: the tests pick the answer path."""
+    original = ModelRunner.stepper_for.__wrapped__ if hasattr(ModelRunner.stepper_for, "__wrapped__") \
+        else ModelRunner.stepper_for
+
+    def stepper_for(self, *args, **kwargs):
+        return original(self, *args, **kwargs | {"forced": forced})
+
+    stepper_for.__wrapped__ = original
+    monkeypatch.setattr(ModelRunner, "stepper_for", stepper_for)
+
+
+@pytest.fixture(params=[True])
+def forced(request, monkeypatch):
+    """``with_forced_inputs`` (param True unless a test asks otherwise)."""
+    with_forced_inputs(monkeypatch, request.param)
+    return request.param
+
+
+def burst_spy(monkeypatch):
+    """The bursts' rows, split by whether forced inputs gave them tokens: a list of (forced, drawn) counts."""
+    bursts = []
+    original = EpisodeBatcher._take_burst
+
+    def spy(self, rows, tokens, logprobs):
+        forced = sum(1 for row in rows if self._loaded.get(row.index))
+        bursts.append((forced, len(rows) - forced))
+        return original(self, rows, tokens, logprobs)
+
+    monkeypatch.setattr(EpisodeBatcher, "_take_burst", spy)
+    return bursts
+
+
+def test_answers_enter_through_decode_steps(oracle, forced, monkeypatch):
+    """No prefill forward after the fresh prompts': every answer's tokens are decode steps' inputs,
+    a forced row decodes beside rows drawing their tokens, and the tokens are the oracle's (the
+    environment's with log-probability 0.0)."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5, 33, 12])
+    stops = frequent_stops(model, prompts)
+    bursts = burst_spy(monkeypatch)
+    rollout = Rollout(model, RolloutConfig(**PAGED))
+    out = rollout.generate(prompts, max_new_tokens=24, stop_token_ids=stops, env=answer, max_turns=4,
+                           return_logprobs=True)
+    for r, prompt in enumerate(prompts):
+        tokens, mask, turns = oracle_episode(oracle, model, prompt, stops=stops, budget=24, env=answer, request=r,
+                                             max_turns=4)
+        got = out.requests[r].outputs[0]
+        assert (got.token_ids, got.env_mask, got.num_turns) == (tokens, mask, turns), r
+        assert [lp for lp, env in zip(got.logprobs, mask) if env] == [0.0] * sum(mask)
+    profile = out.profile
+    plain = rollout.generate(prompts, max_new_tokens=24, stop_token_ids=stops).profile
+    assert profile.num_env_calls >= 2 and profile.env_tokens_decoded == profile.env_tokens > 0
+    assert (profile.num_prefill_forwards, profile.num_prefill_rows) == (plain.num_prefill_forwards, len(prompts))
+    assert profile.prefilled_history_tokens == 0
+    assert any(f and d for f, d in bursts)  # a forced row beside drawing rows in one burst
+
+
+@pytest.mark.parametrize("forced", [False], indirect=True)
+def test_without_forced_inputs_answers_are_prefilled(oracle, forced):
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5])
+    stops = frequent_stops(model, prompts)
+    out = Rollout(model, RolloutConfig(**PAGED)).generate(prompts, max_new_tokens=16, stop_token_ids=stops,
+                                                          env=answer, max_turns=3)
+    for r, prompt in enumerate(prompts):
+        tokens, _, _ = oracle_episode(oracle, model, prompt, stops=stops, budget=16, env=answer, request=r,
+                                      max_turns=3)
+        assert out.sequences[r] == tokens, r
+    assert out.profile.env_tokens_decoded == 0 and out.profile.env_tokens > 0
+    assert out.profile.prefilled_history_tokens == 0
+
+
+def test_an_answer_longer_than_the_forced_inputs_is_refilled(oracle, forced, monkeypatch):
+    monkeypatch.setattr("rollout_lab.engine.runner.decode.FORCE_WIDTH", 3)
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5, 12], seed=1)
+    stops = frequent_stops(model, prompts)
+    env = lambda r, s, tokens: [(tokens[-1] + k) % (TINY_VOCAB_SIZE - 3) + 3 for k in range(8)]  # noqa: E731
+    out = Rollout(model, RolloutConfig(continuous_batch_size=2, **PAGED)).generate(
+        prompts, max_new_tokens=20, stop_token_ids=stops, env=env, max_turns=3, max_env_tokens=16)
+    for r, prompt in enumerate(prompts):
+        tokens, mask, _ = oracle_episode(oracle, model, prompt, stops=stops, budget=20, env=env, request=r,
+                                         max_turns=3)
+        assert (out.sequences[r], out.env_masks[r]) == (tokens, mask), r
+    assert out.profile.env_tokens_decoded == out.profile.env_tokens >= 16
+
+
+def test_an_answer_holding_stop_and_eos_ids_does_not_stop_the_row(oracle, forced):
+    """EOS and the stop ids inside an answer (last too) are the environment's tokens: the model's turn
+    goes on after them, and only the model's own stop id calls the environment again."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5, 33])
+    stops = frequent_stops(model, prompts)
+    env = lambda r, s, tokens: [EOS, stops[0], 9, *stops, EOS]  # noqa: E731
+    out = Rollout(model, RolloutConfig(**PAGED)).generate(prompts, max_new_tokens=24, stop_token_ids=stops,
+                                                          env=env, max_turns=3, max_env_tokens=20)
+    for r, prompt in enumerate(prompts):
+        tokens, mask, turns = oracle_episode(oracle, model, prompt, stops=stops, budget=24, env=env, request=r,
+                                             max_turns=3)
+        assert (out.sequences[r], out.env_masks[r], out.num_turns[r]) == (tokens, mask, turns), r
+    assert max(out.num_turns) > 1 and out.profile.env_tokens_decoded == out.profile.env_tokens
+
+
+@pytest.mark.slow
+def test_seeded_answers_through_decode_steps_draw_as_prefilled_ones(monkeypatch):
+    """Sampling, penalties, a minimum and logprobs: the decode path draws the tokens the prefill path
+    does (each row's sampling step goes on across its answer)."""
+    model = get_tiny("qwen2")
+    prompts = make_prompts([9, 17, 4, 30])
+    stops = frequent_stops(model, prompts)
+    sampling = [SamplingParams(temperature=0.9, repetition_penalty=1.2, frequency_penalty=0.3, n=2),
+                SamplingParams(temperature=0.7, top_k=20, presence_penalty=0.5, n=2),
+                SamplingParams(temperature=1.0, top_p=0.9, n=2), SamplingParams(temperature=0.8, min_p=0.05, n=2)]
+    runs = []
+    for forced in (False, True):
+        with_forced_inputs(monkeypatch, forced)
+        rollout = Rollout(model, RolloutConfig(continuous_batch_size=3, **PAGED))
+        runs.append(rollout.generate(prompts, max_new_tokens=20, sampling=sampling, seed=5, stop_token_ids=stops,
+                                     env=answer, max_turns=4, return_logprobs=True, min_new_tokens=3))
+    prefilled, decoded = runs
+    assert decoded.sequences == prefilled.sequences and decoded.env_masks == prefilled.env_masks
+    assert decoded.profile.env_tokens_decoded == decoded.profile.env_tokens > 0
+    assert prefilled.profile.env_tokens_decoded == 0 and max(decoded.num_turns) > 1
+    for a, b in zip(decoded.logprobs, prefilled.logprobs):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_a_row_preempted_in_the_middle_of_its_answer_resumes_with_all_of_it(oracle, forced, monkeypatch):
+    """The pool preempts the newest row once, while forced inputs feed its answer: it comes back with
+    its whole answer prefilled, and its tokens are the oracle's."""
+    monkeypatch.setattr("rollout_lab.engine.runner.decode.FORCE_WIDTH", 2)
+    model = get_tiny("qwen2")
+    prompts = make_prompts([20, 5, 33])
+    stops = frequent_stops(model, prompts)
+    env = lambda r, s, tokens: [(tokens[-1] + 5 * k) % (TINY_VOCAB_SIZE - 3) + 3 for k in range(6)]  # noqa: E731
+    preempted = []
+    original = EpisodeBatcher._reserve
+
+    def reserve(self, burst):
+        newest = max(self.rows, key=lambda row: self.admitted_order[row.index])
+        if not preempted and len(self.rows) > 1 and newest.index in self._loaded:
+            self._preempt()
+            preempted.append(len(newest.tokens) - newest.env_spans[-1][0])  # its answer's tokens, once back
+        return original(self, burst)
+
+    monkeypatch.setattr(EpisodeBatcher, "_reserve", reserve)
+    out = Rollout(model, RolloutConfig(**PAGED)).generate(prompts, max_new_tokens=20, stop_token_ids=stops, env=env,
+                                                          max_turns=3, max_env_tokens=12)
+    for r, prompt in enumerate(prompts):
+        tokens, mask, _ = oracle_episode(oracle, model, prompt, stops=stops, budget=20, env=env, request=r,
+                                         max_turns=3)
+        assert (out.sequences[r], out.env_masks[r]) == (tokens, mask), r
+    assert preempted == [6] and out.profile.num_preemptions == 1
+    assert 0 < out.profile.env_tokens_decoded < out.profile.env_tokens
