@@ -18,6 +18,7 @@ def test_tool_episodes_record_on_a_tiny_model():
     assert set(record["runs"]) == {"episodes_0ms", "episodes_5ms", "single_turn"}
     episodes, single = record["runs"]["episodes_0ms"], record["runs"]["single_turn"]
     assert episodes["num_env_calls"] > 0 and episodes["env_tokens"] > 0 and episodes["mean_turns"] > 1
+    assert 0 <= episodes["env_tokens_decoded"] <= episodes["env_tokens"] and episodes["num_prefill_forwards"] > 0
     assert single["model_tokens"] == episodes["model_tokens"] + episodes["env_tokens"]  # the same total tokens
     assert record["same_tokens_at_every_latency"]
     assert set(record["ratios"]) == {"episodes_over_single_turn", "latency_5ms_over_0ms"}

@@ -16,7 +16,8 @@ Runs, on one Rollout (paged route), after an untimed warm-up episode call: the e
 latency of ``latencies_ms``, then ``single_turn``: the same prompts, each row generating as many
 tokens as its episode held in all (model and environment tokens), in one turn. Per run: wall ms,
 tokens (the model's, the environment's), tok/s over all of them and over the model's, env calls,
-the history tokens prefilled again (``Profile.prefilled_history_tokens``) and the mean turns. The
+the history tokens prefilled again (``Profile.prefilled_history_tokens``), the environment's tokens
+fed through decode steps (``Profile.env_tokens_decoded``), the prefill forwards and the mean turns. The
 record holds the ratios beside the issue's targets (``ISSUE_TARGETS``) and claims nothing.
 """
 from __future__ import annotations
@@ -127,6 +128,8 @@ def run_tool_episodes(model: torch.nn.Module, *, model_name: str, dtype: str, se
         runs[f"episodes_{latency:g}ms"] = _run_fields(wall_ms, result, env_tokens) | {
             "latency_ms": latency, "num_env_calls": result.profile.num_env_calls,
             "prefilled_history_tokens": result.profile.prefilled_history_tokens,
+            "env_tokens_decoded": result.profile.env_tokens_decoded,
+            "num_prefill_forwards": result.profile.num_prefill_forwards,
             "mean_turns": sum(result.num_turns) / len(result.num_turns)}
     totals = [len(s) for s in outputs[latencies_ms[0]]]
     wall_ms, single = timed_ms(lambda: rollout.generate(prompts, max_new_tokens=totals, progress=False,

@@ -3,25 +3,38 @@
 A row is an episode: the model's turns and the environment's answers, one token list. When a row
 stops at one of its stop ids that is not an EOS id, or at a stop string, with its budget and turns
 left, it leaves its slot (the other rows keep decoding) and ``env(request, sample, tokens)`` runs in a
-thread pool off the decode loop, with the row's tokens so far. Its answer (a list of token ids) is
-appended to the row as environment tokens and the row waits at the head of the queue as a resuming
-row (``PagedBatcher``'s resume path): its prompt and all its tokens but the last are its history, the
-last (an environment token) is its next input, so the next turn's first token is drawn from the logits
-after the answer, and its sampling step goes on from its count (seeded sampling draws the same tokens
-however the rows were scheduled). ``None`` ends the episode; EOS, the budget (``max_new_tokens``
+thread pool off the decode loop, with the row's tokens so far. Its answer (a list of token ids) opens
+the row's next environment span and the row waits at the head of the queue as a resuming row
+(``PagedBatcher``'s resume path). ``None`` ends the episode; EOS, the budget (``max_new_tokens``
 counts the model's tokens of the whole episode) or ``max_turns`` (the model's turns) end it too.
 
 The history's KV is kept across the wait: a row that leaves keys its full blocks in the pool's prefix
 cache (``BlockAllocator.register``, as a prompt's; with ``prefix_cache`` off, for this call only),
 where they stay idle (counted as free, taken back least recently used first), and keeps its partial
 last block's KV aside, outside the pool (``PagedKVCache.read_positions``). A resuming row reads its
-longest cached chain (``attach``); where the chain reaches the partial block, that block's KV is
-written back and only the answer is prefilled, over them; where blocks were taken back meanwhile,
-the rest of the history is prefilled again. The rows back in one admission turn are prefilled in one
-left-padded forward (``resume_prefill``). Under ``admit_tokens_per_step`` a history longer than the
-bound is prefilled again across turns (its whole length counts against the bound). The profile
-counts the history tokens prefilled again (``Profile.prefilled_history_tokens``) and the
-environment's tokens (``Profile.env_tokens``) and calls (``Profile.num_env_calls``).
+longest cached chain (``attach``, every row of the turn before any grows, so none takes back the
+idle blocks another reads); where the chain reaches the partial block, that block's KV is written
+back and the whole history is in its blocks: it enters with no prefill forward. Where blocks were
+taken back meanwhile, the rest of the history is prefilled again, the rows back in one admission
+turn in one left-padded forward over their KV (``resume_prefill``). Under ``admit_tokens_per_step``
+what a row prefills counts against the bound (nothing, its chain kept); a row whose missing history
+is longer than the bound is prefilled again across turns, all of it.
+
+The answer enters through decode steps where the stepper has forced inputs (``StepperKey.forced``,
+``ModelRunner.stepper_for(forced=True)``): the row's next input is its last model token (the
+stop, whose KV is not written yet) at its position, and its steps take the answer's tokens, in order,
+instead of their draws (``DecodeState.force``; at most ``FORCE_WIDTH`` on the device, the rest
+loaded between bursts, and no burst runs a row past what its slot holds). The draw at the step whose
+input is the answer's last token is the next turn's first token; the sampling step goes on from the
+row's count through the answer, so seeded sampling draws the tokens it would draw however the rows
+were scheduled, and as the prefill path below does. The tokens a burst gives a row from its forced
+inputs are environment tokens (never a stop, log-probability 0.0, not counted against
+``max_new_tokens``). A row preempted in the middle of its answer takes the rest of it at once and
+resumes as a preempted row (all of it prefilled). Without forced inputs (a stepper built without
+them) the answer is appended when it comes and prefilled with the row's last history token, its
+last token being the next input. The profile counts the history tokens prefilled again
+(``Profile.prefilled_history_tokens``), the environment's tokens (``Profile.env_tokens``), those fed
+through decode steps (``Profile.env_tokens_decoded``) and its calls (``Profile.num_env_calls``).
 
 Penalties and ``min_new_tokens`` see an episode's tokens as its output: the environment's count too
 (frequency and presence, and toward the minimum).
