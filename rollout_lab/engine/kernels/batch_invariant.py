@@ -31,6 +31,7 @@ the engine turns compilation and prefill graphs off with ``RolloutConfig(batch_i
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -180,21 +181,21 @@ def key_starts(attention_mask: torch.Tensor | None, query: torch.Tensor, key: to
     attended = attended if attended.dtype == torch.bool else attended == 0  # [B, 1, q, S]
     attended = attended.expand(batch, 1, q_len, width)
     starts = attended[:, 0, -1].to(torch.int8).argmax(-1)  # [B]: the first key the last query attends to
-    _check_runs(attended, starts, q_len, width)
+    _check_runs(attention_mask, attended, starts, q_len, width)
     return starts
 
 
-_checked: tuple | None = None  # the last mask checked: (data pointer, shape, version)
+_checked: tuple | None = None  # the last mask checked: (a weak reference to it, its version, the width)
 
 
-def _check_runs(attended: torch.Tensor, starts: torch.Tensor, q_len: int, width: int) -> None:
+def _check_runs(mask: torch.Tensor, attended: torch.Tensor, starts: torch.Tensor, q_len: int, width: int) -> None:
     """ValueError unless each query attends to exactly the columns from its row's start to itself
-    (queries before the start, left padding, are not read)."""
+    (queries before the start, left padding, are not read). Every layer of a forward passes the same
+    ``mask``: it is checked at the first."""
     global _checked
     if attended.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
-    memo = (attended.data_ptr(), tuple(attended.shape), attended._version)
-    if memo == _checked:
+    if _checked is not None and _checked[0]() is mask and _checked[1:] == (mask._version, width):
         return
     cols = torch.arange(width, device=attended.device)
     own = cols[width - q_len:]  # [q]: each query's own column
@@ -206,7 +207,7 @@ def _check_runs(attended: torch.Tensor, starts: torch.Tensor, q_len: int, width:
         raise ValueError(f"batch_invariant: row {row}'s attention mask is not one run of keys from its first "
                          "token to each query (padding inside a row, a window, or a non-causal mask); the "
                          "invariant attention covers left padding and causal masks only")
-    _checked = memo
+    _checked = (weakref.ref(mask), mask._version, width)
 
 
 def invariant_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
