@@ -479,7 +479,8 @@ class Rollout:
         stepper = None
         # the "trainer" modes take no logprobs in the step: one teacher-forced forward after it
         step_logprobs = spec.logprobs_mode if spec.logprobs_mode in STEP_LOGPROB_MODES else None
-        rows = dict(sampling=sampling, penalties=penalties, logprobs_mode=step_logprobs, min_new_tokens=holds_back)
+        rows = dict(sampling=sampling, penalties=penalties, logprobs_mode=step_logprobs, min_new_tokens=holds_back,
+                    forced=episodes is not None)  # an episode's answers enter as forced inputs of the step
         if route == "paged":  # the paged pool and its slots; its stepper even for budgets of 1
             layout = self.paged_layout(lengths, budgets, bursts, groups=[r.group for r in requests])
             num_slots = layout.num_slots
