@@ -341,3 +341,67 @@ def trainer_loop_or_load(
                               save=lambda r: write_record(out, r, trainer_loop_rows(r)),
                               script="notebook 03 (trainer_loop_shape)", **shape)
     return str(out[0]), record
+
+
+# the settings two trainer-loop records must share for their rollouts' costs to be compared (the card too)
+SAME_WORKLOAD = ("model", "dtype", "dataset", "num_prompts", "num_samples", "max_new_tokens", "scale", "seed")
+
+
+def load_logprob_mode_records(files: Mapping[str, str | Path]) -> dict[str, dict[str, Any]]:
+    """{mode name: trainer-loop record} read from ``files`` ({mode name: record path}, in the order
+    drawn; the first is the cost baseline). ValueError naming the mode and the path when a file is
+    not a trainer-loop record (``records.load_record``)."""
+    if not isinstance(files, Mapping) or not files:
+        raise ValueError(f"expected a non-empty dict of {{mode name: trainer-loop record path}}, got {files!r}")
+    records = {}
+    for name, path in files.items():
+        try:
+            records[str(name)] = load_record(Path(path), "trainer_loop")
+        except (OSError, ValueError) as err:
+            raise ValueError(f"logprobs mode {name!r}: {err}") from None
+    return records
+
+
+def logprob_mode_rows(records: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per named trainer-loop record ({mode name: record}, e.g. the default "raw" logprobs,
+    the trainer's recompute, the batch-invariant decode): its steady rollout and train ms (means over
+    the iterations), |rollout - trainer| logprob (the worst iteration's max; the mean over iterations
+    of the mean, p50, p99 and equal share), the first iteration's micro-batch maxima (``micro_1``,
+    ``micro_8``, ``micro_64``, ``micro_all``; None in records written before they were measured) and
+    the steady rollout over the first record's. ValueError when the records ran other workloads
+    (``SAME_WORKLOAD``) or on other cards, whose costs do not compare."""
+    if not isinstance(records, Mapping) or not records:
+        raise ValueError(f"expected a non-empty dict of {{mode name: trainer-loop record}}, got {records!r}")
+    (first_name, first), *_ = records.items()
+    rows = []
+    for name, record in records.items():
+        if not isinstance(record, Mapping) or record.get("kind") != "trainer_loop":
+            raise ValueError(f"mode {name!r} is not a trainer_loop record (kind "
+                             f"{record.get('kind') if isinstance(record, Mapping) else type(record).__name__!r})")
+        cfg, prov = record["config"], record.get("provenance", {})
+        for key in SAME_WORKLOAD:
+            if cfg.get(key) != first["config"].get(key):
+                raise ValueError(f"mode {name!r} ran {key}={cfg.get(key)!r}, mode {first_name!r} "
+                                 f"{first['config'].get(key)!r}: their costs do not compare; give records of one workload")
+        if prov.get("device_name") != first.get("provenance", {}).get("device_name"):
+            raise ValueError(f"mode {name!r} ran on {prov.get('device_name')!r}, mode {first_name!r} on "
+                             f"{first.get('provenance', {}).get('device_name')!r}: give records of one card")
+        its = record["results"]["iterations"]
+        if not its:
+            raise ValueError(f"mode {name!r}: the record has no iterations")
+        mismatch = [it["logprob_mismatch"] for it in its]
+        micro = its[0].get("micro_batch_max_abs") or {}
+        rows.append({
+            "mode": str(name), "git_sha": str(prov.get("git_sha") or "")[:7],
+            "logprobs_mode": cfg["logprobs_mode"], "batch_invariant": bool(cfg.get("batch_invariant")),
+            "route": cfg["mode"], "iterations": len(its),
+            "steady_rollout_ms": float(np.mean([it["steady_rollout_ms"] for it in its])),
+            "train_ms": float(np.mean([it["train_ms"] for it in its])),
+            **{key: float(np.mean([m[key] for m in mismatch])) for key in ("mean_abs", "p50_abs", "p99_abs")},
+            "max_abs": max(m["max_abs"] for m in mismatch),
+            "equal_share": float(np.mean([m["equal_share"] for m in mismatch])),
+            **{f"micro_{size or 'all'}": micro.get(str(size or "all")) for size in MICRO_BATCHES},
+        })
+    for row in rows:
+        row["rollout_vs_first"] = row["steady_rollout_ms"] / rows[0]["steady_rollout_ms"]
+    return rows

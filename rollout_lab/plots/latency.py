@@ -9,6 +9,7 @@ axis unless they span 10x; what was not measured is said in words::
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -265,6 +266,60 @@ def plot_trainer_loop(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> 
     right.set_xlabel("iteration")
     right.set_ylabel("rollout − trainer logprob (nats)")
     right.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_logprob_modes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """Ways of getting the rollout's logprobs, one per row of ``measure.trainer_loop.logprob_mode_rows``.
+    Left: what each costs, the steady rollout and the train step in ms (means over the iterations),
+    the rollout's time over the first mode's written on its bar. Right: how far the rollout's
+    logprobs are from the trainer's forward (nats, log axis): the mean, p99 and max |Δ|, and the max
+    with the trainer's forward in micro-batches of 1, 8, 64 and all rows where the record has them;
+    an exact 0 is drawn at the axis floor and said in words."""
+    names = [textwrap.fill(r["mode"], 14) for r in rows]
+    x = np.arange(len(rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10, 3 + 2.2 * len(rows)), 3.8))
+    for k, (key, label) in enumerate((("steady_rollout_ms", "rollout (steady)"), ("train_ms", "train step"))):
+        bars = left.bar(x + (k - 0.5) * 0.38, [r[key] for r in rows], 0.38, color=PALETTE(k), label=label)
+        if key == "steady_rollout_ms":
+            for bar, r in zip(bars, rows):
+                left.annotate(f"{r['rollout_vs_first']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                              ha="center", va="bottom", fontsize=8)
+    left.set_xticks(x, names)
+    left.set_ylabel("ms (mean over iterations)")
+    left.margins(y=0.15)  # room for the ratios above the bars
+    left.legend(loc="lower left", bbox_to_anchor=(0, 1.02), ncol=2, fontsize=8, frameon=False)
+    left.set_xlabel(f"above the rollout: its time over {rows[0]['mode']}'s", fontsize=8, color="0.3")
+
+    floor = 1e-9
+    markers = (("mean_abs", "mean |Δ|", "o"), ("p99_abs", "p99 |Δ|", "s"), ("max_abs", "max |Δ|", "^"))
+    for k, (key, label, marker) in enumerate(markers):
+        right.scatter(x - 0.12, [max(r[key], floor) for r in rows], marker=marker, color=PALETTE(k), label=label,
+                      zorder=3)
+    micro_keys = (("micro_1", "1"), ("micro_8", "8"), ("micro_64", "64"), ("micro_all", "all"))
+    has_micro = [any(r.get(key) is not None for key, _ in micro_keys) for r in rows]
+    for k, (key, size) in enumerate(micro_keys):
+        at = [(i + 0.06 + 0.06 * k, max(r[key], floor)) for i, r in enumerate(rows) if r.get(key) is not None]
+        if at:
+            right.scatter(*zip(*at), marker="x", color=PALETTE(3 + k), s=22,
+                          label=f"max, trainer's forward {'on all rows at once' if size == 'all' else f'in {size}-row micro-batches'}")
+    values = [r[key] for r in rows for key, _, _ in markers] + \
+        [r[key] for r in rows for key, _ in micro_keys if r.get(key) is not None]
+    right.set_yscale("log")
+    right.set_ylim(floor / 2, max([*values, 1e-6]) * 20)
+    for i, r in enumerate(rows):
+        zero = r["max_abs"] == 0 and all(r.get(key) in (None, 0) for key, _ in micro_keys)
+        words = "exactly 0 on\nevery token\n(at the floor)" if zero else f"{r['equal_share']:.1%} of\ntokens equal"
+        right.annotate(words, (i, floor), xytext=(0, 8), textcoords="offset points", ha="center", va="bottom",
+                       fontsize=7, color="0.3")
+    right.set_xticks(x, names)
+    right.set_xlim(-0.6, len(rows) - 0.4)
+    right.set_ylabel("|rollout − trainer| logprob (nats)")
+    if not any(has_micro):
+        right.set_title("micro-batch maxima: not in these records", fontsize=8, loc="right", color="0.3")
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
