@@ -172,6 +172,17 @@ def _all_paths(value: Any) -> None:
         raise ValueError(f"{value!r} is not a path")
 
 
+def _check_mode_records(value: Any) -> None:
+    """A non-empty dict of {mode name: trainer-loop record path}, both non-empty strings."""
+    if not value:
+        raise ValueError("an empty dict")
+    for name, path in value.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"mode name {name!r} is not a non-empty str")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"mode {name!r}: {path!r} is not a path")
+
+
 def _check_device(device: str) -> None:
     """cpu, or cuda[:N] where this machine has that GPU."""
     kind, _, index = device.partition(":")
@@ -292,6 +303,8 @@ NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
         "trainer_loop_shape": _shape("trainer_loop_shape", "rollout_lab.measure.trainer_loop",
                                      "TRAINER_LOOP_DEFAULTS"),
         "trainer_loop_results_file": PATH, "decode_step_file": PATH,
+        "logprob_modes_results_file": _checked("a dict of {mode name: trainer-loop record path}", _check_mode_records,
+                                               dict, or_none=True),
         "grpo_shape": _shape("grpo_shape", "rollout_lab.measure.grpo", "GRPO_DEFAULTS"), "grpo_results_file": PATH,
         "prefix_sharing_shape": _shape("prefix_sharing_shape", "rollout_lab.measure.prefix_sharing",
                                        "PREFIX_SHARING_DEFAULTS"),
@@ -367,21 +380,27 @@ def notebook_parameters(
     return params
 
 
-# the parameters that name files or folders: those read, and those written
+# the parameters that name files or folders: those read (a path, a list of paths, or a dict of them), and
+# those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "long_tail_results_file",
-                    "trainer_loop_results_file", "decode_step_file",
+                    "trainer_loop_results_file", "logprob_modes_results_file", "decode_step_file",
                     "prefill_routes_file", "grpo_results_file", "prefix_sharing_results_file", "partial_rollouts_results_file",
                     "peer_results_file",
                     "more_results_file", "more_peer_results_file")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
+# the input parameters whose files check_inputs also reads: the record kind each must hold (render-only
+# sections, whose records come from the GPU: a wrong file is found before the notebook's measurements run)
+INPUT_KINDS = {"logprob_modes_results_file": "trainer_loop"}
 
 
 def resolve_path_parameters(params: Mapping[str, Any], *, cwd: str | Path) -> dict[str, Any]:
-    """``params`` with every path (``PATH_PARAMETERS``, a path or a list of paths; and ``model`` or
+    """``params`` with every path (``PATH_PARAMETERS``, a path, a list or a dict of paths; and ``model`` or
     ``geometry_preset`` when they name an existing checkpoint folder) made absolute from ``cwd``."""
     cwd = Path(cwd)
 
     def absolute(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: absolute(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [absolute(v) for v in value]
         return str((cwd / Path(value).expanduser()).resolve()) if isinstance(value, (str, os.PathLike)) else value
@@ -396,14 +415,24 @@ def resolve_path_parameters(params: Mapping[str, Any], *, cwd: str | Path) -> di
 
 
 def check_inputs(name: str, params: Mapping[str, Any]) -> None:
-    """ValueError naming the parameter of notebook ``name`` whose file to read does not exist."""
-    def paths(value: Any) -> list[Any]:  # a path, or lists of paths (more_results_file nests them)
+    """ValueError naming the parameter of notebook ``name`` whose file to read does not exist, or,
+    for a parameter of ``INPUT_KINDS``, is not a record of its kind."""
+    def paths(value: Any) -> list[Any]:  # a path, or lists of paths (more_results_file nests them), or a dict's
+        if isinstance(value, Mapping):
+            value = list(value.values())
         return [p for v in value for p in paths(v)] if isinstance(value, (list, tuple)) else [value]
 
     for parameter in INPUT_PARAMETERS:
         for path in paths(params.get(parameter)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: {parameter}={str(path)!r} does not exist (or is not a file)")
+            if path is not None and parameter in INPUT_KINDS:
+                from rollout_lab.measure.records import read_record  # the record's reader: only when a notebook is run
+
+                try:
+                    read_record(Path(path), INPUT_KINDS[parameter])
+                except ValueError as err:
+                    raise ValueError(f"{name}: {parameter}: {err}") from None
 
 
 def check_kernel(kernel_name: str) -> None:
