@@ -2,7 +2,8 @@
 # The GPU runs of issue 56 (batch-invariant forwards), any H100/H200 (the record names the card):
 #   tests      the CUDA tests of the invariant kernels and of whole invariant rollouts (bits)
 #   loop_05b   bench trainer-loop on Qwen2.5-0.5B (64 x 8 x 256): batch_invariant, then the default mode
-#              (compiled: its first call pays the compile) on the same card
+#              (compiled: its first call pays the compile) and logprobs_mode="trainer" (the recompute)
+#              on the same card: notebook 03's logprob_modes_results_file takes the three records
 #   loop_3b    the same on Qwen2.5-3B
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/batch_invariant.sh loop_05b   # CPU under TRITON_INTERPRET=1, ~2 min
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/batch_invariant.sh tests loop_05b
@@ -23,7 +24,8 @@ for what in "$@"; do
   case $what in
     tests) step 300 $PY -m pytest -q -x tests/test_invariant_kernels.py tests/test_batch_invariant.py -k cuda ;;
     loop_05b) step 300 $LOOP $LOOP_05B --batch-invariant ${BI_ARGS:-} --out "$OUT"/trainer_loop_05b_invariant
-              step 400 $LOOP $LOOP_05B ${BI_ARGS:-} --out "$OUT"/trainer_loop_05b_default ;;
+              step 400 $LOOP $LOOP_05B ${BI_ARGS:-} --out "$OUT"/trainer_loop_05b_default
+              step 300 $LOOP $LOOP_05B --logprobs-mode trainer ${BI_ARGS:-} --out "$OUT"/trainer_loop_05b_trainer ;;
     loop_3b) step 400 $LOOP $LOOP_3B --batch-invariant ${BI_ARGS:-} --out "$OUT"/trainer_loop_3b_invariant
              step 400 $LOOP $LOOP_3B ${BI_ARGS:-} --out "$OUT"/trainer_loop_3b_default ;;
     *) echo "unknown step $what (tests, loop_05b, loop_3b)"; exit 2 ;;
