@@ -34,7 +34,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), want.float().to(got.device), atol=tol, rtol=tol)
 
 
 def randn(*shape, gen, dtype=torch.float32, device="cpu") -> torch.Tensor:

@@ -211,13 +211,15 @@ def sequence_logprobs(
     check_batch(model, input_ids, attention_mask, response_mask, fp32_head)
     if batch_invariant:
         with invariant_forward(model):
-            return _sequence_logprobs(model, input_ids, attention_mask, response_mask, fp32_head)
+            return _sequence_logprobs(model, input_ids, attention_mask, response_mask, fp32_head, fp32_logits=True)
     return _sequence_logprobs(model, input_ids, attention_mask, response_mask, fp32_head)
 
 
 def _sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       response_mask: torch.Tensor, fp32_head: bool) -> torch.Tensor:
-    """``sequence_logprobs`` of checked arguments."""
+                       response_mask: torch.Tensor, fp32_head: bool, fp32_logits: bool = False) -> torch.Tensor:
+    """``sequence_logprobs`` of checked arguments; ``fp32_logits``: the head's logits go to the row
+    kernel as fp32, as the decode step's do (``processors.logprobs_of``): the kernel compiled for
+    another input dtype lays a row out otherwise across its threads and sums it in another order."""
     rows, width = input_ids.shape
     num_columns = response_mask.shape[1]  # the result's width
     response_mask = full_width(response_mask, width)  # [rows, width]
@@ -240,6 +242,7 @@ def _sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     for start in range(0, rows, step):
         h = hidden[start: start + step]
         logits = F.linear(h.float() if fp32_head else h, weight, bias)  # [chunk, span, vocab]
+        logits = logits.float() if fp32_logits else logits
         chunk = _TokenLogprobs.apply(logits.flatten(0, 1), targets[start: start + step].flatten())  # ids checked
         pieces.append(chunk.view(logits.shape[:2]))  # [chunk, span]
     full = F.pad(torch.cat(pieces), (lo, width - hi))  # [rows, width]

@@ -118,7 +118,10 @@ def run_tool_episodes(model: torch.nn.Module, *, model_name: str, dtype: str, se
                                 max_turns=spec["max_turns"], max_env_tokens=spec["answer_max"] * (spec["max_turns"] - 1),
                                 progress=False, **sampling)
 
-    episodes(0.0, prompts[: max(1, len(prompts) // 8)])  # warm-up: compile and capture, untimed
+    # warm-up at full size, untimed: the compile and every row count's decode graph, for the episodes'
+    # stepper (forced inputs) and the single turn's
+    episodes(0.0, prompts)
+    rollout.generate(prompts, max_new_tokens=spec["max_new_tokens"], progress=False, **sampling)
     runs: dict[str, dict[str, Any]] = {}
     outputs = {}
     for latency in latencies_ms:
