@@ -1,16 +1,23 @@
 """The card's floor (planner.roofline): the spec table, one step, a workload against a step-by-step
-count, and DESIGN.md's floors reproduced."""
+count, and DESIGN.md's floors reproduced; a record against it (measure.roofline, ``rollout-lab
+roofline``)."""
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from rollout_lab.cli.main import main
 from rollout_lab.measure.models import preset_config
+from rollout_lab.measure.roofline import attach_roofline, record_roofline, roofline_rows
 from rollout_lab.measure.workloads import uniform_workload
 from rollout_lab.planner.cost import ModelGeometry
 from rollout_lab.planner.roofline import CARDS, Card, RooflineModel, card_spec, decode_floor, workload_floor
 
+COMMITTED = Path(__file__).resolve().parents[1] / "data" / "results"
 H100 = card_spec("NVIDIA H100 80GB HBM3")
 H200 = card_spec("NVIDIA H200")
 # 2 layers, 1 KV head of 4 dims, fp32: 64 KV bytes a token; 1,000 parameters of 4 bytes
@@ -101,3 +108,124 @@ def test_design_md_floors_are_reproduced():
         model = RooflineModel.from_config(preset_config(preset), "bfloat16")
         assert model.weight_bytes / H100.bandwidth_bytes_per_s * 1e3 == pytest.approx(ms, rel=0.03)
         assert decode_floor(model, [1], H100).seconds * 1e3 == pytest.approx(ms, rel=0.03)
+
+
+# -- a record against its card's floor (measure.roofline, rollout-lab roofline) ------------------
+
+NANO_H100 = COMMITTED / "rl_qwen3-0.6b_bfloat16_cuda_h100_nano-paged-priced-captures.json"
+
+
+def nano_record(**provenance) -> dict:
+    record = json.loads(NANO_H100.read_text())
+    record["provenance"].update(provenance)
+    return record
+
+
+def test_an_old_record_is_read_against_its_cards_floor():
+    record = nano_record()
+    figures, reason = record_roofline(record)
+    assert reason is None and figures["card"] == "NVIDIA H100 80GB HBM3" and figures["path"] == "ours"
+    assert figures["floor_tok_s"] == pytest.approx(28.2e3, rel=0.02) and figures["bound"] == "bandwidth"
+    measured = record["results"]["ours"]["output_tokens_per_s"]
+    assert figures["measured_tok_s"] == measured
+    assert figures["fraction_of_floor"] == pytest.approx(measured / figures["floor_tok_s"])
+    assert figures["fractions"] == {"ours": figures["fraction_of_floor"]}
+    assert figures["num_decode_steps"] == record["results"]["ours"]["num_decode_steps"]  # the engine's count too
+
+
+def test_samples_of_a_prompt_read_it_once_so_no_path_beats_the_floor():
+    """prefix_sharing on grpo_long_prompt: the shared read runs past the floor of rows each reading
+    their whole context; the floor with the prompt read once per group holds it below 1."""
+    record = json.loads((COMMITTED / "prefix_sharing_qwen2.5-3b_bfloat16_cuda_h100_read.json").read_text())
+    figures, _ = record_roofline(record)
+    assert figures["samples_per_prompt"] == 16 and 0 < max(figures["fractions"].values()) < 1
+
+
+@pytest.mark.parametrize("provenance,reason", [
+    ({"device_type": "cpu", "device_name": "cpu"}, "a cpu record: a floor is a GPU card's"),
+    ({"device_name": "NVIDIA A100-SXM4-80GB"}, "card 'NVIDIA A100-SXM4-80GB' has no spec in planner.roofline.CARDS "
+                                               "(known: NVIDIA H100 80GB HBM3, NVIDIA H200)"),
+])
+def test_a_cpu_record_or_an_unknown_card_has_no_floor_and_says_why(provenance, reason):
+    record = nano_record(**provenance)
+    assert record_roofline(record) == (None, reason)
+    attach_roofline(record)
+    assert record["roofline"] is None and record["roofline_reason"] == reason
+
+
+def test_a_model_of_unknown_weights_has_no_floor_unless_its_config_is_given():
+    record = nano_record()
+    record["config"]["model"] = "my-checkpoint"  # a folder's name: not here to read
+    figures, reason = record_roofline(record)
+    assert figures is None and reason.startswith("model 'my-checkpoint': model must be 'tiny-<family>'")
+    figures, _ = record_roofline(record, model_config=preset_config("qwen3-0.6b"))
+    assert figures["floor_tok_s"] == pytest.approx(28.2e3, rel=0.02)
+
+
+def test_a_kind_without_a_floor_is_said_so_and_another_is_an_error():
+    figures, reason = record_roofline({"kind": "eos_long_tail"})
+    assert figures is None and "no per-row response lengths" in reason
+    with pytest.raises(ValueError, match="no floor for a record of kind 'sweep'; covered: rl_throughput, grpo"):
+        record_roofline({"kind": "sweep"})
+    record = {"kind": "decode_step"}
+    attach_roofline(record)  # writing a record never fails for its roofline
+    assert record["roofline"] is None and "kind 'decode_step'" in record["roofline_reason"]
+
+
+def test_roofline_rows_give_every_path_and_a_reason_for_no_floor():
+    rows = roofline_rows([(str(NANO_H100), nano_record()), ("cpu.json", nano_record(device_type="cpu"))])
+    assert [(r["label"], r["headline"]) for r in rows] == [(f"{NANO_H100.stem}: ours", True), ("cpu", None)]
+    assert rows[0]["fraction_of_floor"] == pytest.approx(0.675, abs=0.01) and rows[1]["reason"].startswith("a cpu")
+
+
+def test_the_cli_prints_card_floor_measured_and_fraction(capsys):
+    assert main(["roofline", str(NANO_H100)]) == 0
+    out = capsys.readouterr().out
+    assert "card: NVIDIA H100 80GB HBM3 (3.35 TB/s, 989 TFLOP/s)" in out
+    assert re.search(r"floor: 5\.\d+ s, 28,\d{3} tok/s \(bandwidth-bound", out)
+    assert re.search(r"measured ours: 19,064 tok/s = 0\.6\d\d of the floor", out)
+
+
+def test_the_cli_says_why_a_cpu_record_has_no_floor(tmp_path, capsys):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(nano_record(device_type="cpu")))
+    assert main(["roofline", str(path)]) == 0
+    assert "no floor: a cpu record" in capsys.readouterr().out
+
+
+def test_a_bad_path_or_kind_is_one_error_line(tmp_path, capsys):
+    assert main(["roofline", str(tmp_path / "missing.json")]) == 2
+    assert re.fullmatch(r"error: record '.*missing\.json' does not exist \(or is not a file\)\n", capsys.readouterr().err)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"kind": "sweep"}))
+    assert main(["roofline", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a record of kind 'sweep', which has no floor here; covered: rl_throughput" in err
+
+
+def test_a_bench_record_is_written_with_its_roofline(tmp_path, monkeypatch):
+    """``cli.bench._run_bench``, the one writer of the benches' records: the built model's config
+    prices the record (whatever its name), in the JSON beside the figures it measured."""
+    from rollout_lab.cli import bench
+
+    record = nano_record()
+    record["config"]["model"] = "my-checkpoint"
+    model = SimpleNamespace(config=preset_config("qwen3-0.6b"))
+    monkeypatch.setattr(bench, "build_model", lambda args: (model, "my-checkpoint"))
+    out = (tmp_path / "rl.json", tmp_path / "rl.csv")
+    args = SimpleNamespace(tiny=None, dtype="bfloat16", device="cuda", out=out)
+    bench._run_bench(args, lambda r: [{"path": "ours"}], lambda model, name, save: save(record) and record)
+    written = json.loads(out[0].read_text())
+    assert written["roofline_reason"] is None and written["roofline"]["card"] == "NVIDIA H100 80GB HBM3"
+    assert written["roofline"]["fraction_of_floor"] == pytest.approx(0.675, abs=0.01)
+
+
+def test_a_cpu_bench_record_says_it_has_no_floor(tmp_path):
+    from rollout_lab.measure.records import load_rl_results
+
+    out = tmp_path / "rl"
+    argv = ["--tiny", "qwen2", "--num-seqs", "2", "--min-len", "3", "--max-len", "4", "--paths", "ours", "--reps", "1",
+            "--out", str(out)]
+    assert main(["bench", "rl", *argv]) == 0
+    record = load_rl_results(f"{out}.json")
+    assert record["roofline"] is None and record["roofline_reason"] == "a cpu record: a floor is a GPU card's"

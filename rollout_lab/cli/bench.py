@@ -448,13 +448,16 @@ BENCHES: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
 def _run_bench(args: argparse.Namespace, rows: Callable[[dict], list[dict]],
                run: Callable[[Any, str, Callable[[dict], str]], dict[str, Any]]) -> dict[str, Any]:
     """Build the bench's model and ``run(model, name, save)`` it into its record, ``save`` writing
-    <out>.json and <out>.csv (the runs save after every path or case); then write it once more,
-    print its rows and where they went. The unset model options: fp32 on the CPU for --tiny, else
-    bf16 on CUDA."""
+    <out>.json and <out>.csv (the runs save after every path or case) with its card's floor
+    (``measure.roofline``: the "roofline" field); then write it once more, print its rows and where
+    they went. The unset model options: fp32 on the CPU for --tiny, else bf16 on CUDA."""
+    from rollout_lab.measure.roofline import attach_roofline  # torch: a bench's run, when it starts
+
     _resolve_model_options(args)
     model, name = build_model(args)
 
     def save(record: dict[str, Any]) -> str:
+        attach_roofline(record, model_config=model.config)  # the built model's own weights, whatever its name
         return write_record(args.out, record, rows(record))
 
     record = run(model, name, save)

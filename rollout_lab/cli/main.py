@@ -1,5 +1,5 @@
 """The ``rollout-lab`` parser, ``main()``, and the commands that are not a bench: plan, calibrate,
-sweep, notebooks, reproduce (``cli.bench`` holds the benches). ``plan`` needs no torch; calibrate and
+sweep, notebooks, reproduce, roofline (``cli.bench`` holds the benches). ``plan`` needs no torch; calibrate and
 sweep import it when they start."""
 from __future__ import annotations
 
@@ -134,6 +134,30 @@ def _lengths_argument(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"prompt length {text!r} is not an integer") from None
+
+
+# -- roofline (a record against its card's floor) -------------------------------------------------
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from rollout_lab.measure.roofline import read_roofline_record, record_roofline  # torch (the model's config)
+    from rollout_lab.planner.roofline import CARDS
+
+    record = read_roofline_record(args.record)
+    figures, reason = record_roofline(record)
+    prov = record.get("provenance") or {}
+    print(f"{args.record}: {record['kind']} of {(record.get('config') or {}).get('model')} "
+          f"at {str(prov.get('git_sha') or 'unknown')[:7]}")
+    if figures is None:
+        print(f"no floor: {reason}")
+        return 0
+    card = CARDS[figures["card"]]
+    print(f"card: {card.name} ({card.bandwidth_bytes_per_s / 1e12:g} TB/s, {card.peak_flop_per_s / 1e12:g} TFLOP/s)")
+    print(f"floor: {figures['floor_s']:.3f} s, {figures['floor_tok_s']:,.0f} tok/s ({figures['bound']}-bound, "
+          f"KV {figures['kv_share']:.0%} of the bytes, {figures['num_decode_steps']} decode steps)")
+    for path, fraction in figures["fractions"].items():
+        mark = "  <- headline" if path == figures["path"] else ""
+        print(f"measured {path}: {fraction * figures['floor_tok_s']:,.0f} tok/s = {fraction:.3f} of the floor{mark}")
+    return 0
 
 
 # -- the commands that run a model ---------------------------------------------------------------
@@ -475,6 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quick", action="store_true", help="smallest parameters")
     add_out_dir(rep)
     rep.set_defaults(func=cmd_reproduce)
+
+    roof = sub.add_parser("roofline", help="a bench record against its card's floor: floor, measured, fraction",
+                          description="Print a bench record's card, its workload's floor on that card (weights + KV "
+                                      "over bandwidth, FLOPs over peak) and each path's tok/s as a fraction of it.")
+    roof.add_argument("record", help="a record's .json (rl, grpo, trainer-loop or prefix-sharing)")
+    roof.set_defaults(func=cmd_roofline)
 
     bench = sub.add_parser("bench", help="run one benchmark into a record (<out>.json and <out>.csv)",
                            description="Run one benchmark on a tiny or preset model into a record with provenance, "
