@@ -183,6 +183,15 @@ def _check_mode_records(value: Any) -> None:
             raise ValueError(f"mode {name!r}: {path!r} is not a path")
 
 
+def _check_record_list(value: Any) -> None:
+    """A non-empty list of paths (each a non-empty str), not nested."""
+    if not value:
+        raise ValueError("an empty list")
+    for path in value:
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"{path!r} is not a path")
+
+
 def _check_device(device: str) -> None:
     """cpu, or cuda[:N] where this machine has that GPU."""
     kind, _, index = device.partition(":")
@@ -316,7 +325,10 @@ NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
         "more_results_file": PATH_LIST,
         "more_shape": _checked("a dict of workloads, max_new_tokens and optionally paths, repetitions "
                                "(measure.sweep.MORE_SHAPE_KEYS)", _check_more_shape, dict, or_none=True),
-        "more_peer_results_file": PATH_LIST, **RUNNER},
+        "more_peer_results_file": PATH_LIST,
+        "roofline_results_files": _checked("a non-empty list of bench record paths (rl, grpo, trainer-loop, "
+                                           "prefix-sharing)", _check_record_list, list, tuple, or_none=True),
+        **RUNNER},
     "04_adaptation": {
         "model": MODEL, "dtype": DTYPE, "device": DEVICE, "threads": _number(int, 1, os.cpu_count() or 1),
         "chunk_lengths": TOKEN_LISTS, "chunk_limit": TOKENS, "chunk_new_tokens": TOKENS,
@@ -386,7 +398,7 @@ INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results
                     "trainer_loop_results_file", "logprob_modes_results_file", "decode_step_file",
                     "prefill_routes_file", "grpo_results_file", "prefix_sharing_results_file", "partial_rollouts_results_file",
                     "peer_results_file",
-                    "more_results_file", "more_peer_results_file")
+                    "more_results_file", "more_peer_results_file", "roofline_results_files")
 PATH_PARAMETERS = INPUT_PARAMETERS + ("output_path", "results_stem", "output_dir")
 # the input parameters whose files check_inputs also reads: the record kind each must hold (render-only
 # sections, whose records come from the GPU: a wrong file is found before the notebook's measurements run)
@@ -431,6 +443,13 @@ def check_inputs(name: str, params: Mapping[str, Any]) -> None:
 
                 try:
                     read_record(Path(path), INPUT_KINDS[parameter])
+                except ValueError as err:
+                    raise ValueError(f"{name}: {parameter}: {err}") from None
+            if path is not None and parameter == "roofline_results_files":  # several kinds: the section's reader
+                from rollout_lab.measure.roofline import read_roofline_record  # torch: only when a notebook is run
+
+                try:
+                    read_roofline_record(path)
                 except ValueError as err:
                     raise ValueError(f"{name}: {parameter}: {err}") from None
 

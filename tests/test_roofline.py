@@ -229,3 +229,61 @@ def test_a_cpu_bench_record_says_it_has_no_floor(tmp_path):
     assert main(["bench", "rl", *argv]) == 0
     record = load_rl_results(f"{out}.json")
     assert record["roofline"] is None and record["roofline_reason"] == "a cpu record: a floor is a GPU card's"
+
+
+# -- notebook 03's section "How far from the card's floor" ------------------------------------------
+
+NB = "03_latency_tables"
+
+
+def test_the_notebook_parameter_takes_a_list_of_record_paths():
+    from rollout_lab.notebooks import check_parameter
+
+    check_parameter(NB, "roofline_results_files", None)
+    check_parameter(NB, "roofline_results_files", ["a.json", "b.json"])
+    for bad, problem in (([], r"is not valid \(an empty list\)"), ("a.json", "has type str"),
+                         (["a.json", 3], r"\(3 is not a path\)"), ([["a.json"]], r"\(\['a.json'\] is not a path\)")):
+        with pytest.raises(ValueError, match=(rf"03_latency_tables: parameter roofline_results_files=.* {problem}.*; "
+                                              r"roofline_results_files takes a non-empty list of bench record paths")):
+            check_parameter(NB, "roofline_results_files", bad)
+
+
+def test_the_notebooks_record_files_are_resolved_and_checked_before_it_runs(tmp_path, monkeypatch):
+    from rollout_lab.notebooks import check_inputs, resolve_path_parameters
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nano.json").write_text(NANO_H100.read_text())
+    resolved = resolve_path_parameters({"roofline_results_files": ["nano.json"]}, cwd=tmp_path)
+    assert resolved["roofline_results_files"] == [str(tmp_path / "nano.json")]
+    check_inputs(NB, resolved)
+    with pytest.raises(ValueError, match=r"03_latency_tables: roofline_results_files='.*missing.json' does not exist"):
+        check_inputs(NB, {"roofline_results_files": [str(tmp_path / "missing.json")]})
+    (tmp_path / "sweep.json").write_text(json.dumps({"kind": "sweep"}))
+    with pytest.raises(ValueError, match=r"03_latency_tables: roofline_results_files: '.*sweep.json' is a record of "
+                                         r"kind 'sweep', which has no floor here; covered: rl_throughput"):
+        check_inputs(NB, {"roofline_results_files": [str(tmp_path / "nano.json"), str(tmp_path / "sweep.json")]})
+
+
+@pytest.mark.slow
+def test_notebook_03_draws_records_against_their_floor(tmp_path):
+    """The section run by papermill on committed records (an H100 and an H200 RL record, an H100
+    GRPO one, an EOS long tail without a floor); every other section renders a committed record or
+    is skipped, so nothing is measured."""
+    pytest.importorskip("papermill")
+    import csv
+
+    from rollout_lab.notebooks import run_notebooks
+
+    files = [str(NANO_H100), str(COMMITTED / "rl_qwen3-0.6b_bfloat16_cuda_nano-paged-fused.json"),
+             str(COMMITTED / "grpo_qwen2.5-3b_bfloat16_cuda_h100_fused.json"),
+             str(COMMITTED / "long_tail_qwen2.5-0.5b_bfloat16_cuda_h100_priced-captures.json")]
+    run_notebooks(names=[NB], out_dir=tmp_path, progress=False,
+                  extra={NB: {"results_file": str(COMMITTED / "sweep_qwen2.5-3b_bfloat16_cuda.json"),
+                              "prefill_batch_sizes": None, "roofline_results_files": files}})
+    with (tmp_path / "data" / "tables" / "03_roofline_qwen2_5_3b_bfloat16_cuda.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["path"] for r in rows] == ["ours", "ours", "ours_fused", "shared", "shared_unfused", ""]
+    assert [r["card"] for r in rows[:2]] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    assert all(0 < float(r["fraction_of_floor"]) < 1 for r in rows[:5]) and "EOS" in rows[5]["reason"]
+    png = tmp_path / "figures" / "03_roofline_qwen2_5_3b_bfloat16_cuda.png"
+    assert png.is_file() and png.stat().st_size > 5000
