@@ -236,9 +236,9 @@ def test_auto_takes_paged_with_the_prefix_cache_and_other_modes_are_refused():
     rollout = Rollout(get_tiny("qwen2"), RolloutConfig(prefix_cache=True))
     assert rollout.route_for([5, 6], [4, 4]) == "paged"
     for mode in ("nocb", "bucketed", "aligned", "equal_width", "packed"):
-        with pytest.raises(ValueError, match=f"mode='{mode}' has no paged pool: use mode='paged' or 'auto'"):
+        with pytest.raises(ValueError, match=f"across calls; mode='{mode}' rule the paged route out: use mode='paged' or 'auto'"):
             RolloutConfig(prefix_cache=True, mode=mode)
-    with pytest.raises(ValueError, match="prefix_cache needs the paged route, which cache_capacity and trim_cache"):
+    with pytest.raises(ValueError, match="prefix_cache keeps prompts' blocks in the paged pool across calls; mode='auto', cache_capacity rule"):
         RolloutConfig(prefix_cache=True, cache_capacity=64)
     with pytest.raises(ValueError, match="prefix_cache must be a bool, got 1"):
         RolloutConfig(prefix_cache=1)

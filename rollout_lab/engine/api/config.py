@@ -235,9 +235,8 @@ class RolloutConfig:
             raise ValueError(
                 f"admit_tokens_per_step bounds the paged route's admissions; mode={self.mode!r} would ignore "
                 f"it: use mode='paged' or 'auto' (which then takes paged whenever rows refill)")
-        if self.prefix_cache and self.mode not in ("paged", "auto"):
-            raise ValueError(f"prefix_cache keeps prompts' blocks in the paged pool across calls; mode={self.mode!r} "
-                             "has no paged pool: use mode='paged' or 'auto' (which then takes paged)")
+        if self.prefix_cache:
+            self.check_paged_route("prefix_cache keeps prompts' blocks in the paged pool across calls")
         if self.shared_prefix_attention not in SHARED_PREFIX_ATTENTIONS:
             raise ValueError(f"shared_prefix_attention must be one of {list(SHARED_PREFIX_ATTENTIONS)}, "
                              f"got {self.shared_prefix_attention!r}")
@@ -246,9 +245,9 @@ class RolloutConfig:
                 raise ValueError("shared_prefix_attention='on' reads the prompt blocks a prompt's samples share, "
                                  "and share_prompt_blocks=False gives each sample a copy: turn "
                                  "share_prompt_blocks on, or shared_prefix_attention to 'auto' or 'off'")
-            self._check_paged_route("shared_prefix_attention='on' reads the paged pool's shared blocks")
+            self.check_paged_route("shared_prefix_attention='on' reads the paged pool's shared blocks")
         if self.batch_invariant:
-            self._check_paged_route("batch_invariant=True serves the paged route's decode step")
+            self.check_paged_route("batch_invariant=True serves the paged route's decode step")
             for name in ("compile", "prefill_graphs"):
                 if getattr(self, name) not in ("auto", False):
                     raise ValueError(f"batch_invariant=True runs its own kernels, which compiled graphs would replace: "
@@ -256,18 +255,15 @@ class RolloutConfig:
             if self.shared_prefix_attention == "on":
                 raise ValueError("batch_invariant=True reads each row's blocks with the invariant kernel: "
                                  "shared_prefix_attention='on' must be 'auto' or 'off'")
-        if self.prefix_cache and (self.cache_capacity is not None or self.trim_cache):
-            raise ValueError("prefix_cache needs the paged route, which cache_capacity and trim_cache (the aligned "
-                             "cache's settings) rule out: size the paged pool with kv_cache_tokens or "
-                             "gpu_memory_fraction")
         if self.mode == "paged" and (self.cache_capacity is not None or self.trim_cache):
             raise ValueError(
                 "mode='paged' keeps each row in its own blocks: cache_capacity and trim_cache set the "
                 "aligned cache; size the paged pool with kv_cache_tokens or gpu_memory_fraction")
 
-    def _check_paged_route(self, what: str) -> None:
+    def check_paged_route(self, what: str) -> None:
         """A ValueError saying ``what`` needs the paged route when the mode or the aligned cache's
-        settings rule it out."""
+        settings rule it out: the one check of every paged-only feature (the prefix cache, the shared
+        read, batch invariance, and a call's partial rollouts and episodes)."""
         if self.mode not in ("paged", "auto") or self.cache_capacity is not None or self.trim_cache:
             raise ValueError(f"{what}; mode={self.mode!r}" + (", cache_capacity" if self.cache_capacity is not None else "")
                              + (", trim_cache" if self.trim_cache else "") + " rule the paged route out: use "

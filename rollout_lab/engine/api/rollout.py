@@ -380,7 +380,8 @@ class Rollout:
             max_positions=self.max_positions, tokenizer=self.tokenizer, share_prefill=config.share_prefill,
             finish_fraction=finish_fraction, model_type=self._model_type)
         if spec.finish_fraction is not None or spec.continuations is not None:
-            self._check_paged_available("finish_fraction" if spec.finish_fraction is not None else "continuations")
+            self.config.check_paged_route(("finish_fraction" if spec.finish_fraction is not None else "continuations")
+                                          + " needs the paged route, which resumes rows across calls")
         if episodes is not None:
             if spec.finish_fraction is not None or spec.continuations is not None:
                 raise ValueError("env= runs whole episodes in one call: finish_fraction= and continuations "
@@ -398,18 +399,6 @@ class Rollout:
         """The model's kind as a continuation records it (``Continuation.model_type``)."""
         return str(getattr(self.model_config, "model_type", ""))
 
-    def _check_paged_available(self, what: str) -> None:
-        """A ``ValueError`` naming ``what`` when this rollout's route cannot be the paged one, the only
-        route that resumes rows (partial rollouts)."""
-        cfg = self.config
-        if cfg.mode not in ("paged", "auto"):
-            raise ValueError(f"{what} needs the paged route, which resumes rows across calls; mode={cfg.mode!r} "
-                             "has none: use mode='paged' or 'auto' (which then takes paged)")
-        if cfg.cache_capacity is not None or cfg.trim_cache:
-            raise ValueError(f"{what} needs the paged route, which cache_capacity and trim_cache (the aligned "
-                             "cache's settings) rule out: size the paged pool with kv_cache_tokens or "
-                             "gpu_memory_fraction")
-
     def _check_episodes(self, config: RolloutConfig, env: Any, max_turns: Any, max_env_tokens: Any,
                         eos_ids: Sequence[int]) -> Episodes | None:
         """``generate``'s episode arguments checked (``Episodes``, ending at ``eos_ids``); None without ``env``."""
@@ -419,7 +408,8 @@ class Rollout:
                     raise ValueError(f"{name}={value!r} bounds an episode and this call has none: pass env= too")
             return None
         episodes = Episodes(env, max_turns, max_env_tokens, eos_ids=frozenset(eos_ids))
-        self._check_paged_available("env=")
+        self.config.check_paged_route("env= needs the paged route, which keeps a row's blocks while its "
+                                      "environment answers")
         return episodes
 
     def _run(self, spec: CallSpec, *, progress: bool = False, episodes: Episodes | None = None) -> RolloutResult:
