@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="gpqa_diamond")
     parser.add_argument("--no-fuse-projections", action="store_true",
                         help="run the decode step unfused (RolloutConfig(fuse_projections=False); default 'auto')")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="RolloutConfig(batch_invariant=True): the invariant kernels' step (issue 56)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=slots, eos_token_id=eos,
                                            ignore_eos=args.workload == "grpo",
                                            pad_token_id=cfg.pad_token_id or 0,
+                                           batch_invariant=args.batch_invariant,
                                            **({"fuse_projections": False} if args.no_fuse_projections else {})))
     started = time.perf_counter()
     rollout.generate(prompts, **call)
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     lines = [
         f"{name} {dtype} {device} {args.workload} mode={args.mode} slots={slots} prompts={args.num_prompts} "
-        f"max_new={args.max_new_tokens} logprobs={call.get('logprobs_mode')} fused={rollout.runner.fused}: route {result.route}, "
+        f"max_new={args.max_new_tokens} logprobs={call.get('logprobs_mode')} fused={rollout.runner.fused} "
+        f"invariant={args.batch_invariant} decode={rollout.runner.decode_mode}: route {result.route}, "
         f"{sum(map(len, result.sequences))} tokens",
         f"first call {first_s:.1f} s; traced call {wall_ms:.1f} ms; kernels {device_us / 1e3:.1f} ms summed",
         "profiled call phases (ms): " + ", ".join(
