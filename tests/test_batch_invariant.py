@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.kernels.batch_invariant import InvariantOps, check_invariant_model, key_starts
+from rollout_lab.engine.kernels.batch_invariant import InvariantOps, check_invariant_model, key_starts, suspended
+from rollout_lab.engine.runner.compiling import compile_invariant_select
+from rollout_lab.engine.sample.params import SamplingParams
+from rollout_lab.engine.sample.processors import select_tokens
+from rollout_lab.engine.sample.sampler import RowSampling
 from rollout_lab.engine.trainer import sequence_logprobs
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.trainer_loop import check_trainer_loop_settings, TRAINER_LOOP_DEFAULTS
@@ -34,9 +38,12 @@ def check_invariant_rollout(device: str, dtype: torch.dtype, slot_counts=(6, 2))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 100, (int(n),), generator=gen).tolist()
                for n in torch.randint(3, 40, (6,), generator=gen)]
-    results = [Rollout(model, RolloutConfig(batch_invariant=True, continuous_batch_size=slots, kv_block_size=16))
-               .generate(prompts, max_new_tokens=8, do_sample=True, seed=3, return_logprobs=True, progress=False)
-               for slots in slot_counts]
+    rollouts = [Rollout(model, RolloutConfig(batch_invariant=True, continuous_batch_size=slots, kv_block_size=16))
+                for slots in slot_counts]
+    results = [r.generate(prompts, max_new_tokens=8, do_sample=True, seed=3, return_logprobs=True, progress=False)
+               for r in rollouts]
+    if device == "cuda":  # the captured step chooses with compile_invariant_select
+        assert all(r.runner.stepper_info["select"] == "compiled" for r in rollouts)
     assert all(r.route == "paged" for r in results)
     assert all(r.sequences == results[0].sequences for r in results), "tokens depend on the slots"
     assert all(r.logprobs == results[0].logprobs for r in results), "logprobs depend on the slots"
@@ -148,3 +155,31 @@ def test_key_starts_reads_left_padding_and_refuses_holes():
     holed[1, :, 3] = False  # a pad inside row 1
     with pytest.raises(ValueError, match="row 1's attention mask is not one run of keys"):
         key_starts(holed[:, None], query, key)
+
+
+def test_suspended_runs_ops_as_they_are_inside_the_mode_only():
+    x = torch.randn(3, 5)
+    with InvariantOps():
+        with suspended():
+            assert torch.equal(torch.cumsum(x, -1), x.cumsum(-1))  # no ValueError: the mode is off
+        with pytest.raises(ValueError, match="does not cover aten.cumsum"):
+            torch.cumsum(x, -1)  # and back on after
+    with suspended():  # outside the mode: nothing to suspend
+        assert torch.cumsum(x, -1).shape == (3, 5)
+
+
+def test_invariant_select_draws_as_the_eager_choice():
+    """The compiled token choice (dynamo's eager backend here: inductor's CPU code is not the GPU's)
+    runs with the mode suspended and draws the eager step's tokens, top-k and greedy rows among them."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=gen)
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=40)]
+    sampling = RowSampling.of(params, "cpu")
+    keys, steps = torch.tensor([3, 4, 5, 6]), torch.tensor([1, 2, 3, 4])
+    want, _ = select_tokens(logits, sampling=sampling, sample_keys=keys, steps=steps)
+    select = compile_invariant_select(backend="eager")
+    with InvariantOps():
+        got, logprobs = select(logits, sampling=sampling, sample_keys=keys, steps=steps, logprobs_mode=None)
+    assert torch.equal(got, want) and logprobs is None
+    assert int(got[2]) == int(logits[2].argmax())  # the greedy row

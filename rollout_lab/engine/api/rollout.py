@@ -137,7 +137,8 @@ class Rollout:
                                   prefill_graphs=False if cfg.batch_invariant else cfg.prefill_graphs,
                                   prefill_classes=cfg.prefill_classes,
                                   costs=cfg.costs, max_prefill_graphs=cfg.max_prefill_graphs,
-                                  max_decode_graphs=cfg.max_decode_graphs, decode_widths=cfg.decode_widths)
+                                  max_decode_graphs=cfg.max_decode_graphs, decode_widths=cfg.decode_widths,
+                                  batch_invariant=cfg.batch_invariant)
         interval = cfg.eos_check_interval  # "auto": a captured step's host read is what is saved
         self.eos_check_interval = (EOS_CHECK_INTERVAL if self.runner.decode_mode == "graph" else 1) \
             if interval == "auto" else interval

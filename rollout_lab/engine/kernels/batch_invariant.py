@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -267,6 +267,19 @@ def check_invariant_model(model: torch.nn.Module) -> None:
     if not kernel_available(device):
         raise ValueError(f"batch_invariant needs the Triton kernels: a CUDA device, or TRITON_INTERPRET=1 on CPU; "
                          f"the model is on {device}")
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Within a ``batch_invariant`` block, run ops as they are (no ``InvariantOps``), for code that is
+    invariant by construction and that the mode would keep from compiling (a dispatch mode stops
+    dynamo): ``engine.runner.compiling.compile_invariant_select``. The model keeps its attention.
+    Outside an ``InvariantOps`` mode it changes nothing (another tool's modes stay)."""
+    if not any(isinstance(mode, InvariantOps) for mode in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 @contextmanager

@@ -53,7 +53,8 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 
-from rollout_lab.engine.sample.processors import select_tokens
+from rollout_lab.engine.kernels.batch_invariant import suspended
+from rollout_lab.engine.sample.processors import select_tokens, token_logprobs
 from rollout_lab.engine.sample.sampler import token_salts
 
 COMPILE_MODES = ("model", "layers")
@@ -161,6 +162,32 @@ def compile_select(*, backend: str = "inductor") -> Callable[..., Any]:
     def select(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         salts = token_salts(logits.shape[-1], logits.device) if kwargs.get("sampling") is not None else None
         return compiled(logits, *args, salts=salts, **kwargs)
+
+    return select
+
+
+def compile_invariant_select(*, backend: str = "inductor") -> Callable[..., Any]:
+    """``select_tokens`` for a batch-invariant step (``RolloutConfig(batch_invariant=True)``): the
+    token choice by ``compile_select`` with the invariant mode suspended, the log-probabilities
+    after it under the mode (``processors.token_logprobs``: ``logsumexp`` by the trainer's row
+    kernel, as ``sequence_logprobs(batch_invariant=True)`` takes it).
+
+    Eager under the mode the choice is ~25 passes over ``[rows, vocab]`` int64 and float64
+    temporaries, most of the invariant step at hundreds of rows. Compiled it stays invariant: the
+    penalties, stop ids, temperature, top-k and the seeded Gumbel noise are element by element (the
+    same expression for every row count, a row's bits its own) and its reductions take no sums
+    (``row_argmax``, ``topk``). Top-p (a cumulative sum) and min-p (a softmax) do sum: a step whose
+    rows use them keeps the eager choice, which the mode covers or refuses (``steppers.GraphStepper``)."""
+    choose = compile_select(backend=backend)
+
+    def select(logits: torch.Tensor, *, logprobs_mode: str | None = None, **kwargs: Any) -> Any:
+        with suspended():
+            tokens, _ = choose(logits, logprobs_mode=None, **kwargs)
+        if logprobs_mode is None:
+            return tokens, None
+        processing = {k: kwargs.get(k) for k in ("penalties", "seen", "counts", "sampling", "steps",
+                                                 "min_new_tokens", "stop_mask")}
+        return tokens, token_logprobs(logits, tokens, mode=logprobs_mode, **processing)
 
     return select
 

@@ -67,8 +67,10 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, *, decode: str, decode_attention: str, compile: bool | str,
                  fuse_projections: bool | str, prefill_graphs: bool | str, prefill_classes: object,
-                 costs: object, max_prefill_graphs: int, max_decode_graphs: int, decode_widths: int):
+                 costs: object, max_prefill_graphs: int, max_decode_graphs: int, decode_widths: int,
+                 batch_invariant: bool = False):
         self.model = model
+        self.invariant = batch_invariant  # the steps run inside engine.kernels.batch_invariant
         self.device = next(model.parameters()).device
         self.cache_kwarg = cache_kwarg_name(model)
         self.decode_mode = resolve_decode_mode(decode, self.device)
@@ -192,7 +194,8 @@ class ModelRunner:
                                   num_widths=self.decode_widths, spans=self.spans, compiled=self.compiled,
                                   fused=self.fused, logprobs_mode=logprobs_mode,
                                   block_size=None if num_blocks is None else block_size, num_blocks=num_blocks or 0,
-                                  prefix_groups=prefix_groups if num_blocks is not None else 0, forced=forced)
+                                  prefix_groups=prefix_groups if num_blocks is not None else 0, forced=forced,
+                                  invariant=self.invariant)
         if old is not None and old.fits(self.model, key):
             old.sync_weights()  # its fused projections' copy of the weights, as the model holds them now
             return old

@@ -43,7 +43,13 @@ from typing import Any, Sequence
 import torch
 
 from rollout_lab.engine.kv.aligned import AlignedKVCache
-from rollout_lab.engine.runner.compiling import compile_forward, compile_select, decoder_layers, tracing
+from rollout_lab.engine.runner.compiling import (
+    compile_forward,
+    compile_invariant_select,
+    compile_select,
+    decoder_layers,
+    tracing,
+)
 from rollout_lab.engine.runner.decode import DecodeState, decode_step
 from rollout_lab.engine.runner.fusing import FUSE_MEMORY_FRACTION, FusedProjections, fused_nbytes
 from rollout_lab.engine.kv.paged import PagedKVCache
@@ -213,6 +219,9 @@ class StepperKey:
     prefix_groups: int = 0
     # forced inputs (DecodeState.force): rows take queued tokens instead of their draws (a call with episodes)
     forced: bool = False
+    # the step runs inside engine.kernels.batch_invariant (RolloutConfig(batch_invariant=True)): the forward
+    # is never compiled, the token choice is where it takes no sums (compiling.compile_invariant_select)
+    invariant: bool = False
 
     @property
     def paged(self) -> bool:
@@ -315,6 +324,8 @@ class GraphStepper(EagerStepper):
         if key.compiled:  # one compile with symbolic sizes serves every rung of the ladder (it has no 1-row rung)
             self.forward = compile_forward(model if self.forward is None else self.forward, key.compiled)
             self.select = compile_select()
+        elif key.invariant and not (key.top_p_filter or key.min_p_filter):  # top-p and min-p sum: eager
+            self.select = compile_invariant_select()
         self.signature = weights_signature(model)
         self.ladder = graph_ladder(key.num_slots, key.max_graphs, smallest=2 if key.compiled else 1)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (rows, width) -> graph
@@ -421,4 +432,5 @@ def describe(stepper: Any) -> dict[str, Any]:
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity, "block_size": stepper.key.block_size,
             "num_blocks": stepper.key.num_blocks, "prefix_groups": stepper.key.prefix_groups,
-            "forced": stepper.key.forced}
+            "forced": stepper.key.forced, "invariant": stepper.key.invariant,
+            "select": "eager" if stepper.select is None else "compiled"}
