@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from rollout_lab import Rollout, RolloutConfig
-from rollout_lab.engine.kernels.batch_invariant import InvariantOps, check_invariant_model, key_starts, suspended
+from rollout_lab.engine.kernels.batch_invariant import (
+    RMS_NORMS, InvariantOps, batch_invariant, check_invariant_model, key_starts, suspended,
+)
 from rollout_lab.engine.runner.compiling import compile_invariant_select
 from rollout_lab.engine.sample.params import SamplingParams
 from rollout_lab.engine.sample.processors import select_tokens
@@ -45,6 +47,11 @@ def check_invariant_rollout(device: str, dtype: torch.dtype, slot_counts=(6, 2))
     if device == "cuda":  # the captured step chooses with compile_invariant_select
         assert all(r.runner.stepper_info["select"] == "compiled" for r in rollouts)
     assert all(r.route == "paged" for r in results)
+    norms = [m for m in model.modules() if isinstance(m, RMS_NORMS)]
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1
+    with batch_invariant(model):  # each norm one kernel inside, the module's own forward after
+        assert all("forward" in vars(m) for m in norms)
+    assert not any("forward" in vars(m) for m in norms)
     assert all(r.sequences == results[0].sequences for r in results), "tokens depend on the slots"
     assert all(r.logprobs == results[0].logprobs for r in results), "logprobs depend on the slots"
     t = results[0].to_tensors(device=device)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from rollout_lab.engine.kernels.invariant import (
     INVARIANT_BLOCK_N, invariant_attention, invariant_bmm, invariant_matmul, invariant_paged_attention,
-    invariant_row_mean,
+    invariant_rms_norm, invariant_row_mean, rms_norm_reference,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,24 @@ def check_row_mean(device: str, dtype: torch.dtype) -> None:
     assert got.shape == (2, 3, 1) and got.dtype == dtype
     assert torch.equal(got[1, 2], invariant_row_mean(x[1, 2:3])[0])
     close(got, x.float().mean(-1, keepdim=True), dtype)
+
+
+def check_rms_norm(device: str, dtype: torch.dtype) -> None:
+    """A row's norm alone and among others (3-D input, rows longer than one strip, an fp32 weight on
+    half rows: the output promotes as the module's does); against the module's formula; gradients."""
+    gen = torch.Generator().manual_seed(2)
+    x = randn(2, 3, 1100, gen=gen, dtype=dtype, device=device)
+    for weight in (randn(1100, gen=gen, dtype=dtype, device=device), randn(1100, gen=gen, device=device)):
+        got = invariant_rms_norm(x, weight, 1e-6)
+        assert got.shape == x.shape and got.dtype == torch.promote_types(weight.dtype, dtype)
+        assert torch.equal(got[1, 2], invariant_rms_norm(x[1, 2:3], weight, 1e-6)[0])
+        close(got, rms_norm_reference(x, weight, 1e-6), dtype)
+    x, weight = x.float().requires_grad_(), weight.float().requires_grad_()
+    invariant_rms_norm(x, weight, 1e-6).square().sum().backward()
+    want = [t.detach().clone().requires_grad_() for t in (x, weight)]
+    rms_norm_reference(*want, 1e-6).square().sum().backward()
+    close(x.grad, want[0].grad, torch.float32)
+    close(weight.grad, want[1].grad, torch.float32)
 
 
 def probe(kv_heads: int, group: int, dim: int, length: int, dtype: torch.dtype, seed: int):
@@ -236,9 +254,10 @@ on_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, re
 def test_matmul_and_row_mean_rows_are_invariant_in_the_interpreter():
     script = textwrap.dedent("""
         import torch
-        from test_invariant_kernels import check_matmul, check_row_mean
+        from test_invariant_kernels import check_matmul, check_row_mean, check_rms_norm
         check_matmul("cpu", torch.float32)
         check_row_mean("cpu", torch.float32)
+        check_rms_norm("cpu", torch.float32)
         print("ok")
     """)
     assert "ok" in run_interpreted(script)
@@ -263,6 +282,7 @@ def test_prefill_equals_paged_decode_in_the_interpreter():
 def test_cuda_kernels_are_invariant(dtype):
     check_matmul("cuda", dtype)
     check_row_mean("cuda", dtype)
+    check_rms_norm("cuda", dtype)
     # Qwen2.5 shapes among them (head_dim 64 and 128, groups 7 and 6), a group over 16 (two chunks), head_dim 80
     check_attention("cuda", dtype, [(2, 1, 32), (1, 2, 64), (2, 4, 32), (2, 7, 64), (2, 6, 128), (1, 20, 80)])
 
@@ -297,6 +317,8 @@ def test_bad_inputs_are_named_before_any_launch(monkeypatch):
         invariant_row_mean(a[:, :0])
     with pytest.raises(ValueError, match="x has dtype torch.int32"):
         invariant_row_mean(a.int())
+    with pytest.raises(ValueError, match=r"x \[..., N\] \(N >= 1\) and weight \[N\], got \(4, 8\) and \(7,\)"):
+        invariant_rms_norm(a, torch.ones(7), 1e-6)
 
     query, key, starts = torch.zeros(2, 4, 3, 16), torch.zeros(2, 2, 5, 16), torch.zeros(2, dtype=torch.long)
     with pytest.raises(ValueError, match=r"query \[B, H, q, D\] and key, value \[B, KVH, S, D\], got \(4, 3, 16\)"):

@@ -8,6 +8,8 @@ is in the batch, so the decode step's logprobs are the trainer's forward's.
   with ``invariant_paged_attention``; both walk a row's keys in the same 16-position blocks from its
   logical position 0, so a token's attention is the same bits whether its keys were seen in one
   forward or one step at a time;
+- Llama's, Mistral's and Qwen's RMSNorm modules (``RMS_NORMS``) run ``invariant_rms_norm``, one kernel
+  instead of eight (another model's norm goes through the mode, op by op);
 - a ``TorchDispatchMode`` (``InvariantOps``) sees every aten op below autograd. Matmuls (``mm``,
   ``addmm``, ``bmm``) go to ``invariant_matmul``'s one tile configuration, a mean over the last
   dimension (RMSNorm's) to ``invariant_row_mean``, ``logsumexp`` and the log-softmax over the last
@@ -47,6 +49,7 @@ from rollout_lab.engine.kernels.invariant import (
     invariant_bmm,
     invariant_matmul,
     invariant_paged_attention,
+    invariant_rms_norm,
     invariant_row_mean,
 )
 from rollout_lab.engine.kernels.token_logprobs import row_logprobs
@@ -66,6 +69,25 @@ UNCOVERED = {"baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr", "_addmm_
              "cumprod", "logcumsumexp", "_cdist_forward", "embedding_bag", "_embedding_bag", "nll_loss_forward",
              "nll_loss2d_forward", "_fft_r2c", "_fft_c2c", "histc", "bincount"}
 _active = False
+
+
+def _rms_norm_classes() -> tuple[type, ...]:
+    """The RMSNorm modules whose forward is ``invariant.rms_norm_reference``: x * rsqrt(mean(x^2) + eps)
+    in fp32, rounded to x's dtype, times the weight (Gemma's 1 + weight is not among them)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
+
+
+RMS_NORMS = _rms_norm_classes()
+
+
+def _norm_forward(module: torch.nn.Module):
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        return invariant_rms_norm(hidden_states, module.weight, module.variance_epsilon)
+    return forward
 
 
 def active() -> bool:
@@ -295,10 +317,15 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     config._attn_implementation = INVARIANT_NAME
+    norms = [m for m in model.modules() if type(m) in RMS_NORMS and "forward" not in vars(m)]
     _active = True
     try:
+        for module in norms:  # on the module objects: the decode step's fused copy shares them
+            module.forward = _norm_forward(module)
         with InvariantOps():
             yield model
     finally:
         _active = False
         config._attn_implementation = previous
+        for module in norms:
+            vars(module).pop("forward", None)

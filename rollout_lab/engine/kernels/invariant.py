@@ -8,6 +8,9 @@ shapes, walks its reduction in one fixed order and accumulates in fp32:
 - ``invariant_matmul`` / ``invariant_bmm``: one tile config whatever M (no autotune, no split-K),
   K walked in order, bias added to the fp32 accumulator at the end;
 - ``invariant_row_mean``: one program per row, fixed strips over N, then ``tl.sum``;
+- ``invariant_rms_norm``: an RMSNorm (Llama's, Qwen's) in one kernel, the sum of squares taken as
+  ``invariant_row_mean`` takes its sum; the eager norm is eight kernels (fp32 copy, square, mean,
+  add, rsqrt, scale, cast, weight), a share of a small decode step paid launch by launch;
 - ``invariant_attention`` (a prefill or teacher-forced forward, causal, left padding) and
   ``invariant_paged_attention`` (decode over the paged pool): the same query vector over the same
   keys gives the same bits in both, by construction. Both walk keys in blocks of
@@ -28,6 +31,7 @@ check the blocking, masking and softmax; the GPU tests check ``tl.dot``'s bits. 
 recomputes plain masked attention in torch (the trainer's backward may use any kernel).
 
     out = invariant_matmul(a, b, bias)                                     # [M, N]
+    out = invariant_rms_norm(x, weight, eps)                                # [..., N]
     out = invariant_attention(query, key, value, starts, scale)            # [B, q, H, D]
     out = invariant_paged_attention(query, key_pool, value_pool, tables, positions, scale)  # [rows, 1, H, D]
 
@@ -106,6 +110,24 @@ if triton is not None:
         for n0 in range(0, N, BLOCK):  # strips in order, each lane summing its column of the strips
             acc += tl.load(X + row * stride_x + n0 + cols, mask=n0 + cols < N, other=0.0).to(tl.float32)
         tl.store(Out + row, (tl.sum(acc, 0) / N).to(Out.dtype.element_ty))
+
+    @triton.jit
+    def _rms_norm(X, W, Out, N, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+        """Llama's RMSNorm of one row: y = x * rsqrt(mean(x^2) + eps) rounded to x's dtype, then
+        w * y rounded to the output's, as the eager module rounds them."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK):  # strips in order, each lane summing its column of the strips
+            x = tl.load(X + row * stride_x + n0 + cols, mask=n0 + cols < N, other=0.0).to(tl.float32)
+            acc += x * x
+        scale = 1.0 / tl.sqrt(tl.sum(acc, 0) / N + eps)
+        for n0 in range(0, N, BLOCK):
+            live = n0 + cols < N
+            x = tl.load(X + row * stride_x + n0 + cols, mask=live, other=0.0)
+            y = (x.to(tl.float32) * scale).to(x.dtype).to(tl.float32)
+            w = tl.load(W + n0 + cols, mask=live, other=0.0).to(tl.float32)
+            tl.store(Out + row * stride_o + n0 + cols, (w * y).to(Out.dtype.element_ty), mask=live)
 
     @triton.jit
     def _attend_block(q, k, v, live, m, s, acc, scale,
@@ -320,6 +342,55 @@ def invariant_row_mean(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0]:
         _row_mean[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=MEAN_BLOCK, num_warps=4)
     return out.reshape(*x.shape[:-1], 1)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's and Qwen's RMSNorm in torch (autograd through it): the backward of ``invariant_rms_norm``."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class _InvariantRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        n = x.shape[-1]
+        rows = x.reshape(-1, n)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        if rows.shape[0]:
+            _rms_norm[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), eps,
+                                        BLOCK=MEAN_BLOCK, num_warps=4)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((x, weight), ctx.needs_input_grad[:2])]
+        with torch.enable_grad():
+            out = rms_norm_reference(*inputs, ctx.eps)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None)
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of x [..., N] with weight [N] (``rms_norm_reference``'s formula and roundings)
+    in one kernel: one program a row, its sum of squares in ``invariant_row_mean``'s fixed order.
+    The output's dtype is ``weight * x``'s. Differentiable in x and weight (the backward recomputes
+    ``rms_norm_reference``)."""
+    if x.dim() < 1 or x.shape[-1] == 0 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"invariant_rms_norm takes x [..., N] (N >= 1) and weight [N], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    _check_dtype("x", x)
+    _check_dtype("weight", weight)
+    _check_device(x, weight)
+    if weight.stride(0) != 1:
+        weight = weight.contiguous()
+    return _InvariantRMSNorm.apply(x, weight, float(eps))
 
 
 def _head_dim_pad(head_dim: int) -> int:
