@@ -234,8 +234,8 @@ def test_a_bad_answer_names_the_request_sample_and_value(bad, words):
     prompts = make_prompts([6, 8])
     stops = frequent_stops(model, prompts)
 
-    def env(request, sample, tokens):
-        return bad if request == 1 else [7]
+    def env(request, sample, tokens):  # sample 1's answer is fine: the error names sample 0, whichever comes first
+        return bad if (request, sample) == (1, 0) else [7]
 
     with pytest.raises(ValueError) as caught:
         Rollout(model, RolloutConfig(**PAGED)).generate(prompts, max_new_tokens=12, sampling=[

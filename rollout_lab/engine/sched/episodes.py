@@ -217,17 +217,20 @@ class EpisodeBatcher(PagedBatcher):
         else:
             done = [future for future in self._waiting if future.done()]
         answered = sorted((self._waiting.pop(future), future) for future in done)
-        for request, future in reversed(answered):  # inserted at the head: the first row ends first
+        # in row order, the env's own exception or a bad answer raised before any row moves on
+        answers = {request: future.result() for request, future in answered}
+        checked = {request: None if answer is None else self._check_answer(self.requests[request], answer)
+                   for request, answer in answers.items()}
+        for request, _ in reversed(answered):  # inserted at the head: the first row ends first
             row = self.requests[request]
-            answer = future.result()  # the env's own exception, raised here
-            if answer is None:
+            ids = checked[request]
+            if ids is None:
                 self._answered.pop(request)
                 self._partials.pop(request, None)
                 self._history_keys.pop(request, None)
                 if self.settings.on_retire is not None:
                     self.settings.on_retire([row])
                 continue
-            ids = self._check_answer(row, answer)
             row.env_spans.append((len(row.tokens), len(row.tokens)))
             self.profile.env_tokens += len(ids)
             if self.forces and ids:
