@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from rollout_lab.engine.kernels.invariant import (
     INVARIANT_BLOCK_N, invariant_attention, invariant_bmm, invariant_matmul, invariant_paged_attention,
-    invariant_rms_norm, invariant_row_mean, rms_norm_reference,
+    invariant_rms_norm, invariant_row_mean, matmul_splits, rms_norm_reference,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +32,9 @@ except ImportError:
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    tol = TOLERANCE[dtype]
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    """Within the dtype's tolerance (``scale`` times it: sums of more terms round further)."""
+    tol = TOLERANCE[dtype] * scale
     torch.testing.assert_close(got.float(), want.float().to(got.device), atol=tol, rtol=tol)
 
 
@@ -43,9 +44,15 @@ def randn(*shape, gen, dtype=torch.float32, device="cpu") -> torch.Tensor:
 
 def check_matmul(device: str, dtype: torch.dtype) -> None:
     """One row of a, alone (M=1), among 7 others, among 127 others and at another index (another
-    place in its tile): the same bits; with a bias and b a transposed weight view; M=0; bmm."""
-    gen = torch.Generator().manual_seed(0)
-    k, n = 80, 200  # neither a multiple of the tile: masked K and N edges
+    place in its tile): the same bits; with a bias and b a transposed weight view; M=0; bmm. K of 80
+    (one range) and 2100 (two ranges of split-K, the last one short)."""
+    assert matmul_splits(200, 80) == 1 and matmul_splits(200, 2100) == 2
+    for k in (80, 2100):
+        check_matmul_shape(device, dtype, k, 200)  # neither a multiple of the tile: masked K and N edges
+
+
+def check_matmul_shape(device: str, dtype: torch.dtype, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(k)
     weight = randn(n, k, gen=gen, dtype=dtype, device=device)
     bias = randn(n, gen=gen, dtype=dtype, device=device)
     a = randn(128, k, gen=gen, dtype=dtype, device=device)
@@ -61,13 +68,13 @@ def check_matmul(device: str, dtype: torch.dtype) -> None:
         want = a.float() @ b.float() + (0 if with_bias is None else with_bias.float())
         got = invariant_matmul(a, b, with_bias)
         assert got.dtype == dtype and got.shape == (128, n)
-        close(got, want, dtype)
+        close(got, want, dtype, scale=k / 80)
     empty = invariant_matmul(a[:0], b, bias)
     assert empty.shape == (0, n) and empty.dtype == dtype
     batched_a = randn(3, 9, k, gen=gen, dtype=dtype, device=device)
     batched_b = randn(3, n, k, gen=gen, dtype=dtype, device=device).transpose(1, 2)
     got = invariant_bmm(batched_a, batched_b)
-    close(got, torch.bmm(batched_a.float(), batched_b.float()), dtype)
+    close(got, torch.bmm(batched_a.float(), batched_b.float()), dtype, scale=k / 80)
     for i in range(3):
         assert torch.equal(got[i], invariant_matmul(batched_a[i], batched_b[i]))
     assert torch.equal(got[1, 4], invariant_matmul(batched_a[1, 4:5], batched_b[1])[0])
@@ -290,6 +297,14 @@ def test_cuda_kernels_are_invariant(dtype):
 @on_cuda
 def test_cuda_backward():
     check_backward("cuda")
+
+
+def test_split_k_is_set_by_the_weight_alone():
+    # Qwen2.5-0.5B: down_proj cut in 4, the rest whole; Qwen2.5-3B's down_proj and o_proj in 2
+    assert [matmul_splits(n, k) for n, k in ((896, 4864), (896, 896), (1152, 896), (9728, 896), (151936, 896))] \
+        == [4, 1, 1, 1, 1]
+    assert [matmul_splits(n, k) for n, k in ((2048, 11008), (2048, 2048), (22016, 2048))] == [2, 2, 1]
+    assert matmul_splits(128, 1 << 20) == 32  # at most SPLIT_TILES programs a tile of rows
 
 
 def test_block_size_divides_every_paged_block_size():

@@ -5,8 +5,11 @@ sits in the batch (hence in a tile) or how it is padded. Library kernels break t
 tiles, split-K and reduction trees from the shapes; every kernel here has ONE configuration for all
 shapes, walks its reduction in one fixed order and accumulates in fp32:
 
-- ``invariant_matmul`` / ``invariant_bmm``: one tile config whatever M (no autotune, no split-K),
-  K walked in order, bias added to the fp32 accumulator at the end;
+- ``invariant_matmul`` / ``invariant_bmm``: one tile config whatever M (no autotune), K walked in
+  order, bias added to the fp32 accumulator at the end. A long K over few output columns (a
+  down-projection) is cut into ``matmul_splits(N, K)`` ranges, a count set by the weight's shape
+  alone (never by M), each range's fp32 sum written apart and the ranges then added in order: a
+  small-M decode step then reads the weight with several programs per column tile instead of one;
 - ``invariant_row_mean``: one program per row, fixed strips over N, then ``tl.sum``;
 - ``invariant_rms_norm``: an RMSNorm (Llama's, Qwen's) in one kernel, the sum of squares taken as
   ``invariant_row_mean`` takes its sum; the eager norm is eight kernels (fp32 copy, square, mean,
@@ -54,6 +57,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Chosen, not tuned: any fixed choice is invariant.
 MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 128, 64
 MATMUL_WARPS, MATMUL_STAGES = 4, 3
+# Split-K by the weight's shape (matmul_splits): K of at least SPLIT_MIN_K over fewer than
+# SPLIT_TILES column tiles is cut into ranges of at least SPLIT_MIN_K // 2, so that one M tile keeps
+# about SPLIT_TILES programs busy. Qwen2.5-0.5B's down_proj (N 896, K 4864): 4 ranges, 28 programs
+# where one tile of rows had 7; its LM head and gate/up projections: none.
+SPLIT_MIN_K, SPLIT_TILES = 2048, 32
 ATTENTION_WARPS, ATTENTION_STAGES = 4, 2  # the same for both attention kernels: the reductions' layout
 MEAN_BLOCK = 1024  # elements of a row summed per strip
 
@@ -75,32 +83,51 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel whatever M (its divisibility included)
     def _matmul(
-        A, B, Bias, C, M, N, K,
+        A, B, Bias, C, M, N, K, K_PER_SPLIT,
         stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        stride_cs, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, NATIVE: tl.constexpr, SERIAL: tl.constexpr,
     ):
+        """C[batch] = A[batch] @ B[batch] over K's range ``split`` (axis 2 of the grid) of
+        ``K_PER_SPLIT`` (a multiple of BLOCK_K): with one range C is the output (+ bias); with several
+        it is the fp32 workspace, range ``split`` at ``stride_cs`` (``_sum_splits`` adds them)."""
         pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         tiles_m = tl.cdiv(M, BLOCK_M)
         pid_m = pid % tiles_m  # M fastest: neighbouring programs share b's [K, BLOCK_N] strip in L2
         pid_n = pid // tiles_m
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
-        a_ptrs = A + batch * stride_ab + rm[:, None] * stride_am + rk[None, :] * stride_ak
-        b_ptrs = B + batch * stride_bb + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        first = split * K_PER_SPLIT
+        last = tl.minimum(first + K_PER_SPLIT, K)
+        a_ptrs = A + batch * stride_ab + rm[:, None] * stride_am + (first + rk)[None, :] * stride_ak
+        b_ptrs = B + batch * stride_bb + (first + rk)[:, None] * stride_bk + rn[None, :] * stride_bn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # K in order, the same steps for every M
-            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
-            b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        for k0 in range(first, last, BLOCK_K):  # K in order, the same steps for every M
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < last), other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + rk[:, None] < last) & (rn[None, :] < N), other=0.0)
             acc += _dot(a, b, PRECISION, NATIVE, SERIAL)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         if HAS_BIAS:
             acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = C + batch * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        c_ptrs = C + split * stride_cs + batch * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _sum_splits(W, Bias, C, total, N, stride_ws, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        """C (flat, contiguous) = the SPLITS fp32 ranges of W added in order (+ bias), rounded once."""
+        i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        live = i < total
+        acc = tl.load(W + i, mask=live, other=0.0)
+        for split in range(1, SPLITS):
+            acc += tl.load(W + split * stride_ws + i, mask=live, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + i % N, mask=live, other=0.0).to(tl.float32)
+        tl.store(C + i, acc.to(C.dtype.element_ty), mask=live)
 
     @triton.jit
     def _row_mean(X, Out, N, stride_x, BLOCK: tl.constexpr):
@@ -279,16 +306,38 @@ def _launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, 
         return out
     if k == 0:  # an empty reduction: the bias, or zeros
         return out.copy_((bias if bias is not None else out.new_zeros(n)).expand_as(out))
-    grid = (triton.cdiv(m, MATMUL_BLOCK_M) * triton.cdiv(n, MATMUL_BLOCK_N), batch)
+    splits = matmul_splits(n, k)
+    per_split = triton.cdiv(triton.cdiv(k, splits), MATMUL_BLOCK_K) * MATMUL_BLOCK_K
+    # several ranges: each into its own fp32 slice of a workspace, added in order after
+    target = out if splits == 1 else torch.empty(splits, batch, m, n, dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(m, MATMUL_BLOCK_M) * triton.cdiv(n, MATMUL_BLOCK_N), batch, splits)
     _matmul[grid](
-        a, b, bias if bias is not None else a, out, m, n, k,
+        a, b, bias if bias is not None and splits == 1 else a, target, m, n, k, per_split,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        HAS_BIAS=bias is not None, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
-        PRECISION="ieee", NATIVE=_native(a.dtype, a.device), SERIAL=a.device.type == "cpu",
+        target.stride(-3), target.stride(-2), target.stride(-1), target.stride(0) if splits > 1 else 0,
+        HAS_BIAS=bias is not None and splits == 1, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N,
+        BLOCK_K=MATMUL_BLOCK_K, PRECISION="ieee", NATIVE=_native(a.dtype, a.device), SERIAL=a.device.type == "cpu",
         num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
     )
+    if splits > 1:
+        dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        total = dense.numel()
+        _sum_splits[(triton.cdiv(total, MEAN_BLOCK),)](
+            target, bias if bias is not None else target, dense, total, n, target.stride(0), SPLITS=splits,
+            HAS_BIAS=bias is not None, BLOCK=MEAN_BLOCK, num_warps=4)
+        if dense is not out:
+            out.copy_(dense)
     return out
+
+
+def matmul_splits(n: int, k: int) -> int:
+    """K ranges of an [M, K] @ [K, N] product, from the weight's shape alone (so a row's bits never
+    depend on M): 1 under ``SPLIT_MIN_K`` or from ``SPLIT_TILES`` column tiles on, else enough ranges
+    for about ``SPLIT_TILES`` programs per tile of rows, each at least ``SPLIT_MIN_K // 2`` deep."""
+    tiles = -(-n // MATMUL_BLOCK_N)
+    if k < SPLIT_MIN_K or tiles >= SPLIT_TILES:
+        return 1
+    return max(1, min(-(-SPLIT_TILES // tiles), k // (SPLIT_MIN_K // 2)))
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
