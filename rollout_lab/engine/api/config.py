@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from rollout_lab.engine.kernels.paged import BLOCK_SIZES
 from rollout_lab.engine.kernels.shared_prefix import SHARED_PREFIX_ATTENTIONS
+from rollout_lab.engine.kv.paged import KV_DTYPES
 from rollout_lab.engine.runner.steppers import DECODE_ATTENTIONS, DECODE_MODES
 from rollout_lab.engine.sched.progress import check_progress
 from rollout_lab.planner.checks import MAX_INT, as_int, check_int, is_int
@@ -122,6 +123,11 @@ class RolloutConfig:
     # weights and a reserve, capped at what the call's rows could use at once; elsewhere that cap);
     # rows admitted together at least (None: slots // 16, at least 1; fewer when the queue is shorter)
     kv_block_size: int = 64
+    # what the paged pool stores (engine.kv.paged.KV_DTYPES): "auto" the model's dtype; "fp8" e4m3
+    # with a scale per token and KV head (engine.kernels.kv_fp8): half the KV bytes a decode step
+    # reads and twice the tokens the pool holds, at a logprob mismatch against the model's dtype
+    # (lossy: not for users who need exact logprobs; batch_invariant refuses it)
+    kv_cache_dtype: str = "auto"
     gpu_memory_fraction: float = 0.9
     kv_cache_tokens: int | None = None
     refill_rows: int | None = None
@@ -246,6 +252,16 @@ class RolloutConfig:
                                  "and share_prompt_blocks=False gives each sample a copy: turn "
                                  "share_prompt_blocks on, or shared_prefix_attention to 'auto' or 'off'")
             self.check_paged_route("shared_prefix_attention='on' reads the paged pool's shared blocks")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.check_paged_route("kv_cache_dtype='fp8' quantizes the paged pool")
+            if self.batch_invariant:
+                raise ValueError("batch_invariant=True gives the trainer's exact logprobs and kv_cache_dtype='fp8' "
+                                 "rounds the KV: use kv_cache_dtype='auto' with batch_invariant")
+            if self.shared_prefix_attention == "on":
+                raise ValueError("kv_cache_dtype='fp8' pools are read row by row: shared_prefix_attention='on' "
+                                 "must be 'auto' or 'off'")
         if self.batch_invariant:
             self.check_paged_route("batch_invariant=True serves the paged route's decode step")
             for name in ("compile", "prefill_graphs"):

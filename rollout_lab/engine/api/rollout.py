@@ -40,6 +40,7 @@ from rollout_lab.engine.api.config import EOS_CHECK_INTERVAL, RolloutConfig
 from rollout_lab.engine.api.costs import resolve_costs
 from rollout_lab.engine.api.loading import load_model_and_tokenizer, rollout_config
 from rollout_lab.engine.api.result import RolloutResult
+from rollout_lab.engine.kernels import kv_fp8
 from rollout_lab.engine.kernels.available import kernel_available
 from rollout_lab.engine.kernels.batch_invariant import batch_invariant, check_invariant_model
 from rollout_lab.engine.kernels.shared_prefix import prefix_splits
@@ -481,7 +482,7 @@ class Rollout:
             with timer.phase("stepper_build_ms"):
                 stepper = self.runner.stepper_for(num_slots, capacity, False, num_blocks=layout.num_blocks,
                                                   block_size=cfg.kv_block_size, max_blocks=layout.max_blocks,
-                                                  prefix_groups=prefix_groups, **rows)
+                                                  prefix_groups=prefix_groups, kv_dtype=cfg.kv_cache_dtype, **rows)
             if cached and stepper is not kept:
                 stats.prefix_cache_dropped = "pool"
         # A call whose every budget is 1 takes its tokens from the prefill and runs no decode step: the
@@ -628,9 +629,10 @@ class Rollout:
             return "nocb", None
         if cfg.mode != "auto":
             return cfg.mode, None  # bucketed: a prompt over prefill_max_tokens is chunked (planner.chunks)
-        if cfg.prefix_cache or cfg.shared_prefix_attention == "on" or resumes or cfg.batch_invariant:
+        if cfg.prefix_cache or cfg.shared_prefix_attention == "on" or resumes or cfg.batch_invariant \
+                or cfg.kv_cache_dtype == "fp8":
             self._explored = False  # only the paged pool keeps prompts' blocks across calls, shares them,
-            # resumes rows, or decodes with the invariant kernels
+            # resumes rows, decodes with the invariant kernels, or stores FP8
             return "paged", None
         sizes = group_sizes(range(n) if groups is None else groups)
         free_layout = cfg.cache_capacity is None and not cfg.trim_cache  # nocb and paged need no fixed columns
@@ -686,6 +688,15 @@ class Rollout:
                                vocab_size=self.vocab_size, free_extra_bytes=self.runner.kept_cache_bytes,
                                reserve_extra_bytes=self.runner.pending_bytes(self.geometry.kv_bytes_per_token))
 
+    @property
+    def pool_bytes_per_token(self) -> int:
+        """Bytes the paged pool spends on one token over all layers, keys and values: the model's
+        ``kv_bytes_per_token``, or with ``kv_cache_dtype="fp8"`` its e4m3 bytes and scales (rounded up)."""
+        if self.config.kv_cache_dtype != "fp8":
+            return self.geometry.kv_bytes_per_token
+        g = self.geometry
+        return math.ceil(2 * g.num_layers * kv_fp8.token_bytes(self.config.kv_block_size, g.num_kv_heads, g.head_dim))
+
     def shared_prefix_groups(self, lengths: Sequence[int], groups: Sequence[int], num_slots: int,
                              max_blocks_per_row: int) -> int:
         """The groups the paged decode reads shared prompt blocks of once per step
@@ -695,7 +706,8 @@ class Rollout:
         "auto" reads them so where the kernel runs and ``planner.kv_reads.shared_prefix_pays`` for the
         groups the slots hold at first (each prompt's full blocks, once per tile of its rows)."""
         cfg = self.config
-        if cfg.shared_prefix_attention == "off" or not cfg.share_prompt_blocks or cfg.batch_invariant:
+        if cfg.shared_prefix_attention == "off" or not cfg.share_prompt_blocks or cfg.batch_invariant \
+                or cfg.kv_cache_dtype == "fp8":  # each row reads its own blocks
             return 0
         size = cfg.kv_block_size
         sizes = group_sizes(groups)  # first row of each prompt -> its rows
@@ -732,7 +744,7 @@ class Rollout:
             return self._layout_memo[1]
         cfg = self.config
         layout = paged_layout(lengths, budgets, bursts=bursts, block_size=cfg.kv_block_size,
-                              kv_bytes_per_token=self.geometry.kv_bytes_per_token, budget_bytes=self.kv_budget_bytes,
+                              kv_bytes_per_token=self.pool_bytes_per_token, budget_bytes=self.kv_budget_bytes,
                               kv_cache_tokens=cfg.kv_cache_tokens, num_slots=cfg.continuous_batch_size,
                               refill_rows=cfg.refill_rows_for,
                               budget_name=f"gpu_memory_fraction={cfg.gpu_memory_fraction}", groups=groups)

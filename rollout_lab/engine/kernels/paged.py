@@ -23,6 +23,10 @@ at; nothing in the kernel treats it specially. The kernel follows ``engine.kerne
   times KV heads at least four times its SMs, ``span.num_splits``) the partial kernel writes the
   output itself, the bits the merge would make, and no merge runs.
 
+FP8 pools (``RolloutConfig(kv_cache_dtype="fp8")``: ``engine.kernels.kv_fp8``'s uint8 layout of e4m3
+values and a scale per token and KV head) are read as they are stored, each tile dequantized to the
+query's dtype in registers (``FP8``): the step reads half the KV bytes.
+
 ``positions`` and ``block_tables`` are device tensors read inside the kernels, and the grid depends
 only on the shapes (rows, KV heads, blocks per row), so the launch can be captured in a CUDA graph
 and replayed while the positions grow and the tables change. It is a ``torch.library`` custom op, so
@@ -42,7 +46,9 @@ from __future__ import annotations
 
 import torch
 
+from rollout_lab.engine.kernels import kv_fp8
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.engine.kernels.kv_fp8 import is_fp8_pool
 from rollout_lab.engine.kernels.span import BLOCK_N, merge_splits, num_splits, split_buffers
 
 BLOCK_SIZES = (16, 32, 64, 128)  # tokens per paged block the kernel supports
@@ -85,11 +91,14 @@ if triton is not None:
         q, k_head, v_head, table, stride_kb, stride_vb, stride_tn, lo, hi, end, scale,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
         NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
+        ks_head=None, vs_head=None, stride_sb=0, FP8: tl.constexpr = False,
     ):
         """The online softmax of one row's ``q`` (its ``GROUP_PAD`` query heads of one KV head) over its
         table's blocks ``[lo, hi)`` whose logical positions are ``< end``: (max, sum, unnormalised
         output). ``k_head``/``v_head`` point at the KV head's ``[BLOCK_SIZE, HEAD_DIM]`` tile of block 0;
-        ``engine.kernels.shared_prefix`` runs the same loop over a row's suffix."""
+        ``engine.kernels.shared_prefix`` runs the same loop over a row's suffix. ``FP8``: the tiles are
+        e4m3 (``engine.kernels.kv_fp8``), each token's row times its scale at ``ks_head``/``vs_head``
+        ``[BLOCK_SIZE]`` (block stride ``stride_sb``), dequantized to ``q``'s dtype as it is read."""
         t = tl.arange(0, BLOCK_SIZE)
         m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         s = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -98,6 +107,9 @@ if triton is not None:
             phys = tl.load(table + block * stride_tn).to(tl.int64)  # int64: a big pool's offsets
             live = block * BLOCK_SIZE + t < end  # only the row's last block is partly live
             k = tl.load(k_head + phys * stride_kb, mask=live[:, None], other=0.0)
+            if FP8:
+                k_scale = tl.load(ks_head + phys * stride_sb, mask=live, other=0.0)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
             if NATIVE_QK:  # the cache's dtype into the tensor cores, fp32 accumulation
                 qk = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_SIZE]
             else:
@@ -107,6 +119,9 @@ if triton is not None:
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(v_head + phys * stride_vb, mask=live[:, None], other=0.0)
+            if FP8:
+                v_scale = tl.load(vs_head + phys * stride_sb, mask=live, other=0.0)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             if NATIVE_PV:  # the probabilities rounded to the cache's dtype, as flash attention does
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             else:
@@ -117,12 +132,13 @@ if triton is not None:
 
     @triton.jit
     def _paged_partial(
-        Q, K, V, Tables, Positions, M, L, Acc, Out,
+        Q, K, V, KS, VS, Tables, Positions, M, L, Acc, Out,
         stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_sb, stride_sn, stride_sh,
         stride_tb, stride_tn, stride_p, stride_ob, stride_oh, max_blocks, scale,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-        NATIVE_QK: tl.constexpr = False, NATIVE_PV: tl.constexpr = False,
+        NATIVE_QK: tl.constexpr = False, NATIVE_PV: tl.constexpr = False, FP8: tl.constexpr = False,
     ):
         pid = tl.program_id(0)  # row * KV_HEADS + kv head
         split = tl.program_id(1)
@@ -143,9 +159,11 @@ if triton is not None:
             q = q.to(tl.float32)
         k_head = K + head * stride_kh + t[:, None] * stride_kn + d[None, :]  # [BLOCK_SIZE, HEAD_DIM]
         v_head = V + head * stride_vh + t[:, None] * stride_vn + d[None, :]
+        ks_head = KS + head * stride_sh + t * stride_sn  # [BLOCK_SIZE] scales (FP8 pools only)
+        vs_head = VS + head * stride_sh + t * stride_sn
         m, s, acc = _paged_blocks(q, k_head, v_head, Tables + row * stride_tb, stride_kb, stride_vb, stride_tn,
                                   lo, hi, end, scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION,
-                                  NATIVE_QK, NATIVE_PV)
+                                  NATIVE_QK, NATIVE_PV, ks_head, vs_head, stride_sb, FP8)
         _store_split(M, L, Acc, Out, stride_ob, stride_oh, m, s, acc, pid, split, row, head,
                      GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
 
@@ -184,9 +202,18 @@ def paged_attention(
     positions: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Attention of each row's one query token over its paged positions ``[0, positions[i]]``;
-    [rows, 1, heads, head_dim], in ``query``'s dtype."""
+    [rows, 1, heads, head_dim], in ``query``'s dtype. FP8 pools (uint8, ``engine.kernels.kv_fp8``)
+    are dequantized as they are read."""
+    fp8 = is_fp8_pool(key_pool)
+    if fp8 != is_fp8_pool(value_pool):
+        raise ValueError(f"key_pool is {key_pool.dtype} and value_pool {value_pool.dtype}: both FP8 (uint8) or neither")
+    if fp8:
+        (key_pool, key_scales), (value_pool, value_scales) = kv_fp8.split(key_pool), kv_fp8.split(value_pool)
     _check(query, key_pool, value_pool, block_tables, positions)
     if not kernel_available(query.device):
+        if fp8:
+            key_pool = kv_fp8.dequantize(key_pool, key_scales, query.dtype)
+            value_pool = kv_fp8.dequantize(value_pool, value_scales, query.dtype)
         return paged_attention_reference(query, key_pool, value_pool, block_tables, positions, scale)
     rows, heads, _, head_dim = query.shape
     block_size, kv_heads = key_pool.shape[1], key_pool.shape[2]
@@ -196,20 +223,25 @@ def paged_attention(
     splits = paged_splits(rows, kv_heads, max_blocks, query.device)
     if key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:  # a copy of the pool: avoid on the hot path
         key_pool, value_pool = key_pool.contiguous(), value_pool.contiguous()
+    if not fp8:  # not read
+        key_scales = value_scales = key_pool[:, :, :, 0]
+    if key_scales.stride() != value_scales.stride():
+        raise ValueError("the key and value pools' scales must share a layout")
     query = query.contiguous()
     m, s, acc, out = split_buffers(query, kv_heads, splits, group_pad)
     # half precision into the tensor cores (module docstring); Triton's interpreter multiplies bf16
     # wrongly, so on the CPU the kernel upcasts, and the native dots are checked on a GPU
     native = query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cuda"
     _paged_partial[(rows * kv_heads, splits)](
-        query, key_pool, value_pool, block_tables, positions, m, s, acc, out,
+        query, key_pool, value_pool, key_scales, value_scales, block_tables, positions, m, s, acc, out,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
+        key_scales.stride(0), key_scales.stride(1), key_scales.stride(2),
         block_tables.stride(0), block_tables.stride(1), positions.stride(0), out.stride(0), out.stride(2),
         max_blocks, scale,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SPLITS=splits, PRECISION="ieee", NATIVE_QK=native, NATIVE_PV=native, num_warps=4, num_stages=2,
+        SPLITS=splits, PRECISION="ieee", NATIVE_QK=native, NATIVE_PV=native, FP8=fp8, num_warps=4, num_stages=2,
     )
     return merge_splits(m, s, acc, out, kv_heads=kv_heads, group=group, group_pad=group_pad, splits=splits)
 

@@ -220,7 +220,7 @@ if triton is not None:
         v_head = V + head * stride_vh + t[:, None] * stride_vn + d[None, :]
         m, s, acc = _paged_blocks(q, k_head, v_head, Tables + row * stride_tb, stride_kb, stride_vb, stride_tn,
                                   lo, hi, end, scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION,
-                                  NATIVE_QK, NATIVE_PV)
+                                  NATIVE_QK, NATIVE_PV, k_head, v_head, 0, False)  # bf16/fp32 pools only
         _store_split(M, L, Acc, Out, stride_ob, stride_oh, m, s, acc, pid, PREFIX_SPLITS + split, row, head,
                      GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
         if ((group < 0) | (group >= groups)) & (split == 0):  # no level-1 program writes its prefix partials
@@ -260,6 +260,9 @@ def shared_prefix_attention(
 ) -> torch.Tensor:
     """Attention of each row's one query token over its paged positions ``[0, positions[i]]``, its
     group's shared prefix read once per group; [rows, 1, heads, head_dim], in ``query``'s dtype."""
+    if key_pool.dtype == torch.uint8 or value_pool.dtype == torch.uint8:
+        raise ValueError("the shared-prefix read does not take FP8 pools (kv_cache_dtype='fp8'): use "
+                         "engine.kernels.paged.paged_attention")
     _check(query, key_pool, value_pool, block_tables, positions, group_of_row, prefix_blocks, prefix_len)
     if not kernel_available(query.device):
         return shared_prefix_attention_reference(query, key_pool, value_pool, block_tables, positions,

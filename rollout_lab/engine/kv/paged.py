@@ -12,6 +12,11 @@ counts, no copy), and each holds its own copy of the prompt's partial last block
 block of its own. Block 0 is a scratch block: a dead slot's table points at it, so a graph replay
 that still covers dead slots writes there and nowhere else.
 
+With ``kv_dtype="fp8"`` (``RolloutConfig(kv_cache_dtype="fp8")``) each pool is
+``engine.kernels.kv_fp8``'s uint8 layout: e4m3 values and a scale per (token, KV head). Everything that
+reads or writes tokens on the host side (admission, copies, gathers) goes through ``_read``/``_write``,
+which dequantize and quantize; the decode step's write and the attention do it in their kernels.
+
 The prefix cache across calls (``RolloutConfig.prefix_cache``): a prompt's full blocks, once written,
 are keyed by a hash chain of their tokens (``block_keys``: block i's key hashes block i-1's key and
 its token ids, vLLM's scheme) and stay in the pool after their last reader leaves, idle, least
@@ -51,13 +56,17 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from rollout_lab.engine.kv.aligned import device_tensor
+from rollout_lab.engine.kernels import kv_fp8
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.engine.kv.aligned import device_tensor
 from rollout_lab.planner.checks import check_int
 from rollout_lab.planner.cost import ModelGeometry
 from rollout_lab.planner.occupancy import blocks_for
 
 SCRATCH_BLOCK = 0  # dead slots point here; never handed to a row
+# what the pools store: "auto" the model's dtype, "fp8" e4m3 with a scale per token and KV head
+# (engine.kernels.kv_fp8: half the bytes a decode step reads, lossy)
+KV_DTYPES = ("auto", "fp8")
 
 
 def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
@@ -339,13 +348,16 @@ if triton is not None:
 
 class PagedLayer(StaticLayer):
     """A cache layer over one layer's pools: writes each row's decode token at its slot mapping and
-    gives the attention the whole pool (it reads each row's blocks through the table)."""
+    gives the attention the whole pool (it reads each row's blocks through the table). FP8 pools
+    (uint8, ``engine.kernels.kv_fp8``) are written quantized; ``dtype`` is then the model's."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor):
-        super().__init__(max_cache_len=keys.shape[0] * keys.shape[1])
-        self.keys, self.values = keys, values  # [num_blocks, block_size, kv_heads, head_dim]
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, dtype: torch.dtype):
+        self.fp8 = kv_fp8.is_fp8_pool(keys)
+        block_size = kv_fp8.split(keys)[0].shape[1] if self.fp8 else keys.shape[1]
+        super().__init__(max_cache_len=keys.shape[0] * block_size)
+        self.keys, self.values = keys, values  # [num_blocks, block_size, kv_heads, head_dim] (FP8: kv_fp8's rows)
         self.slot_mapping = slot_mapping  # [rows] flat pool index of each row's token this step
-        self.device, self.dtype = keys.device, keys.dtype
+        self.device, self.dtype = keys.device, dtype
         self.num_heads = keys.shape[2]
         self.k_head_dim = self.v_head_dim = keys.shape[-1]
         self.is_initialized = True
@@ -357,8 +369,9 @@ class PagedLayer(StaticLayer):
         if key_states.shape[-2] != 1:
             raise RuntimeError(f"the paged cache takes one decode token per row, got {key_states.shape[-2]}; "
                                "prefill goes through a temporary cache")
-        paged_write(self.keys, self.values, key_states[:, :, 0], value_states[:, :, 0],  # [rows, kv_heads, head_dim]
-                    self.slot_mapping)
+        write = kv_fp8.paged_write_fp8 if self.fp8 else paged_write
+        write(self.keys, self.values, key_states[:, :, 0], value_states[:, :, 0],  # [rows, kv_heads, head_dim]
+              self.slot_mapping)
         return self.keys, self.values
 
     def get_seq_length(self):
@@ -374,7 +387,7 @@ class PagedKVCache:
     def __init__(
         self, *, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, block_size: int,
         num_blocks: int, max_blocks_per_row: int, dtype: torch.dtype, device: torch.device | str,
-        prefix_groups: int = 0,
+        prefix_groups: int = 0, kv_dtype: str = "auto",
     ):
         if num_slots < 1 or max_blocks_per_row < 1:
             raise ValueError(f"num_slots and max_blocks_per_row must be >= 1, got {num_slots}, {max_blocks_per_row}")
@@ -382,9 +395,18 @@ class PagedKVCache:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is scratch), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
+        self.kv_dtype, self.dtype = kv_dtype, dtype  # the pools' storage; the model's dtype, which reads give
+        self.fp8 = kv_dtype == "fp8"
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def pool() -> torch.Tensor:  # FP8: e4m3 rows and their scale rows (engine.kernels.kv_fp8)
+            return kv_fp8.allocate(*shape, device) if self.fp8 else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.keys = [pool() for _ in range(num_layers)]
+        self.values = [pool() for _ in range(num_layers)]
         self.block_tables = torch.full((num_slots, max_blocks_per_row), SCRATCH_BLOCK, dtype=torch.int32,
                                        device=device)  # [slots, max_blocks]
         self.slot_mapping = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
@@ -408,30 +430,30 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, num_slots: int, num_blocks: int, block_size: int,
-                  max_blocks_per_row: int, prefix_groups: int = 0) -> "PagedKVCache":
+                  max_blocks_per_row: int, prefix_groups: int = 0, kv_dtype: str = "auto") -> "PagedKVCache":
         param = next(model.parameters())
         geometry = ModelGeometry.from_config(model.config.get_text_config(decoder=True), param.dtype)
         return cls(num_layers=geometry.num_layers, num_slots=num_slots, num_kv_heads=geometry.num_kv_heads,
                    head_dim=geometry.head_dim, block_size=block_size, num_blocks=num_blocks,
                    max_blocks_per_row=max_blocks_per_row, dtype=param.dtype, device=param.device,
-                   prefix_groups=prefix_groups)
+                   prefix_groups=prefix_groups, kv_dtype=kv_dtype)
 
     # -- sizes ------------------------------------------------------------------------------
     @property
-    def token_bytes(self) -> int:
-        """Bytes of one token's KV over all layers, keys and values."""
-        k = self.keys[0]
-        return 2 * len(self.keys) * k.shape[2] * k.shape[3] * k.element_size()
+    def token_bytes(self) -> float:
+        """Bytes of one token's KV over all layers, keys and values (FP8: its share of the scales too)."""
+        return self.num_bytes / (self.num_blocks * self.block_size)
 
     @property
     def num_bytes(self) -> int:
-        return self.token_bytes * self.num_blocks * self.block_size
+        return sum(pool.numel() * pool.element_size() for pool in (*self.keys, *self.values))
 
     def hf_cache(self, num_rows: int) -> Cache:
         """A transformers Cache whose layers write the first ``num_rows`` slots' tokens; memoised."""
         if num_rows not in self._views:
             mapping = self.slot_mapping[:num_rows]
-            self._views[num_rows] = Cache(layers=[PagedLayer(k, v, mapping) for k, v in zip(self.keys, self.values)])
+            self._views[num_rows] = Cache(layers=[PagedLayer(k, v, mapping, self.dtype)
+                                                  for k, v in zip(self.keys, self.values)])
         return self._views[num_rows]
 
     # -- the step -----------------------------------------------------------------------------
@@ -487,9 +509,29 @@ class PagedKVCache:
     def gather(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The KV of ``blocks``, in order, per layer ``[1, kv_heads, len(blocks) * block_size, head_dim]``
         (a copy: the prefix a prefill extends, ``sched.aligned.extend_prefill``)."""
-        index = device_tensor(list(blocks), torch.long, self.block_tables.device)
-        return [tuple(pool.index_select(0, index).flatten(0, 1).transpose(0, 1)[None] for pool in pair)
+        bs = self.block_size
+        index = device_tensor([b * bs + t for b in blocks for t in range(bs)], torch.long, self.block_tables.device)
+        return [tuple(self._read(pool, index).transpose(0, 1)[None] for pool in pair)
                 for pair in zip(self.keys, self.values)]
+
+    def _read(self, pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The tokens at flat pool positions ``index`` of one pool, [n, kv_heads, head_dim] in the
+        model's dtype (an FP8 pool's dequantized)."""
+        if not self.fp8:
+            return pool.view(-1, self.num_kv_heads, self.head_dim).index_select(0, index)
+        values, scales = kv_fp8.split(pool)
+        block, row = index // self.block_size, index % self.block_size
+        return kv_fp8.dequantize(values[block, row], scales[block, row], self.dtype)
+
+    def _write(self, pool: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``tokens`` [n, kv_heads, head_dim] into flat pool positions ``index`` of one pool (an FP8
+        pool's quantized: ``kv_fp8.quantize``, which gives a dequantized token back its own bits)."""
+        if not self.fp8:
+            pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, index, tokens.to(pool.dtype))
+            return
+        values, scales = kv_fp8.split(pool)
+        block, row = index // self.block_size, index % self.block_size
+        values[block, row], scales[block, row] = kv_fp8.quantize(tokens)
 
     def set_blocks(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Write (slot, logical index, block) entries into the device tables, one copy."""
@@ -548,15 +590,14 @@ class PagedKVCache:
         src = self._flat_positions(sources, stops, starts)
         dst = self._flat_positions(slots, stops, starts)
         for pool in (*self.keys, *self.values):
-            flat = pool.view(-1, pool.shape[2], pool.shape[3])  # [num_blocks * block_size, kv_heads, head_dim]
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+            self._write(pool, dst, self._read(pool, src))
 
     def read_positions(self, slot: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The KV of positions ``[start, stop)`` of ``slot``, per layer ``[1, kv_heads, stop - start,
         head_dim]`` (a copy: a row's partial last block, kept while it waits outside the pool)."""
         index = self._flat_positions([slot], [stop], [start])
-        return [tuple(pool.view(-1, pool.shape[2], pool.shape[3]).index_select(0, index).transpose(0, 1)[None]
-                      for pool in pair) for pair in zip(self.keys, self.values)]
+        return [tuple(self._read(pool, index).transpose(0, 1)[None] for pool in pair)
+                for pair in zip(self.keys, self.values)]
 
     def write_positions(self, slot: int, start: int, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``layer_kv`` (``read_positions``'s) into positions from ``start`` of ``slot`` (its blocks held)."""
@@ -566,8 +607,7 @@ class PagedKVCache:
     def _scatter(self, dst_index: torch.Tensor, layer_kv, gather) -> None:
         for (dst_k, dst_v), (src_k, src_v) in zip(zip(self.keys, self.values), layer_kv):
             for dst, src in ((dst_k, src_k), (dst_v, src_v)):
-                flat = dst.view(-1, dst.shape[2], dst.shape[3])  # [num_blocks * block_size, kv_heads, head_dim]
-                flat.index_copy_(0, dst_index, gather(src).to(dst.dtype))
+                self._write(dst, dst_index, gather(src))  # [n, kv_heads, head_dim]
 
     def admit(
         self, slots: Sequence[int], layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],

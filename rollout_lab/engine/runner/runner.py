@@ -165,7 +165,7 @@ class ModelRunner:
         self, num_slots: int, capacity: int, explicit_capacity: bool, *, sampling: RowSampling | None = None,
         penalties: RowPenalties | None = None, logprobs_mode: str | None = None, num_blocks: int | None = None,
         block_size: int | None = None, min_new_tokens: bool = False, max_blocks: int | None = None,
-        prefix_groups: int = 0, forced: bool = False,
+        prefix_groups: int = 0, forced: bool = False, kv_dtype: str = "auto",
     ) -> EagerStepper:
         """Reuse the kept stepper when it fits this call, else build (and capture) a new one;
         ``num_blocks``: a paged pool of that many blocks of ``block_size`` (``capacity``: the
@@ -173,7 +173,8 @@ class ModelRunner:
         to ``max_blocks``; ``sampling`` and ``penalties``: the call's rows (the key takes which
         filters and penalty state they need), ``min_new_tokens``: whether rows hold stop ids back;
         ``prefix_groups``: groups of the paged pool's shared-prefix read (0: the plain read);
-        ``forced``: the step takes queued forced tokens (a call with episodes, ``DecodeState.force``)."""
+        ``forced``: the step takes queued forced tokens (a call with episodes, ``DecodeState.force``);
+        ``kv_dtype``: what the paged pool stores (``engine.kv.paged.KV_DTYPES``)."""
         old = self.stepper
         if self.decode_mode == "graph" and not explicit_capacity:
             capacity = graph_capacity(capacity)
@@ -195,7 +196,7 @@ class ModelRunner:
                                   fused=self.fused, logprobs_mode=logprobs_mode,
                                   block_size=None if num_blocks is None else block_size, num_blocks=num_blocks or 0,
                                   prefix_groups=prefix_groups if num_blocks is not None else 0, forced=forced,
-                                  invariant=self.invariant)
+                                  invariant=self.invariant, kv_dtype=kv_dtype if num_blocks is not None else "auto")
         if old is not None and old.fits(self.model, key):
             old.sync_weights()  # its fused projections' copy of the weights, as the model holds them now
             return old

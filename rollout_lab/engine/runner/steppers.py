@@ -219,6 +219,8 @@ class StepperKey:
     prefix_groups: int = 0
     # forced inputs (DecodeState.force): rows take queued tokens instead of their draws (a call with episodes)
     forced: bool = False
+    # what the paged pool stores (engine.kv.paged.KV_DTYPES): "fp8" quantizes it (engine.kernels.kv_fp8)
+    kv_dtype: str = "auto"
     # the step runs inside engine.kernels.batch_invariant (RolloutConfig(batch_invariant=True)): the forward
     # is never compiled, the token choice is where it takes no sums (compiling.compile_invariant_select)
     invariant: bool = False
@@ -254,7 +256,7 @@ class EagerStepper:
             self.cache = PagedKVCache.for_model(model, num_slots=key.num_slots, num_blocks=key.num_blocks,
                                                 block_size=key.block_size,
                                                 max_blocks_per_row=-(-key.capacity // key.block_size),
-                                                prefix_groups=key.prefix_groups)
+                                                prefix_groups=key.prefix_groups, kv_dtype=key.kv_dtype)
         else:
             self.cache = AlignedKVCache.for_model(model, num_slots=key.num_slots, capacity=key.capacity)
         sampling = RowSampling.zeros(key.num_slots, device, max_top_k=key.max_top_k, top_p_filter=key.top_p_filter,
@@ -432,5 +434,5 @@ def describe(stepper: Any) -> dict[str, Any]:
             "replays_by_width": dict(getattr(stepper, "replays_by_width", {})),
             "capacity": stepper.key.capacity, "block_size": stepper.key.block_size,
             "num_blocks": stepper.key.num_blocks, "prefix_groups": stepper.key.prefix_groups,
-            "forced": stepper.key.forced, "invariant": stepper.key.invariant,
+            "forced": stepper.key.forced, "invariant": stepper.key.invariant, "kv_dtype": stepper.key.kv_dtype,
             "select": "eager" if stepper.select is None else "compiled"}
