@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 from rollout_lab.cli.main import main
-from rollout_lab.measure.decode_step import DECODE_STEP_DEFAULTS, run_decode_step
+from rollout_lab.measure.decode_step import DECODE_STEP_DEFAULTS, check_decode_step_settings, run_decode_step
 from rollout_lab.measure.records import load_decode_step_results
 
 
@@ -20,6 +22,11 @@ def test_bench_decode_step_times_every_case_and_variant(tmp_path):
     assert len(step["step_ms_samples"]) == 8 and step["step_ms_median"] > 0 and step["first_call_ms"] > 0
     assert record["config"] == {"model": "tiny-qwen2", "steps": 8, "variants": ["ours", "ours_masked"]}
     assert record["provenance"]["script"] == "rollout-lab bench decode-step" and record["provenance"]["argv"] == argv
+
+
+def test_paged_variants_are_sent_to_the_benches_that_run_them():
+    with pytest.raises(ValueError, match=r"\['ours_fp8_kv'\] run the paged route.*bench rl --paths"):
+        check_decode_step_settings(cases=[(4, 40)], variants=["ours", "ours_fp8_kv"], steps=8)
 
 
 def test_decode_step_defaults_are_run_decode_steps_own():

@@ -28,6 +28,7 @@ def test_fp32_step_equals_plain_forward(family, attention):
     prompts, forced = _case()
     report = teacher_forced_check(get_tiny(family), prompts, forced, RolloutConfig(decode_attention=attention))
     assert report["max_abs_error"] < 1e-4, report
+    assert report["max_logprob_error"] < 1e-4 and report["mean_logprob_error"] <= report["max_logprob_error"]
     assert report["top1_agreement"] == 1.0 and report["num_decided"] > 20
     assert report["num_positions"] == 28 and len(report["per_step_max_abs_error"]) == 7
     assert report["stepper"]["spans"] is (attention == "span")
@@ -65,6 +66,18 @@ def test_bench_logits_forces_the_oracles_tokens_through_every_variant(tmp_path, 
     for report in record["variants"].values():  # fp32: our step is the plain forward
         assert report["max_abs_error"] < 1e-3 and report["top1_agreement"] == 1.0
         assert report["num_positions"] == 3 * 5 and report["stepper"]["paged"] == (cache == "paged")
+
+
+def test_bench_logits_measures_what_an_fp8_pool_moves(tmp_path):
+    out = tmp_path / "fp8"
+    argv = ["--tiny", "qwen3", "--num-seqs", "3", "--min-len", "4", "--max-len", "20", "--steps", "5",
+            "--variants", "ours_paged", "ours_fp8_kv", "--out", str(out)]
+    assert main(["bench", "logits", *argv]) == 0
+    variants = json.loads((tmp_path / "fp8.json").read_text())["variants"]
+    exact, fp8 = variants["ours_paged"], variants["ours_fp8_kv"]
+    assert exact["stepper"]["paged"] and fp8["stepper"]["paged"]  # the variants set the route themselves
+    assert (exact["stepper"]["kv_dtype"], fp8["stepper"]["kv_dtype"]) == ("auto", "fp8")
+    assert exact["max_logprob_error"] < 1e-4 < fp8["mean_logprob_error"] <= fp8["max_logprob_error"] < 2.0
 
 
 def test_logits_defaults_are_run_logits_checks_own():

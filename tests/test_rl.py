@@ -53,6 +53,16 @@ def test_bad_settings_are_errors_before_any_work(bad, message):
         check_rl_settings(**settings)
 
 
+def test_the_paged_variants_set_their_route_and_leave_the_default_paths():
+    record = run_rl(tiny_model("qwen2"), model_name="tiny-qwen2", dtype="float32", paths=["ours_paged", "ours_fp8_kv"],
+                    **SHAPE)  # SHAPE's mode is the bench's default, bucketed: each variant's own mode wins
+    paged, fp8 = record["results"]["ours_paged"], record["results"]["ours_fp8_kv"]
+    assert paged["route"] == fp8["route"] == "paged"
+    assert (paged["stepper"]["kv_dtype"], fp8["stepper"]["kv_dtype"]) == ("auto", "fp8")
+    assert fp8["profile"]["cache_bytes"] < paged["profile"]["cache_bytes"] / 3  # fp32 values to e4m3 and scales
+    assert not {"ours_paged", "ours_fp8_kv"} & set(RL_DEFAULT_PATHS)
+
+
 def test_the_whole_model_compile_is_refused_off_cuda_before_any_work(monkeypatch):
     monkeypatch.setattr(rl_module, "Rollout", lambda *a, **k: pytest.fail("a rollout was built"))
     with pytest.raises(ValueError, match="ours_compile_model compiles the CUDA-graph decode step"):

@@ -27,7 +27,7 @@ from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS
+from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS, PAGED_VARIANTS
 from rollout_lab.measure.workloads import lengths_to_prompts
 from rollout_lab.planner.checks import check_int, is_int
 
@@ -51,6 +51,10 @@ def check_decode_step_settings(*, cases: Sequence[tuple[int, int]], variants: Se
     unknown = [v for v in variants if v not in DECODE_VARIANTS]
     if unknown or not variants:
         raise ValueError(f"unknown decode variants {unknown or '(none given)'}; valid: {', '.join(DECODE_VARIANTS)}")
+    paged = [v for v in variants if v in PAGED_VARIANTS]
+    if paged:
+        raise ValueError(f"decode variants {paged} run the paged route and decode-step times the aligned cache's "
+                         "step: time them with rollout-lab bench rl --paths, their logits with bench logits")
     if limits is None:
         return
     for slots, span in cases:

@@ -83,7 +83,8 @@ def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     key = StepperKey(rows, capacity, rollout.runner.cache_kwarg,
                      max_graphs=config.max_decode_graphs if rollout.runner.decode_mode == "graph" else 1,
                      num_widths=config.decode_widths, spans=rollout.runner.spans, compiled=rollout.runner.compiled,
-                     fused=rollout.runner.fused, keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks)
+                     fused=rollout.runner.fused, keep_logits=True, block_size=size if paged else None, num_blocks=num_blocks,
+                     kv_dtype=config.kv_cache_dtype if paged else "auto")
     stepper = make_stepper(model, key, decode=rollout.runner.decode_mode)
     try:
         stepper.reset()
@@ -110,7 +111,7 @@ def stepper_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
             logits.append(state.logits[:rows].clone())
             state.input_ids[:rows, 0].copy_(forced_t[:, step])  # force the next input
         info = {"kind": stepper.kind, "spans": key.spans, "compiled": key.compiled,
-                "build_ms": stepper.build_ms, "paged": paged}
+                "build_ms": stepper.build_ms, "paged": paged, "kv_dtype": key.kv_dtype}
     finally:
         stepper.close()
     stacked = torch.stack(logits, dim=1)  # [rows, steps, vocab]
@@ -123,10 +124,14 @@ def teacher_forced_check(model: torch.nn.Module, prompts: Sequence[Sequence[int]
     config = config or RolloutConfig()
     ours, info = stepper_logits(model, prompts, forced, config)
     theirs = reference_logits(model, prompts, forced)
-    errors, agree, decided = [], 0, 0
+    errors, agree, decided, logprob_gaps = [], 0, 0, []
     per_step: list[float] = [0.0] * len(forced[0])
-    for a, b in zip(ours, theirs):
+    for a, b, tokens in zip(ours, theirs, forced):
         err = (a - b.to(a.device)).abs().amax(dim=-1)  # [steps]
+        # the log-probability of each forced token (the model's next one), ours against the reference
+        index = torch.tensor(list(tokens), device=a.device)[:, None]
+        gap = a.log_softmax(-1).gather(1, index) - b.to(a.device).log_softmax(-1).gather(1, index)
+        logprob_gaps.append(gap.abs().flatten())
         top2 = b.topk(2, dim=-1).values
         margin = top2[:, 0] - top2[:, 1]
         clear = margin > err.to(margin.device)
@@ -134,8 +139,10 @@ def teacher_forced_check(model: torch.nn.Module, prompts: Sequence[Sequence[int]
         decided += int(clear.sum())
         errors.append(float(err.max()))
         per_step = [max(x, float(e)) for x, e in zip(per_step, err)]
+    gaps = torch.cat(logprob_gaps)
     return {
         "max_abs_error": max(errors), "per_step_max_abs_error": per_step,
+        "max_logprob_error": float(gaps.max()), "mean_logprob_error": float(gaps.mean()),
         "top1_agreement": agree / decided if decided else None, "num_decided": decided,
         "num_positions": sum(len(t) for t in forced), "stepper": info,
     }
@@ -209,7 +216,8 @@ def run_logits_check(
             settings = {k: v for k, v in settings.items() if k not in ("decode_attention", "decode_widths")}
         report = teacher_forced_check(model, prompts, forced, RolloutConfig(**settings))
         record["variants"][variant] = report | {"settings": settings}
-        print(f"{variant:16s} max |err| {report['max_abs_error']:.4g}  top-1 {report['top1_agreement']}",
+        print(f"{variant:16s} max |err| {report['max_abs_error']:.4g}  top-1 {report['top1_agreement']}  "
+              f"|dlogp| mean {report['mean_logprob_error']:.3g} max {report['max_logprob_error']:.3g}",
               file=sys.stderr)
         save(record)
     return record
@@ -221,6 +229,8 @@ def logits_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     cache = record["config"]["cache"]
     return [{"variant": variant, "cache": cache, "max_abs_error": r["max_abs_error"],
              "top1_agreement": r["top1_agreement"], "num_decided": r["num_decided"],
+             "max_logprob_error": r.get("max_logprob_error"), "mean_logprob_error": r.get("mean_logprob_error"),
+             "kv_dtype": r["stepper"].get("kv_dtype", "auto"),
              "num_positions": r["num_positions"], "spans": r["stepper"]["spans"],
              "compiled": r["stepper"]["compiled"], "kind": r["stepper"]["kind"]}
             for variant, r in record["variants"].items()]

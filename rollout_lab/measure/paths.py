@@ -44,7 +44,13 @@ DECODE_VARIANTS: dict[str, dict[str, Any]] = {
     "ours_unfused": {"fuse_projections": False},
     # the same saving on the uncompiled step: seconds to build, where a compile takes minutes
     "ours_no_compile_fused": {"compile": False, "fuse_projections": True},
+    # the paged route, and the same with its pool in e4m3 (RolloutConfig(kv_cache_dtype="fp8"),
+    # engine.kernels.kv_fp8): half the KV bytes each step reads, and the logprobs it moves (bench logits)
+    "ours_paged": {"mode": "paged"},
+    "ours_fp8_kv": {"mode": "paged", "kv_cache_dtype": "fp8"},
 }
+# the variants that run the paged route (the decode-step bench times the aligned cache's step)
+PAGED_VARIANTS = tuple(name for name, settings in DECODE_VARIANTS.items() if settings.get("mode") == "paged")
 # the levers the decode-step and logits benches compare unless told: ours, then the compile and the spans taken away
 LEVER_VARIANTS = ("ours", "ours_no_compile", "ours_masked")
 

@@ -33,15 +33,16 @@ from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import ModelLimits, rows_at_once
 from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.paths import DECODE_VARIANTS, check_timed_calls, release_memory
+from rollout_lab.measure.paths import DECODE_VARIANTS, PAGED_VARIANTS, check_timed_calls, release_memory
 from rollout_lab.measure.peers import cb_sizing
 from rollout_lab.measure.trainer_loop import decode_captures
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import check_int, is_int
 
 RL_PATHS = (*DECODE_VARIANTS, "hf_generate_batch")
-# what runs by default: every ablation and the peer, not the whole-model compile (a CUDA-only variant of ours)
-RL_DEFAULT_PATHS = tuple(p for p in RL_PATHS if p != "ours_compile_model")
+# what runs by default: every ablation and the peer, not the whole-model compile (a CUDA-only variant
+# of ours) nor the variants that set the route themselves (ours_paged, ours_fp8_kv: --paths names them)
+RL_DEFAULT_PATHS = tuple(p for p in RL_PATHS if p != "ours_compile_model" and p not in PAGED_VARIANTS)
 # nano-vllm's bench.py: 256 sequences, prompt lengths and budgets uniform in 100..1024, on Qwen3-0.6B
 NANO_VLLM_SHAPE = {"num_seqs": 256, "min_len": 100, "max_len": 1024, "seed": 0}
 NANO_VLLM_MODEL = "qwen3-0.6b"
@@ -125,8 +126,8 @@ def run_rl(
             settings_ = dict(DECODE_VARIANTS[path])
             if decode_widths is not None:
                 settings_.setdefault("decode_widths", decode_widths)
-            engine = RolloutConfig(mode=mode, ignore_eos=True, pad_token_id=pad_id, continuous_batch_size=slots,
-                                   decode=decode, **settings_)
+            engine = RolloutConfig(**({"mode": mode} | settings_), ignore_eos=True, pad_token_id=pad_id,
+                                   continuous_batch_size=slots, decode=decode)  # a variant's route wins
             results[path] = _run_ours(model, prompts, budgets, engine, device, variant=path, reps=reps) \
                 | {"settings": settings_, "num_slots": slots or len(prompts)}
         if "mean_ms" in results[path]:
