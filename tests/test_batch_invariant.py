@@ -49,9 +49,12 @@ def check_invariant_rollout(device: str, dtype: torch.dtype, slot_counts=(6, 2))
     assert all(r.route == "paged" for r in results)
     norms = [m for m in model.modules() if isinstance(m, RMS_NORMS)]
     assert len(norms) == 2 * model.config.num_hidden_layers + 1
-    with batch_invariant(model):  # each norm one kernel inside, the module's own forward after
+    from transformers.models.qwen2 import modeling_qwen2
+    plain_rope = modeling_qwen2.apply_rotary_pos_emb
+    with batch_invariant(model):  # each norm and rotary embedding one kernel inside, the model's own after
         assert all("forward" in vars(m) for m in norms)
-    assert not any("forward" in vars(m) for m in norms)
+        assert modeling_qwen2.apply_rotary_pos_emb.original is plain_rope
+    assert not any("forward" in vars(m) for m in norms) and modeling_qwen2.apply_rotary_pos_emb is plain_rope
     assert all(r.sequences == results[0].sequences for r in results), "tokens depend on the slots"
     assert all(r.logprobs == results[0].logprobs for r in results), "logprobs depend on the slots"
     t = results[0].to_tensors(device=device)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from rollout_lab.engine.kernels.invariant import (
     INVARIANT_BLOCK_N, invariant_attention, invariant_bmm, invariant_matmul, invariant_paged_attention,
-    invariant_rms_norm, invariant_row_mean, matmul_splits, rms_norm_reference,
+    invariant_rms_norm, invariant_rope, invariant_row_mean, matmul_splits, rms_norm_reference, rope_reference,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +106,31 @@ def check_rms_norm(device: str, dtype: torch.dtype) -> None:
     rms_norm_reference(*want, 1e-6).square().sum().backward()
     close(x.grad, want[0].grad, torch.float32)
     close(weight.grad, want[1].grad, torch.float32)
+
+
+def check_rope(device: str, dtype: torch.dtype) -> None:
+    """Queries and keys as HF gives them (transposed views), cos and sin per row and shared by the
+    rows: HF's formula with its roundings (bit for bit where no fused multiply-add can enter: half
+    types on a GPU, fp32 in the interpreter); gradients through the reference."""
+    gen = torch.Generator().manual_seed(3)
+    q = randn(3, 5, 4, 64, gen=gen, dtype=dtype, device=device).transpose(1, 2)  # [B, H, T, D]
+    k = randn(3, 5, 2, 64, gen=gen, dtype=dtype, device=device).transpose(1, 2)
+    for rows in (3, 1):
+        cos, sin = (randn(rows, 5, 64, gen=gen, dtype=dtype, device=device) for _ in range(2))
+        got, want = invariant_rope(q, k, cos, sin), rope_reference(q, k, cos, sin)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == dtype
+            if device == "cpu" or dtype != torch.float32:
+                assert torch.equal(g, w), float((g.float() - w.float()).abs().max())
+            close(g, w, dtype)
+    q, k = q.float().requires_grad_(), k.float().requires_grad_()
+    out_q, out_k = invariant_rope(q, k, cos.float(), sin.float())
+    (out_q.square().sum() + out_k.sum()).backward()
+    twin = [t.detach().clone().requires_grad_() for t in (q, k)]
+    want_q, want_k = rope_reference(*twin, cos.float(), sin.float())
+    (want_q.square().sum() + want_k.sum()).backward()
+    close(q.grad, twin[0].grad, torch.float32)
+    close(k.grad, twin[1].grad, torch.float32)
 
 
 def probe(kv_heads: int, group: int, dim: int, length: int, dtype: torch.dtype, seed: int):
@@ -261,10 +286,11 @@ on_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, re
 def test_matmul_and_row_mean_rows_are_invariant_in_the_interpreter():
     script = textwrap.dedent("""
         import torch
-        from test_invariant_kernels import check_matmul, check_row_mean, check_rms_norm
+        from test_invariant_kernels import check_matmul, check_row_mean, check_rms_norm, check_rope
         check_matmul("cpu", torch.float32)
         check_row_mean("cpu", torch.float32)
         check_rms_norm("cpu", torch.float32)
+        check_rope("cpu", torch.float32)
         print("ok")
     """)
     assert "ok" in run_interpreted(script)
@@ -290,6 +316,7 @@ def test_cuda_kernels_are_invariant(dtype):
     check_matmul("cuda", dtype)
     check_row_mean("cuda", dtype)
     check_rms_norm("cuda", dtype)
+    check_rope("cuda", dtype)
     # Qwen2.5 shapes among them (head_dim 64 and 128, groups 7 and 6), a group over 16 (two chunks), head_dim 80
     check_attention("cuda", dtype, [(2, 1, 32), (1, 2, 64), (2, 4, 32), (2, 7, 64), (2, 6, 128), (1, 20, 80)])
 
@@ -334,6 +361,9 @@ def test_bad_inputs_are_named_before_any_launch(monkeypatch):
         invariant_row_mean(a.int())
     with pytest.raises(ValueError, match=r"x \[..., N\] \(N >= 1\) and weight \[N\], got \(4, 8\) and \(7,\)"):
         invariant_rms_norm(a, torch.ones(7), 1e-6)
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"invariant_rope takes q \[B, H, T, D\].*got \(1, 2, 3, 8\) torch.float32"):
+        invariant_rope(q, q, torch.zeros(1, 3, 8, dtype=torch.float64), torch.zeros(1, 3, 8, dtype=torch.float64))
 
     query, key, starts = torch.zeros(2, 4, 3, 16), torch.zeros(2, 2, 5, 16), torch.zeros(2, dtype=torch.long)
     with pytest.raises(ValueError, match=r"query \[B, H, q, D\] and key, value \[B, KVH, S, D\], got \(4, 3, 16\)"):

@@ -9,7 +9,9 @@ is in the batch, so the decode step's logprobs are the trainer's forward's.
   logical position 0, so a token's attention is the same bits whether its keys were seen in one
   forward or one step at a time;
 - Llama's, Mistral's and Qwen's RMSNorm modules (``RMS_NORMS``) run ``invariant_rms_norm``, one kernel
-  instead of eight (another model's norm goes through the mode, op by op);
+  instead of eight, and their modeling modules' ``apply_rotary_pos_emb`` (looked up by their attention
+  at each call) runs ``invariant_rope``, one kernel for the queries and one for the keys instead of
+  ten (another model's norm and rotary embedding go through the mode, op by op);
 - a ``TorchDispatchMode`` (``InvariantOps``) sees every aten op below autograd. Matmuls (``mm``,
   ``addmm``, ``bmm``) go to ``invariant_matmul``'s one tile configuration, a mean over the last
   dimension (RMSNorm's) to ``invariant_row_mean``, ``logsumexp`` and the log-softmax over the last
@@ -50,7 +52,9 @@ from rollout_lab.engine.kernels.invariant import (
     invariant_matmul,
     invariant_paged_attention,
     invariant_rms_norm,
+    invariant_rope,
     invariant_row_mean,
+    rope_supported,
 )
 from rollout_lab.engine.kernels.token_logprobs import row_logprobs
 
@@ -82,6 +86,29 @@ def _rms_norm_classes() -> tuple[type, ...]:
 
 
 RMS_NORMS = _rms_norm_classes()
+
+
+def _rope_modules() -> tuple:
+    """The modeling modules whose attention calls their global ``apply_rotary_pos_emb`` (HF's: q * cos
+    + rotate_half(q) * sin, ``invariant.rope_reference``)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+    return modeling_llama, modeling_mistral, modeling_qwen2, modeling_qwen3
+
+
+ROPE_MODULES = _rope_modules()
+
+
+def _rope_function(original):
+    """``apply_rotary_pos_emb`` by ``invariant_rope`` where it takes the inputs, else ``original``."""
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
+        if unsqueeze_dim == 1 and not kwargs and rope_supported(q, k, cos, sin):
+            return invariant_rope(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim, **kwargs)
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
 
 
 def _norm_forward(module: torch.nn.Module):
@@ -318,10 +345,14 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     previous = getattr(config, "_attn_implementation", None)
     config._attn_implementation = INVARIANT_NAME
     norms = [m for m in model.modules() if type(m) in RMS_NORMS and "forward" not in vars(m)]
+    used = {type(m).__module__ for m in model.modules()}
+    ropes = [m for m in ROPE_MODULES if m.__name__ in used and hasattr(m, "apply_rotary_pos_emb")]
     _active = True
     try:
         for module in norms:  # on the module objects: the decode step's fused copy shares them
             module.forward = _norm_forward(module)
+        for module in ropes:  # the attention looks the function up in its module at each call
+            module.apply_rotary_pos_emb = _rope_function(module.apply_rotary_pos_emb)
         with InvariantOps():
             yield model
     finally:
@@ -329,3 +360,5 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         config._attn_implementation = previous
         for module in norms:
             vars(module).pop("forward", None)
+        for module in ropes:
+            module.apply_rotary_pos_emb = module.apply_rotary_pos_emb.original

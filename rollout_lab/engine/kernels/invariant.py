@@ -14,6 +14,9 @@ shapes, walks its reduction in one fixed order and accumulates in fp32:
 - ``invariant_rms_norm``: an RMSNorm (Llama's, Qwen's) in one kernel, the sum of squares taken as
   ``invariant_row_mean`` takes its sum; the eager norm is eight kernels (fp32 copy, square, mean,
   add, rsqrt, scale, cast, weight), a share of a small decode step paid launch by launch;
+- ``invariant_rope``: rotary embedding of the queries and keys (HF's ``apply_rotary_pos_emb``) in
+  one kernel each, with eager's roundings (each product, then the sum, in the inputs' dtype);
+  element-wise, so invariant however it is launched: it replaces ten eager kernels a layer;
 - ``invariant_attention`` (a prefill or teacher-forced forward, causal, left padding) and
   ``invariant_paged_attention`` (decode over the paged pool): the same query vector over the same
   keys gives the same bits in both, by construction. Both walk keys in blocks of
@@ -35,6 +38,7 @@ recomputes plain masked attention in torch (the trainer's backward may use any k
 
     out = invariant_matmul(a, b, bias)                                     # [M, N]
     out = invariant_rms_norm(x, weight, eps)                                # [..., N]
+    q, k = invariant_rope(q, k, cos, sin)                                   # as apply_rotary_pos_emb
     out = invariant_attention(query, key, value, starts, scale)            # [B, q, H, D]
     out = invariant_paged_attention(query, key_pool, value_pool, tables, positions, scale)  # [rows, 1, H, D]
 
@@ -155,6 +159,36 @@ if triton is not None:
             y = (x.to(tl.float32) * scale).to(x.dtype).to(tl.float32)
             w = tl.load(W + n0 + cols, mask=live, other=0.0).to(tl.float32)
             tl.store(Out + row * stride_o + n0 + cols, (w * y).to(Out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _rope(X, Cos, Sin, Out, T, stride_xb, stride_xh, stride_xt, stride_cb, stride_ct, stride_ob, stride_oh,
+              stride_ot, HALF: tl.constexpr, HALF_PAD: tl.constexpr, ROUND: tl.constexpr):
+        """Program (b * T + t, head): out = x * cos + rotate_half(x) * sin over one head vector, each
+        product rounded to x's dtype (ROUND: a half type) before the sum, as eager computes it."""
+        bt = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        b = (bt // T).to(tl.int64)
+        t = (bt % T).to(tl.int64)
+        i = tl.arange(0, HALF_PAD)
+        live = i < HALF
+        x_at = X + b * stride_xb + head * stride_xh + t * stride_xt
+        c_at = b * stride_cb + t * stride_ct
+        x1 = tl.load(x_at + i, mask=live, other=0.0)
+        x2 = tl.load(x_at + HALF + i, mask=live, other=0.0)
+        cos1 = tl.load(Cos + c_at + i, mask=live, other=0.0).to(tl.float32)
+        cos2 = tl.load(Cos + c_at + HALF + i, mask=live, other=0.0).to(tl.float32)
+        sin1 = tl.load(Sin + c_at + i, mask=live, other=0.0).to(tl.float32)
+        sin2 = tl.load(Sin + c_at + HALF + i, mask=live, other=0.0).to(tl.float32)
+        a1 = x1.to(tl.float32) * cos1
+        a2 = x2.to(tl.float32) * cos2
+        b1 = -x2.to(tl.float32) * sin1  # rotate_half(x) = cat(-x2, x1)
+        b2 = x1.to(tl.float32) * sin2
+        if ROUND:
+            a1, a2 = a1.to(x1.dtype).to(tl.float32), a2.to(x1.dtype).to(tl.float32)
+            b1, b2 = b1.to(x1.dtype).to(tl.float32), b2.to(x1.dtype).to(tl.float32)
+        o_at = Out + b * stride_ob + head * stride_oh + t * stride_ot
+        tl.store(o_at + i, (a1 + b1).to(Out.dtype.element_ty), mask=live)
+        tl.store(o_at + HALF + i, (a2 + b2).to(Out.dtype.element_ty), mask=live)
 
     @triton.jit
     def _attend_block(q, k, v, live, m, s, acc, scale,
@@ -440,6 +474,75 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     if weight.stride(0) != 1:
         weight = weight.contiguous()
     return _InvariantRMSNorm.apply(x, weight, float(eps))
+
+
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``apply_rotary_pos_emb`` (``unsqueeze_dim=1``) in torch: the backward of ``invariant_rope``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    batch, heads, seq, dim = x.shape
+    out = torch.empty(batch, heads, seq, dim, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cb = cos.stride(0) if cos.shape[0] > 1 else 0  # one row of positions shared by the batch
+    _rope[(batch * seq, heads)](
+        x, cos, sin, out, seq, x.stride(0), x.stride(1), x.stride(2), cb, cos.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
+        ROUND=x.dtype in (torch.bfloat16, torch.float16), num_warps=1)
+    return out
+
+
+class _InvariantRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(q, k, cos, sin)
+        return _rope_launch(q, cos, sin), _rope_launch(k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
+        with torch.enable_grad():
+            outs = rope_reference(*inputs)
+        wanted = [t for t in inputs if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, (grad_q, grad_k)) if g is not None]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                     if wanted and pairs else ())
+        return tuple(next(grads) if t.requires_grad else None for t in inputs)
+
+
+def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``invariant_rope`` takes these: q [B, H, T, D] and k [B, KVH, T, D] of one half or
+    float dtype, cos and sin [B or 1, T, D] of the same dtype, D even."""
+    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and cos.shape == sin.shape
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in DTYPES
+            and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:] and q.shape[-1] % 2 == 0
+            and cos.shape[0] in (1, q.shape[0]) and cos.shape[1:] == q.shape[2:]
+            and cos.stride(-1) == 1 and sin.stride() == cos.stride())
+
+
+def invariant_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_reference`` (HF's ``apply_rotary_pos_emb``, ``unsqueeze_dim=1``) in one kernel for the
+    queries and one for the keys, eager's roundings kept; contiguous outputs. Differentiable (the
+    backward recomputes ``rope_reference``). ValueError unless ``rope_supported``."""
+    if not rope_supported(q, k, cos, sin):
+        raise ValueError(f"invariant_rope takes q [B, H, T, D], k [B, KVH, T, D] and cos, sin [B or 1, T, D] of "
+                         f"one dtype, D even; got {tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, "
+                         f"{tuple(cos.shape)} {cos.dtype}")
+    _check_device(q, k, cos, sin)
+    return _InvariantRope.apply(q, k, cos, sin)
 
 
 def _head_dim_pad(head_dim: int) -> int:
