@@ -63,7 +63,8 @@ SMOKE_PARAMETERS: dict[str, dict[str, Any]] = {
                                                      "hazard": 0.05, "slots": 4, "num_calls": 2, "finish_fraction": 0.75},
                           "trainer_loop_shape": {"num_prompts": 2, "num_samples": 2, "max_new_tokens": 4, "scale": 0.05,
                                                  "iterations": 2, "logprobs_mode": "trainer"},
-                          "more_shape": {"workloads": ["short_tail"], "max_new_tokens": 2, "paths": ["bucketed", "auto"]}},
+                          "more_shape": {"workloads": ["short_tail"], "max_new_tokens": 2, "paths": ["bucketed", "auto"]},
+                          "fp8_kv_shape": {"num_seqs": 3, "min_len": 4, "max_len": 20, "steps": 5}},
     "04_adaptation": {"eos_budgets": [32], "scripted_budgets": [64, 1024], "scripted_rounds": 20,
                       "online_calls": 6, "repetitions": 1},
 }
@@ -312,6 +313,8 @@ NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
         "trainer_loop_shape": _shape("trainer_loop_shape", "rollout_lab.measure.trainer_loop",
                                      "TRAINER_LOOP_DEFAULTS"),
         "trainer_loop_results_file": PATH, "decode_step_file": PATH,
+        "fp8_kv_shape": _shape("fp8_kv_shape", "rollout_lab.measure.fidelity", "KV_DTYPE_DEFAULTS"),
+        "fp8_kv_results_files": PATH_LIST,
         "logprob_modes_results_file": _checked("a dict of {mode name: trainer-loop record path}", _check_mode_records,
                                                dict, or_none=True),
         "grpo_shape": _shape("grpo_shape", "rollout_lab.measure.grpo", "GRPO_DEFAULTS"), "grpo_results_file": PATH,
@@ -395,7 +398,7 @@ def notebook_parameters(
 # the parameters that name files or folders: those read (a path, a list of paths, or a dict of them), and
 # those written
 INPUT_PARAMETERS = ("calibration_file", "cost_file", "results_file", "rl_results_file", "long_tail_results_file",
-                    "trainer_loop_results_file", "logprob_modes_results_file", "decode_step_file",
+                    "trainer_loop_results_file", "logprob_modes_results_file", "decode_step_file", "fp8_kv_results_files",
                     "prefill_routes_file", "grpo_results_file", "prefix_sharing_results_file", "partial_rollouts_results_file",
                     "peer_results_file",
                     "more_results_file", "more_peer_results_file", "roofline_results_files")

@@ -301,6 +301,12 @@ def test_03_latency_outputs(executed):
                                               "GRPO 2 x 2 x 3"]
     assert whole[2]["best_hf"] == "" and float(whole[2]["ours_ms"]) > 0  # no HF peer in that record
     assert whole[4]["ours"] == "shared" and whole[4]["best_hf"] == "hf_generate"
+    # fp8_kv_shape (the notebook's default): the paged pool's bf16/fp32 KV against e4m3, teacher-forced
+    kv = {r["variant"]: r for r in read_csv(out / "data" / "tables" / "03_kv_dtypes_tiny_qwen2_float32_cpu.csv")}
+    assert (kv["ours_paged"]["kv_dtype"], kv["ours_fp8_kv"]["kv_dtype"]) == ("auto", "fp8")
+    assert float(kv["ours_paged"]["max_logprob_error"]) < 1e-4 < float(kv["ours_fp8_kv"]["mean_logprob_error"])
+    assert (out / "data" / "results" / "logits_tiny-qwen2_float32_cpu_kv-dtypes.json").is_file()
+    assert_figure(out / "figures", "03_kv_dtypes_tiny_qwen2_float32_cpu")
 
 
 def test_03_renders_a_saved_results_file(executed, tmp_path):

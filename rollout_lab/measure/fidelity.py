@@ -27,6 +27,7 @@ data/results/fidelity_qwen3-0.6b_bfloat16_cuda`` on the H200; ``--tiny qwen3 --n
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -37,9 +38,10 @@ from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
 from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import LOGIT_BYTES, ModelLimits
 from rollout_lab.engine.runner.steppers import StepperKey, graph_capacity, make_stepper
-from rollout_lab.measure.models import special_token_ids
+from rollout_lab.measure.models import load_model, model_config, special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS
+from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS, release_memory
+from rollout_lab.measure.records import read_record, shape_settings
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
 
@@ -47,6 +49,10 @@ CACHES = ("aligned", "paged")  # the KV cache the decode step reads: the aligned
 # run_logits_check's settings and their defaults (its signature's)
 LOGITS_DEFAULTS: dict[str, Any] = {"num_seqs": 16, "min_len": 100, "max_len": 1024, "steps": 64,
                                    "variants": LEVER_VARIANTS, "cache": "aligned"}
+# the paged pool in the model's dtype and in e4m3 (RolloutConfig(kv_cache_dtype=...)): notebook 03's
+# "Half the KV bytes" compares them, its fp8_kv_shape taking these settings of run_logits_check
+KV_DTYPE_VARIANTS = ("ours_paged", "ours_fp8_kv")
+KV_DTYPE_DEFAULTS: dict[str, Any] = {"num_seqs": 4, "min_len": 8, "max_len": 40, "steps": 8}
 
 
 @torch.no_grad()
@@ -234,3 +240,66 @@ def logits_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
              "num_positions": r["num_positions"], "spans": r["stepper"]["spans"],
              "compiled": r["stepper"]["compiled"], "kind": r["stepper"]["kind"]}
             for variant, r in record["variants"].items()]
+
+
+def kv_dtype_or_load(
+    *, fp8_kv_shape: Mapping[str, Any] | None, fp8_kv_results_files: Sequence[str] | None, model: str, dtype: str,
+    device: str, output_dir: Any = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """The (name, record) pairs notebook 03's "Half the KV bytes" shows: ``fp8_kv_shape``
+    (``KV_DTYPE_DEFAULTS`` where it says nothing) measured on ``model`` by ``run_logits_check`` with
+    ``KV_DTYPE_VARIANTS`` into ``<workspace>/data/results/logits_<model>_<dtype>_<device>_kv-dtypes``
+    (an existing record there is an error), else the saved ``fp8_kv_results_files`` (teacher-forced
+    logits records and RL throughput records, ``bench logits`` and ``bench rl --paths ours_paged
+    ours_fp8_kv``), else []. Giving both is an error; so are bad settings, a record in the way and a
+    file of another kind, all raised before the model is built."""
+    from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
+
+    if fp8_kv_shape is not None and fp8_kv_results_files is not None:
+        raise ValueError("give fp8_kv_shape (measure) or fp8_kv_results_files (render), not both")
+    if fp8_kv_shape is None:
+        files = [fp8_kv_results_files] if isinstance(fp8_kv_results_files, (str, Path)) else fp8_kv_results_files
+        return [(str(f), _kv_dtype_record(Path(f))) for f in files or []]
+    shape = shape_settings("fp8_kv_shape", fp8_kv_shape, KV_DTYPE_DEFAULTS)
+    config, name = model_config(model)
+    check_logits_settings(**shape, variants=KV_DTYPE_VARIANTS, cache="paged",
+                          limits=ModelLimits.of_config(config, dtype=dtype, device=device))
+    out = record_paths(Workspace.resolve(output_dir).results / f"logits_{run_tag(name, dtype, device)}_kv-dtypes")
+    net, name = load_model(model, dtype=dtype, device=device)
+    record = run_logits_check(net, model_name=name, dtype=dtype, variants=KV_DTYPE_VARIANTS, cache="paged",
+                              script="notebook 03 (fp8_kv_shape)",
+                              save=lambda r: write_record(out, r, logits_rows(r)), **shape)
+    del net
+    release_memory(torch.device(device))
+    return [(str(out[0]), record)]
+
+
+def _kv_dtype_record(path: Path) -> dict[str, Any]:
+    for kind in ("teacher_forced_logits", "rl_throughput"):
+        try:
+            return read_record(path, kind)
+        except ValueError:
+            continue
+    raise ValueError(f"{str(path)!r} is neither a teacher_forced_logits record (rollout-lab bench logits) nor an "
+                     "rl_throughput one (rollout-lab bench rl): fp8_kv_results_files takes those")
+
+
+def kv_dtype_rows(records: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per variant of the records (teacher-forced logits: its logit and logprob errors; RL
+    throughput: its output tok/s), joined by variant name, each with the KV dtype it stored and the card."""
+    rows: dict[str, dict[str, Any]] = {}
+    for _, record in records:
+        card = (record.get("provenance") or {}).get("device_name")
+        if record["kind"] == "teacher_forced_logits":
+            for variant, r in record["variants"].items():
+                rows.setdefault(variant, {"variant": variant}).update(
+                    kv_dtype=r["stepper"].get("kv_dtype", "auto"), card=card, max_logit_error=r["max_abs_error"],
+                    mean_logprob_error=r.get("mean_logprob_error"), max_logprob_error=r.get("max_logprob_error"))
+        else:
+            for path, r in record["results"].items():
+                if "output_tokens_per_s" not in r:
+                    continue
+                row = rows.setdefault(path, {"variant": path})
+                row.setdefault("kv_dtype", (r.get("stepper") or {}).get("kv_dtype", "auto"))
+                row.update(card=card, output_tokens_per_s=r["output_tokens_per_s"])
+    return list(rows.values())

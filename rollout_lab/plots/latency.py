@@ -325,6 +325,44 @@ def plot_logprob_modes(rows: Sequence[Mapping[str, Any]], *, title: str = "") ->
     return fig
 
 
+def plot_kv_dtypes(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
+    """The paged pool's KV dtypes, one per row of ``measure.fidelity.kv_dtype_rows``. Left: output
+    tok/s where an RL record gave it, the speed-up over the first measured row written on each bar
+    (else says none was given). Right: what the stored dtype moves, teacher-forced (log axis, nats):
+    each forced token's mean and max |Δ logprob| against the model's own forward."""
+    names = [textwrap.fill(f"{r['variant']} ({r.get('kv_dtype', '?')})", 16) for r in rows]
+    x = np.arange(len(rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(9, 3 + 2.0 * len(rows)), 3.6))
+    speeds = [r.get("output_tokens_per_s") for r in rows]
+    if any(v is not None for v in speeds):
+        first = next(v for v in speeds if v is not None)
+        bars = left.bar(x, [v or 0 for v in speeds], 0.6, color=PALETTE(0))
+        for bar, v in zip(bars, speeds):
+            if v is not None:
+                left.annotate(f"{v / first:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                              ha="center", va="bottom", fontsize=8)
+        left.margins(y=0.15)
+        left.set_ylabel("output tok/s")
+    else:
+        left.text(0.5, 0.5, "no RL record given\n(bench rl --paths ours_paged ours_fp8_kv)", ha="center",
+                  va="center", transform=left.transAxes, fontsize=9, color="0.3")
+    left.set_xticks(x, names)
+    floor = 1e-9
+    for k, (key, label, marker) in enumerate((("mean_logprob_error", "mean |Δ logprob|", "o"),
+                                              ("max_logprob_error", "max |Δ logprob|", "^"))):
+        at = [(i, max(r[key], floor)) for i, r in enumerate(rows) if r.get(key) is not None]
+        if at:
+            right.scatter(*zip(*at), marker=marker, color=PALETTE(k + 1), label=label, zorder=3)
+    right.set_yscale("log")
+    right.set_xticks(x, names)
+    right.set_xlim(-0.6, len(rows) - 0.4)
+    right.set_ylabel("teacher-forced, against the model (nats)")
+    right.legend(loc="upper left", fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_decode_steps(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> Figure:
     """Median decode ms per step (error bar: one standard deviation over the timed steps) per case
     and variant of a decode-step record (``measure.records.decode_step_rows``)."""
