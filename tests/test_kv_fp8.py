@@ -20,6 +20,9 @@ from rollout_lab.engine.kernels import kv_fp8
 from rollout_lab.engine.kernels.paged import BLOCK_SIZES, paged_attention, paged_attention_reference
 from rollout_lab.engine.kernels.shared_prefix import shared_prefix_attention
 from rollout_lab.engine.kv.paged import PagedKVCache
+from rollout_lab.engine.runner.compiling import compile_forward, tracing
+from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
+from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
 from rollout_lab.engine.trainer import sequence_logprobs
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 
@@ -231,3 +234,26 @@ def test_the_prefix_cache_reads_fp8_blocks_back():
 def test_settings_fp8_cannot_serve_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**fields)
+
+
+def test_the_compiled_step_writes_and_reads_the_fp8_pool_as_the_eager_step():
+    """The layer-by-layer compiled forward (dynamo's aot_eager backend here) traces the FP8 write and
+    the paged attention as the opaque ops they are: the same tokens as the eager step."""
+    model = get_tiny("qwen3")
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    tokens = []
+    for compiled in (False, True):
+        key = StepperKey(2, 64, cache_kwarg_name(model), block_size=16, num_blocks=12, kv_dtype="fp8")
+        stepper = EagerStepper(model, key)
+        if compiled:
+            stepper.forward = compile_forward(model, "layers", backend="aot_eager")
+        stepper.reset()
+        first, layer_kv = prefill_bucket(model, prompts, pad_token_id=0, cache_kwarg=cache_kwarg_name(model))
+        for slot, prompt in enumerate(prompts):
+            stepper.cache.grow(slot, len(prompt) + 8)
+        stepper.cache.admit([0, 1], layer_kv, [5, 3])
+        stepper.state.admit([0, 1], first.argmax(-1), [5, 3])
+        with tracing():
+            tokens.append([stepper.step(2, 0).tolist() for _ in range(6)])
+        assert stepper.cache.keys[0].dtype == torch.uint8
+    assert tokens[0] == tokens[1]
