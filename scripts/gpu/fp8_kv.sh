@@ -3,13 +3,16 @@
 #   tests    the CUDA tests of the FP8 write kernel and of the paged kernel over FP8 pools
 #   logits   bench logits on nano-vllm's model, paged: the bf16 pool against the FP8 one (logit and logprob errors)
 #   nano     bench rl on nano-vllm's shape: ours (bucketed), ours_paged and ours_fp8_kv side by side
+#   trace    the nano shape's paged step kernel by kernel, bf16 pool then FP8 (trace_step.py --kv-cache-dtype)
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/fp8_kv.sh logits nano     # CPU, ~1 min
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/fp8_kv.sh tests logits nano
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"
   NANO="--tiny qwen3 --num-seqs 16 --min-len 8 --max-len 48"
+  TRACE="--tiny qwen3 --workload nano --num-prompts 8 --max-new-tokens 24 --mode paged"
 else
+  TRACE="--preset qwen3-0.6b --workload nano --mode paged"
   LOGITS="--preset qwen3-0.6b --num-seqs 16 --steps 64"
   NANO="--preset qwen3-0.6b"
 fi
@@ -20,6 +23,8 @@ for what in "$@"; do
     tests) step 240 $PY -m pytest -q -x tests/test_kv_fp8.py tests/test_paged_attention.py -k cuda ;;
     logits) step 240 $BENCH logits $LOGITS --variants ours_paged ours_fp8_kv --out "$OUT"/logits_fp8_kv ;;
     nano) step 420 $BENCH rl $NANO --paths ours ours_paged ours_fp8_kv --out "$OUT"/rl_nano_fp8_kv ;;
-    *) echo "unknown step $what (tests, logits, nano)"; exit 2 ;;
+    trace) step 200 $PY scripts/gpu/trace_step.py $TRACE --out "$OUT"/trace_nano_paged.txt
+           step 200 $PY scripts/gpu/trace_step.py $TRACE --kv-cache-dtype fp8 --out "$OUT"/trace_nano_fp8.txt ;;
+    *) echo "unknown step $what (tests, logits, nano, trace)"; exit 2 ;;
   esac
 done

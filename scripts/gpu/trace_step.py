@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the decode step unfused (RolloutConfig(fuse_projections=False); default 'auto')")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="RolloutConfig(batch_invariant=True): the invariant kernels' step (issue 56)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="RolloutConfig(kv_cache_dtype=...): the paged pool in e4m3 (issue 57)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     rollout = Rollout(model, RolloutConfig(mode=args.mode, continuous_batch_size=slots, eos_token_id=eos,
                                            ignore_eos=args.workload == "grpo",
                                            pad_token_id=cfg.pad_token_id or 0,
-                                           batch_invariant=args.batch_invariant,
+                                           batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
                                            **({"fuse_projections": False} if args.no_fuse_projections else {})))
     started = time.perf_counter()
     rollout.generate(prompts, **call)
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"{name} {dtype} {device} {args.workload} mode={args.mode} slots={slots} prompts={args.num_prompts} "
         f"max_new={args.max_new_tokens} logprobs={call.get('logprobs_mode')} fused={rollout.runner.fused} "
-        f"invariant={args.batch_invariant} decode={rollout.runner.decode_mode}: route {result.route}, "
+        f"invariant={args.batch_invariant} kv={args.kv_cache_dtype} decode={rollout.runner.decode_mode}: "
+        f"route {result.route}, "
         f"{sum(map(len, result.sequences))} tokens",
         f"first call {first_s:.1f} s; traced call {wall_ms:.1f} ms; kernels {device_us / 1e3:.1f} ms summed",
         "profiled call phases (ms): " + ", ".join(
