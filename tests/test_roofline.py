@@ -133,6 +133,28 @@ def test_an_old_record_is_read_against_its_cards_floor():
     assert figures["num_decode_steps"] == record["results"]["ours"]["num_decode_steps"]  # the engine's count too
 
 
+def test_a_path_that_stores_fp8_kv_is_held_to_its_own_floor():
+    """An RL record's ours_fp8_kv path reads less KV (its pool in e4m3, scales included: Qwen3-0.6B's
+    head_dim 128 at blocks of 64 takes 2 scale rows a block, (64 + 2) / 64 / 2 = 0.52 of bf16's
+    bytes), so its floor is higher; the other paths keep the record's."""
+    record = nano_record()
+    ours = record["results"]["ours"]
+    record["results"]["ours_fp8_kv"] = dict(ours, settings={"mode": "paged", "kv_cache_dtype": "fp8"},
+                                            profile=dict(ours.get("profile") or {}, kv_block_size=64))
+    figures, _ = record_roofline(record)
+    plain, fp8 = figures["floors_tok_s"]["ours"], figures["floors_tok_s"]["ours_fp8_kv"]
+    assert plain == figures["floor_tok_s"] and 1.3 < fp8 / plain < 2.0  # KV is most of this shape's bytes
+    assert figures["fractions"]["ours_fp8_kv"] == pytest.approx(figures["fractions"]["ours"] * plain / fp8)
+    geometry = ModelGeometry(2, 2, 1, 128, 2)
+    half = RooflineModel(geometry, num_params=1_000, weight_element_bytes=2, kv_fraction=0.5)
+    full = RooflineModel(geometry, num_params=1_000, weight_element_bytes=2)
+    assert decode_floor(half, [100], TOY_CARD).kv_bytes * 2 == decode_floor(full, [100], TOY_CARD).kv_bytes
+    rows = {r["path"]: r for r in roofline_rows([("nano.json", record)])}
+    assert rows["ours_fp8_kv"]["floor_tok_s"] == fp8
+    with pytest.raises(ValueError, match=r"kv_fraction must be a number in \(0, 4\], got 0"):
+        RooflineModel(geometry, num_params=1, weight_element_bytes=2, kv_fraction=0)
+
+
 def test_samples_of_a_prompt_read_it_once_so_no_path_beats_the_floor():
     """prefix_sharing on grpo_long_prompt: the shared read runs past the floor of rows each reading
     their whole context; the floor with the prompt read once per group holds it below 1."""

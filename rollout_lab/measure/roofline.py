@@ -13,11 +13,13 @@ row's prompt length and budget. ``bench`` commands write it into each record as 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rollout_lab.engine.kernels import kv_fp8
 from rollout_lab.measure.models import model_config as model_config_of
 from rollout_lab.measure.records import MAX_RECORD_BYTES
 from rollout_lab.planner.roofline import CARDS, RooflineModel, card_spec, workload_floor
@@ -66,9 +68,15 @@ def record_roofline(record: Mapping[str, Any], *, model_config: Any = None) -> t
         return None, f"model {config.get('model')!r}: {err}"
     lengths, budgets, samples, slots, measured = _workload(record)
     floor = workload_floor(model, lengths, budgets, card, num_slots=slots, samples_per_prompt=samples)
-    fractions = {path: tok_s / floor.tokens_per_s for path, tok_s in measured.items()}
+    floors = {path: floor.tokens_per_s for path in measured}
+    for path, fraction in _stored_kv_fractions(record, model).items():  # a path whose pool stores less: its own floor
+        if path in floors:
+            floors[path] = workload_floor(dataclasses.replace(model, kv_fraction=fraction), lengths, budgets, card,
+                                          num_slots=slots, samples_per_prompt=samples).tokens_per_s
+    fractions = {path: tok_s / floors[path] for path, tok_s in measured.items()}
     main = ROOFLINE_KINDS[kind] if ROOFLINE_KINDS[kind] in measured else next(iter(measured), None)
     return {"card": card.name, "floor_s": floor.seconds, "floor_tok_s": floor.tokens_per_s, "bound": floor.bound,
+            "floors_tok_s": floors,
             "kv_share": floor.kv_share, "prefill_floor_s": floor.prefill_seconds,
             "num_decode_steps": floor.num_decode_steps, "num_slots": slots, "samples_per_prompt": samples,
             "path": main,
@@ -115,8 +123,9 @@ def roofline_rows(records: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict
                          "reason": reason})
             continue
         for path, fraction in figures["fractions"].items():
+            path_floor = figures.get("floors_tok_s", {}).get(path, figures["floor_tok_s"])
             rows.append({**common, "label": f"{Path(name).stem}: {path}", "path": path,
-                         "floor_tok_s": figures["floor_tok_s"], "measured_tok_s": fraction * figures["floor_tok_s"],
+                         "floor_tok_s": path_floor, "measured_tok_s": fraction * path_floor,
                          "fraction_of_floor": fraction, "bound": figures["bound"], "kv_share": figures["kv_share"],
                          "headline": path == figures["path"], "reason": None})
     return rows
@@ -148,6 +157,23 @@ def _workload(record: Mapping[str, Any]) -> tuple[list[int], list[int], int, int
     steady = [it["steady_rollout_ms"] for it in record["results"]["iterations"] if it.get("steady_rollout_ms")]
     tokens = work["num_generated_tokens"]
     return lengths, budgets, samples, None, ({"steady_rollout": tokens / (statistics.mean(steady) / 1e3)} if steady else {})
+
+
+def _stored_kv_fractions(record: Mapping[str, Any], model: RooflineModel) -> dict[str, float]:
+    """{path: its pool's KV bytes over the model dtype's} for the paths of an RL record that stored
+    their KV in FP8 (``kv_cache_dtype="fp8"``, ``engine.kernels.kv_fp8``: e4m3 and a scale per token
+    and KV head, at the block size the path ran)."""
+    if record.get("kind") != "rl_throughput":
+        return {}
+    g = model.geometry
+    out = {}
+    for path, res in record["results"].items():
+        if not isinstance(res, Mapping) or (res.get("settings") or {}).get("kv_cache_dtype") != "fp8":
+            continue
+        block = (res.get("profile") or {}).get("kv_block_size") or 64
+        stored = 2 * g.num_layers * kv_fp8.token_bytes(int(block), g.num_kv_heads, g.head_dim)
+        out[path] = stored / g.kv_bytes_per_token
+    return out
 
 
 def _rates(results: Mapping[str, Any], field: str) -> dict[str, float]:

@@ -52,17 +52,21 @@ def card_spec(device_name: str | None) -> Card | None:
 @dataclass(frozen=True)
 class RooflineModel:
     """What a decode step reads and multiplies: ``num_params`` weights of ``weight_element_bytes``
-    each, and the KV of ``geometry`` (its ``kv_bytes_per_token``)."""
+    each, and the KV of ``geometry`` (its ``kv_bytes_per_token``) times ``kv_fraction``: the stored
+    KV's bytes over the model dtype's (an FP8 pool's, scales included, about 0.53 of bf16's)."""
 
     geometry: ModelGeometry
     num_params: int  # the weights a decode step reads: the layers, the final norm and the LM head
     weight_element_bytes: int
+    kv_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, ModelGeometry):
             raise ValueError(f"geometry must be a ModelGeometry, got {self.geometry!r}")
         check_int(self.num_params, name="num_params")
         check_int(self.weight_element_bytes, name="weight_element_bytes")
+        if not isinstance(self.kv_fraction, (int, float)) or not 0 < self.kv_fraction <= 4:
+            raise ValueError(f"kv_fraction must be a number in (0, 4], got {self.kv_fraction!r}")
 
     @property
     def weight_bytes(self) -> int:
@@ -212,7 +216,7 @@ def _live_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _step(model: RooflineModel, card: Card, *, rows: int, context_tokens: int) -> StepFloor:
-    kv = kv_bytes_read(context_tokens, model.geometry)
+    kv = round(kv_bytes_read(context_tokens, model.geometry) * model.kv_fraction)
     read_s = (model.weight_bytes + kv) / card.bandwidth_bytes_per_s
     compute_s = 2.0 * model.num_params * rows / card.peak_flop_per_s
     bound = "bandwidth" if read_s >= compute_s else "compute"
