@@ -200,12 +200,14 @@ def test_a_rollout_decodes_over_an_fp8_pool_with_a_bounded_mismatch():
     # a pool of 8 blocks of 16 for 12 rows on 4 slots: rows wait, share their prompt's blocks and are preempted
     tight = dict(mode="auto", kv_block_size=16, continuous_batch_size=4, kv_cache_tokens=128, refill_rows=1,
                  profile=True)
-    exact = Rollout(model, RolloutConfig(**tight)).generate(prompts, **call)
+    exact = Rollout(model, RolloutConfig(**(tight | {"mode": "paged"}))).generate(prompts, **call)
     rollout = Rollout(model, RolloutConfig(kv_cache_dtype="fp8", **tight))
     fp8 = rollout.generate(prompts, **call)
     assert fp8.route == "paged" and rollout.runner.stepper_info["kv_dtype"] == "fp8"
     assert rollout.runner.stepper.cache.keys[0].dtype == torch.uint8
     assert fp8.profile.num_preemptions > 0
+    ratio = fp8.profile.kv_bytes_read_per_step / exact.profile.kv_bytes_read_per_step  # the same steps
+    assert ratio == pytest.approx((16 + 4) / 16 / 4)  # fp32 values to a byte, plus 4 scale rows a block of 16
     assert [len(s) for s in fp8.sequences] == [24] * 12
     exact_max, _ = mismatch(exact, model)
     fp8_max, fp8_mean = mismatch(fp8, model)

@@ -130,13 +130,15 @@ class PagedBatcher(ContinuousBatcher):
         """The groups of the shared-prefix read as the rows hold their blocks now (found again only
         when they changed), and the KV bytes the burst's steps read (``planner.kv_reads``: each row's
         context, a group's shared prefix once per tile of its rows where the step reads it so; the
-        context grows by a token per row and step) into ``Profile.kv_bytes_read_per_step``."""
+        context grows by a token per row and step; an FP8 pool's bytes) into ``Profile.kv_bytes_read_per_step``."""
         cache = self.cache
         cache.refresh_prefix_groups(num_rows)
         context = sum(self._cached_tokens(row) + 1 for row in self.rows)  # each row attends to its new token too
         groups = dict(prefix_tokens=cache.group_tokens, group_rows=cache.group_rows) if cache.prefix_groups else {}
         first = kv_bytes_read(context, self.geometry, **groups)
-        self._kv_bytes_read += burst * first + num_rows * (burst * (burst - 1) // 2) * self.geometry.kv_bytes_per_token
+        tokens_read = burst * first + num_rows * (burst * (burst - 1) // 2) * self.geometry.kv_bytes_per_token
+        # in the model's dtype; a pool that stores less (FP8: e4m3 and scales) reads its own bytes
+        self._kv_bytes_read += tokens_read * (cache.token_bytes / self.geometry.kv_bytes_per_token)
         self.profile.kv_bytes_read_per_step = self._kv_bytes_read / (self.profile.num_decode_forwards + burst)
 
     def _decode_front(self) -> int:
