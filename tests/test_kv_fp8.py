@@ -25,6 +25,7 @@ from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
 from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
 from rollout_lab.engine.trainer import sequence_logprobs
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from test_partial_rollouts import BUDGET, PAGED, SAMPLED, TIGHT, continued, eos_of, make_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -259,3 +260,36 @@ def test_the_compiled_step_writes_and_reads_the_fp8_pool_as_the_eager_step():
             tokens.append([stepper.step(2, 0).tolist() for _ in range(6)])
         assert stepper.cache.keys[0].dtype == torch.uint8
     assert tokens[0] == tokens[1]
+
+
+def test_episodes_and_partial_rollouts_keep_their_rows_in_an_fp8_pool():
+    """The paths that move a row's KV on the host (a waiting episode's partial block kept outside the
+    pool and written back, evicted history blocks, continuations resumed in a later call) run over an
+    FP8 pool: every episode and every continued row ends, with its turns and budgets."""
+    model = get_tiny("qwen2")
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, TINY_VOCAB_SIZE, (int(n),), generator=gen).tolist() for n in (20, 5, 33, 12, 18, 9)]
+    stops = sorted({s[2] for s in Rollout(model, RolloutConfig(mode="paged", kv_block_size=16)).generate(
+        prompts, max_new_tokens=4, progress=False).sequences})[:3]
+
+    def env(request, sample, tokens):
+        return [(tokens[-1] * 7 + request + k) % (TINY_VOCAB_SIZE - 3) + 3 for k in range(1 + len(tokens) % 3)]
+
+    tight = dict(mode="paged", kv_block_size=16, continuous_batch_size=3, kv_cache_tokens=96, refill_rows=1,
+                 kv_cache_dtype="fp8", profile=True)
+    out = Rollout(model, RolloutConfig(**tight)).generate(prompts, max_new_tokens=40, stop_token_ids=stops, env=env,
+                                                          max_turns=4, max_env_tokens=9, progress=False)
+    assert out.profile.num_env_calls >= 2 and out.profile.num_preemptions > 0
+    assert max(out.num_turns) > 1 and all(1 <= t <= 4 for t in out.num_turns)
+    for tokens, mask in zip(out.sequences, out.env_masks):
+        assert len(tokens) == len(mask) and mask.count(False) <= 40
+    # partial rollouts over the tight pool (preemption, prefill across turns), continued to the end
+    prompts = make_prompts(6, seed=1, lengths=(10, 22))
+    eos = eos_of(model, prompts, PAGED, num_samples=2, **SAMPLED)
+    cfg = RolloutConfig(**TIGHT, eos_token_id=eos, kv_cache_dtype="fp8")
+    got, results = continued(Rollout(model, cfg), prompts, (0.25, 0.5, None), max_new_tokens=BUDGET, num_samples=2,
+                             **SAMPLED)
+    assert len(results) >= 2 and results[1].profile.num_continued_rows > 0
+    assert any(len(segments) > 1 for _, _, segments in got)
+    for tokens, logprobs, segments in got:
+        assert sum(n for _, n in segments) == len(tokens) == len(logprobs) <= BUDGET
