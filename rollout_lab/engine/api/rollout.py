@@ -127,7 +127,8 @@ class Rollout:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_positions = getattr(self.model_config, "max_position_embeddings", None)
         cfg = self.config
-        limits = ModelLimits(self.max_positions, self.geometry.kv_bytes_per_token, self.vocab_size, self.device)
+        # the pool's bytes a token (an FP8 pool's fewer): kv_cache_tokens is the paged pool's size
+        limits = ModelLimits(self.max_positions, self.pool_bytes_per_token, self.vocab_size, self.device)
         check_cache_sizes(limits, cache_capacity=cfg.cache_capacity, kv_cache_tokens=cfg.kv_cache_tokens)
         if cfg.batch_invariant:  # before any allocation: the device's kernels and the model's ops
             check_invariant_model(model)
