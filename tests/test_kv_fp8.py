@@ -139,6 +139,47 @@ def test_the_paged_kernel_reads_fp8_pools_in_the_interpreter():
     assert "ok" in done.stdout
 
 
+def check_write_kernel_addressing() -> None:
+    """The decode write's Triton kernel, called as CUDA calls it, against the torch ops, on values
+    e4m3 holds exactly after their scale (each vector's amax 448 x a power of two): its blocks, rows,
+    heads and scale rows are the torch ops', with no rounding (the interpreter's e4m3 rounding is
+    wrong where a mantissa carries)."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, kv_heads, head_dim = 16, 2, 64
+    grid = torch.arange(256, dtype=torch.uint8).view(kv_fp8.FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid)]
+
+    def exact_rows(n: int) -> torch.Tensor:
+        q = grid[torch.randint(0, len(grid), (n, kv_heads, head_dim), generator=gen)]
+        q[..., 0] = kv_fp8.FP8_MAX
+        return q * 2.0 ** torch.randint(-6, 6, (n, kv_heads, 1), generator=gen).float()
+
+    keys, values = exact_rows(5), exact_rows(5)
+    slots = torch.tensor([17, 63, 2, 80, 71])
+    pools = [kv_fp8.allocate(6, block_size, kv_heads, head_dim, "cpu") for _ in range(2)]
+    twins = [pool.clone() for pool in pools]
+    kv_fp8._write_fp8_kernel[(5, kv_heads)](
+        *pools, keys, values, slots, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        pools[0].stride(0), pools[0].stride(1), pools[0].stride(2), BLOCK_SIZE=block_size, KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, num_warps=1)
+    kv_fp8.paged_write_fp8(*twins, keys, values, slots)  # on the CPU: the torch ops
+    assert torch.equal(pools[0], twins[0]) and torch.equal(pools[1], twins[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="needs Triton on a machine without CUDA")
+def test_the_write_kernel_addresses_blocks_rows_and_scales_in_the_interpreter():
+    script = textwrap.dedent("""
+        from test_kv_fp8 import check_write_kernel_addressing
+        check_write_kernel_addressing()
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ok" in done.stdout
+
+
 @on_cuda
 def test_cuda_write_kernel_and_attention():
     for dtype in (torch.float32, torch.bfloat16):
