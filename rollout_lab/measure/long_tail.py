@@ -15,7 +15,8 @@ used), the paged pool with as many slots as its memory holds (``paged_memory``) 
 with every row at once (``aligned_all``); ``paged_128_eos_every_step`` is ``paged_128`` reading the
 tokens back after every step (``eos_check_interval=1``) instead of every few, and
 ``paged_128_admit_256`` with each turn's prefill bounded to 256 tokens (``admit_tokens_per_step``;
-not run by default). Each path: one warm-up
+not run by default), and ``paged_128_fp8_kv`` with its pool in e4m3 (``kv_cache_dtype="fp8"``; not
+run by default). Each path: one warm-up
 call (compile and capture, timed as ``first_call_ms``), ``reps`` timed calls and one profiled call, all with the same seed, so every path
 samples the same tokens in exact arithmetic (bf16 kernels may differ). Output tok/s counts the tokens
 generated; the profile says why: decode steps, live rows per step, occupancy of the slots (over every
@@ -65,6 +66,8 @@ LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
     # the same with the whole model compiled as one graph (compile=True) instead of each decoder
     # layer (engine.runner.compiling): its step and first call against the layers'
     "paged_128_compile_model": dict(mode="paged", continuous_batch_size=128, compile=True),
+    # the same with the pool in e4m3 (kv_cache_dtype="fp8", engine.kernels.kv_fp8): half the KV bytes a step reads
+    "paged_128_fp8_kv": dict(mode="paged", continuous_batch_size=128, kv_cache_dtype="fp8"),
     "paged_memory": dict(mode="paged"),  # as many slots as the pool holds
     "aligned_all": dict(mode="bucketed"),  # every row at once
 }
