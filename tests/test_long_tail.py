@@ -147,13 +147,14 @@ def test_bad_settings_are_errors_before_any_work(bad, message, monkeypatch):
 def test_long_tail_defaults_are_run_long_tails_own():
     signature = inspect.signature(run_long_tail).parameters
     assert {k: signature[k].default for k in LONG_TAIL_DEFAULTS} == LONG_TAIL_DEFAULTS
-    # every path runs by default but the bounded admission's, the unfused step's and the whole-model
-    # compile's (their costs are questions of their own)
+    # every path runs by default but the bounded admission's, the unfused step's, the whole-model
+    # compile's and the FP8 pool's (their costs are questions of their own)
     assert set(LONG_TAIL_PATHS) - set(LONG_TAIL_DEFAULTS["paths"]) == {"paged_128_admit_256", "paged_128_unfused",
-                                                                         "paged_128_compile_model"}
+                                                                         "paged_128_compile_model", "paged_128_fp8_kv"}
     assert LONG_TAIL_PATHS["paged_128_admit_256"] == LONG_TAIL_PATHS["paged_128"] | {"admit_tokens_per_step": 256}
     assert LONG_TAIL_PATHS["paged_128_unfused"] == LONG_TAIL_PATHS["paged_128"] | {"fuse_projections": False}
     assert LONG_TAIL_PATHS["paged_128_compile_model"] == LONG_TAIL_PATHS["paged_128"] | {"compile": True}
+    assert LONG_TAIL_PATHS["paged_128_fp8_kv"] == LONG_TAIL_PATHS["paged_128"] | {"kv_cache_dtype": "fp8"}
 
 
 @pytest.mark.slow  # the bench on a tiny model
