@@ -90,8 +90,7 @@ if triton is not None:
     def _paged_blocks(
         q, k_head, v_head, table, stride_kb, stride_vb, stride_tn, lo, hi, end, scale,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-        NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
-        ks_head=None, vs_head=None, stride_sb=0, FP8: tl.constexpr = False,
+        NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr, ks_head, vs_head, stride_sb, FP8: tl.constexpr,
     ):
         """The online softmax of one row's ``q`` (its ``GROUP_PAD`` query heads of one KV head) over its
         table's blocks ``[lo, hi)`` whose logical positions are ``< end``: (max, sum, unnormalised
