@@ -44,6 +44,7 @@ from rollout_lab.measure.paths import DECODE_VARIANTS, LEVER_VARIANTS, release_m
 from rollout_lab.measure.records import read_record, shape_settings
 from rollout_lab.measure.workloads import lengths_to_prompts, uniform_workload
 from rollout_lab.planner.checks import is_int
+from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 CACHES = ("aligned", "paged")  # the KV cache the decode step reads: the aligned one, or the paged route's
 # run_logits_check's settings and their defaults (its signature's)
@@ -253,8 +254,6 @@ def kv_dtype_or_load(
     logits records and RL throughput records, ``bench logits`` and ``bench rl --paths ours_paged
     ours_fp8_kv``), else []. Giving both is an error; so are bad settings, a record in the way and a
     file of another kind, all raised before the model is built."""
-    from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
-
     if fp8_kv_shape is not None and fp8_kv_results_files is not None:
         raise ValueError("give fp8_kv_shape (measure) or fp8_kv_results_files (render), not both")
     if fp8_kv_shape is None:

@@ -43,6 +43,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 from rollout_lab.engine.kernels.attention import INVARIANT_NAME, POOL_LAYOUTS, decode_layout
 from rollout_lab.engine.kernels.available import kernel_available
@@ -75,30 +79,13 @@ UNCOVERED = {"baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr", "_addmm_
 _active = False
 
 
-def _rms_norm_classes() -> tuple[type, ...]:
-    """The RMSNorm modules whose forward is ``invariant.rms_norm_reference``: x * rsqrt(mean(x^2) + eps)
-    in fp32, rounded to x's dtype, times the weight (Gemma's 1 + weight is not among them)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-    return LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm
-
-
-RMS_NORMS = _rms_norm_classes()
-
-
-def _rope_modules() -> tuple:
-    """The modeling modules whose attention calls their global ``apply_rotary_pos_emb`` (HF's: q * cos
-    + rotate_half(q) * sin, ``invariant.rope_reference``)."""
-    from transformers.models.llama import modeling_llama
-    from transformers.models.mistral import modeling_mistral
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.models.qwen3 import modeling_qwen3
-    return modeling_llama, modeling_mistral, modeling_qwen2, modeling_qwen3
-
-
-ROPE_MODULES = _rope_modules()
+# The modeling modules whose attention calls their global ``apply_rotary_pos_emb`` (HF's: q * cos +
+# rotate_half(q) * sin, ``invariant.rope_reference``), and their RMSNorm modules, whose forward is
+# ``invariant.rms_norm_reference`` (x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, times the
+# weight; Gemma's 1 + weight is not among them)
+ROPE_MODULES = (modeling_llama, modeling_mistral, modeling_qwen2, modeling_qwen3)
+RMS_NORMS = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
+             modeling_qwen3.Qwen3RMSNorm)
 
 
 def _rope_function(original):
