@@ -2,13 +2,29 @@
 ``one_fast``, which keeps one case of a costly parametrized test in make test-fast."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import GenerationConfig
 
 from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_interpreted(script: str) -> str:
+    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (read when Triton kernels are
+    defined, so a CPU test of a kernel runs in its own process), the repository and tests/ on its
+    path; its stdout (it must exit 0)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
 

@@ -8,14 +8,13 @@ end-to-end check runs in a subprocess there; on a CUDA machine it runs on the GP
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen2 import modeling_qwen2
 
+from conftest import run_interpreted
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.kernels.batch_invariant import (
     RMS_NORMS, InvariantOps, batch_invariant, check_invariant_model, key_starts, suspended,
@@ -28,7 +27,6 @@ from rollout_lab.engine.trainer import sequence_logprobs
 from rollout_lab.measure.models import tiny_model
 from rollout_lab.measure.trainer_loop import check_trainer_loop_settings, TRAINER_LOOP_DEFAULTS
 
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -49,7 +47,6 @@ def check_invariant_rollout(device: str, dtype: torch.dtype, slot_counts=(6, 2))
     assert all(r.route == "paged" for r in results)
     norms = [m for m in model.modules() if isinstance(m, RMS_NORMS)]
     assert len(norms) == 2 * model.config.num_hidden_layers + 1
-    from transformers.models.qwen2 import modeling_qwen2
     plain_rope = modeling_qwen2.apply_rotary_pos_emb
     with batch_invariant(model):  # each norm and rotary embedding one kernel inside, the model's own after
         assert all("forward" in vars(m) for m in norms)
@@ -82,10 +79,7 @@ def test_rollout_and_trainer_agree_bit_for_bit_in_the_interpreter():
     pytest.importorskip("triton")
     script = ("import torch; from test_batch_invariant import check_invariant_rollout; "
               "print(check_invariant_rollout('cpu', torch.float32))")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "{1: 0.0, 4: 0.0, 6: 0.0}" in done.stdout
+    assert "{1: 0.0, 4: 0.0, 6: 0.0}" in run_interpreted(script)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,22 +7,18 @@ on the GPU in bf16 and fp32. The input checks run in process (they raise before 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_interpreted
 from rollout_lab.engine.kernels.invariant import (
     INVARIANT_BLOCK_N, invariant_attention, invariant_bmm, invariant_matmul, invariant_paged_attention,
     invariant_rms_norm, invariant_rope, invariant_row_mean, matmul_splits, rms_norm_reference, rope_reference,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 try:
     import triton  # noqa: F401
     HAS_TRITON = True
@@ -265,14 +261,6 @@ def check_backward(device: str) -> None:
     torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=1e-5)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-
-
-def run_interpreted(script: str) -> str:
-    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1``; its stdout (it must exit 0)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 # a CPU test: on a CUDA machine the compiled kernels are checked instead

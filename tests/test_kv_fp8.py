@@ -5,15 +5,11 @@ machinery with a tight pool, samples and the prefix cache) and their logprob mis
 it refuses. The Triton kernels run under the interpreter in a subprocess and on CUDA when present."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import get_tiny
+from conftest import get_tiny, run_interpreted
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.kernels import kv_fp8
@@ -27,7 +23,6 @@ from rollout_lab.engine.trainer import sequence_logprobs
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from test_partial_rollouts import BUDGET, PAGED, SAMPLED, TIGHT, continued, eos_of, make_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
 try:
     import triton  # noqa: F401
     HAS_TRITON = True
@@ -133,10 +128,7 @@ def test_the_paged_kernel_reads_fp8_pools_in_the_interpreter():
         check_fp8_attention("cpu")
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "ok" in done.stdout
+    assert "ok" in run_interpreted(script)
 
 
 def check_write_kernel_addressing() -> None:
@@ -174,10 +166,7 @@ def test_the_write_kernel_addresses_blocks_rows_and_scales_in_the_interpreter():
         check_write_kernel_addressing()
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "ok" in done.stdout
+    assert "ok" in run_interpreted(script)
 
 
 @on_cuda

@@ -6,20 +6,16 @@ the kernels are defined), as in test_span_attention.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_interpreted
 from rollout_lab.engine.kernels.paged import (
     OP_NAME, paged_attention, paged_attention_reference, paged_splits,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 try:
     import triton  # noqa: F401
     HAS_TRITON = True
@@ -138,14 +134,6 @@ def test_splits_fill_the_device_and_fit_the_table():
     assert paged_splits(1, 1, 3, "cpu") == 3  # no more splits than blocks
     assert paged_splits(1, 1, 100, "cpu") == 32  # capped
     assert paged_splits(64, 8, 100, "cpu") == 1  # enough programs already
-
-
-def run_interpreted(script: str) -> str:
-    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1``; its stdout (it must exit 0)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 def check_kernel(cases, device):
