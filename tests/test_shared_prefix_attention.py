@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 import torch
-from test_paged_attention import HAS_TRITON, dense_attention, run_interpreted
+from conftest import run_interpreted
+from test_paged_attention import HAS_TRITON, dense_attention
 
 from rollout_lab.engine.kernels.attention import DECODE_KERNELS, decode_layout, gqa_decode_attention
 from rollout_lab.engine.kernels.paged import paged_attention_reference

@@ -8,14 +8,11 @@ under ``TRITON_INTERPRET=1``, in a subprocess (the flag is read when the kernels
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import get_tiny, one_fast
+from conftest import run_interpreted, get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.kernels.attention import gqa_decode_attention
@@ -24,7 +21,6 @@ from rollout_lab.engine.runner.steppers import resolve_compile, resolve_spans
 from rollout_lab.measure.models import TINY_FAMILIES, TINY_VOCAB_SIZE
 from rollout_lab.planner.cost import CostCoefficients
 
-ROOT = Path(__file__).resolve().parents[1]
 SPLIT_COSTS = CostCoefficients(prefill_fixed_cost_ms=0.05, continuous_decode_cost_ms=0.0)
 try:
     import triton  # noqa: F401
@@ -133,14 +129,6 @@ def test_span_engine_with_chunked_prompts(oracle):
     result = Rollout(model, config).generate(prompts, max_new_tokens=5)
     assert sum(len(t) for plan in result.plans for _, t in plan.chunks) > 0
     assert result.sequences == oracle(model, prompts, max_new_tokens=5)
-
-
-def run_interpreted(script: str) -> str:
-    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1``; its stdout (it must exit 0)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 INTERPRETED = textwrap.dedent("""

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import get_tiny, one_fast
+from conftest import run_interpreted, get_tiny, one_fast
 
 from rollout_lab import Rollout, RolloutConfig
 from rollout_lab.engine.trainer import (clipped_policy_loss, eval_mode, group_advantages, padded_batch, policy_gradient_loss,
                                         rollout_logprobs, sequence_logprobs, token_logprobs)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = [[5, 9, 2, 4], [7], [3, 3, 8], [11, 2, 6, 6, 1], [4, 4]]
 BUDGETS = [5, 2, 7, 3, 4]
@@ -287,9 +282,7 @@ KERNEL_CHECK = textwrap.dedent("""
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
                     reason="needs Triton (make test installs it) on a machine without CUDA")
 def test_the_logprob_kernel_matches_torch_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "logprob kernel ok" in done.stdout, done.stderr[-3000:]
+    assert "logprob kernel ok" in run_interpreted(KERNEL_CHECK)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
