@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
-from rollout_lab.engine.kernels.paged import BLOCK_SIZES
+from rollout_lab.engine.kernels.paged import BLOCK_SIZES, check_block_tables
 
 INVARIANT_BLOCK_N = 16  # keys per attention step; divides every paged block size (16..128)
 BLOCK_ROWS = 16  # query rows of an attention tile: prefill positions of one head, or a GQA group's heads
@@ -658,12 +658,7 @@ def _check_paged(query, key_pool, value_pool, block_tables, positions) -> None:
     _check_dtype("query", query)
     _check_dtype("key_pool", key_pool, query.dtype)
     _check_dtype("value_pool", value_pool, query.dtype)
-    if block_tables.dim() != 2 or block_tables.dtype.is_floating_point or block_tables.dtype == torch.bool:
-        raise ValueError(f"block_tables must be an integer [rows, max_blocks] tensor, got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
-    if block_tables.shape[0] < rows or block_tables.shape[1] < 1:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows of {block_tables.shape[1]} blocks "
-                         f"for {rows} rows")
+    check_block_tables(block_tables, rows)
     if positions.dim() != 1 or positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer [>= {rows}] tensor, got {positions.dtype} "
                          f"{tuple(positions.shape)}")

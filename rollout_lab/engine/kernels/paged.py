@@ -167,6 +167,17 @@ if triton is not None:
                      GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
 
 
+def check_block_tables(block_tables: torch.Tensor, rows: int) -> None:
+    """ValueError unless ``block_tables`` is an integer [>= rows, >= 1] tensor: the block table every
+    paged decode kernel (this one, ``invariant_paged_attention``) reads."""
+    if block_tables.dim() != 2 or block_tables.dtype.is_floating_point or block_tables.dtype == torch.bool:
+        raise ValueError(f"block_tables must be an integer [rows, max_blocks] tensor, got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.shape[0] < rows or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows of {block_tables.shape[1]} blocks "
+                         f"for {rows} rows")
+
+
 def _check(
     query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables: torch.Tensor,
     positions: torch.Tensor,
@@ -185,12 +196,7 @@ def _check(
         raise ValueError(f"the paged kernel needs a power-of-two head_dim >= 16, got {head_dim}")
     if key_pool.shape[1] not in BLOCK_SIZES:
         raise ValueError(f"the paged kernel needs a block size in {BLOCK_SIZES}, got {key_pool.shape[1]}")
-    if block_tables.dim() != 2 or block_tables.dtype.is_floating_point or block_tables.dtype == torch.bool:
-        raise ValueError(f"block_tables must be an integer [rows, max_blocks] tensor, got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
-    if block_tables.shape[0] < rows or block_tables.shape[1] < 1:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows of {block_tables.shape[1]} blocks "
-                         f"for {rows} rows")
+    check_block_tables(block_tables, rows)
     if positions.dim() != 1 or positions.shape[0] < rows:
         raise ValueError(f"positions has {positions.shape[0] if positions.dim() else 0} entries for {rows} rows")
 
