@@ -427,6 +427,21 @@ def invariant_row_mean(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], 1)
 
 
+def _reference_grads(reference, tensors, needs_input_grad, grad_outputs, *constants) -> tuple:
+    """The backward of a kernel whose forward is ``reference(*tensors, *constants)`` (one output or a
+    tuple): the reference recomputed under autograd, and the gradient of each of ``tensors`` that
+    needs one (None for the others). An output whose gradient is None (a dropped one) takes no part."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs_input_grad)]
+    with torch.enable_grad():
+        outs = reference(*inputs, *constants)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(out, grad) for out, grad in zip(outs, grad_outputs) if grad is not None]
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                     allow_unused=len(pairs) < len(outs)) if wanted and pairs else ())
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's and Qwen's RMSNorm in torch (autograd through it): the backward of ``invariant_rms_norm``."""
     y = x.float()
@@ -451,13 +466,8 @@ class _InvariantRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((x, weight), ctx.needs_input_grad[:2])]
-        with torch.enable_grad():
-            out = rms_norm_reference(*inputs, ctx.eps)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None)
+        return (*_reference_grads(rms_norm_reference, ctx.saved_tensors, ctx.needs_input_grad, (grad_out,), ctx.eps),
+                None)
 
 
 def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -511,15 +521,7 @@ class _InvariantRope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        saved = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad)]
-        with torch.enable_grad():
-            outs = rope_reference(*inputs)
-        wanted = [t for t in inputs if t.requires_grad]
-        pairs = [(o, g) for o, g in zip(outs, (grad_q, grad_k)) if g is not None]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                     if wanted and pairs else ())
-        return tuple(next(grads) if t.requires_grad else None for t in inputs)
+        return _reference_grads(rope_reference, ctx.saved_tensors, ctx.needs_input_grad, (grad_q, grad_k))
 
 
 def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -621,12 +623,8 @@ class _InvariantAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, starts = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad[:3])]
-        with torch.enable_grad():
-            out = attention_reference(*inputs, starts, ctx.scale)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+        return (*_reference_grads(attention_reference, (query, key, value), ctx.needs_input_grad, (grad_out,), starts,
+                                  ctx.scale), None, None)
 
 
 def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
