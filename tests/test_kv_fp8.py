@@ -21,6 +21,7 @@ from rollout_lab.engine.runner.prefill import cache_kwarg_name, prefill_bucket
 from rollout_lab.engine.runner.steppers import EagerStepper, StepperKey
 from rollout_lab.engine.trainer import sequence_logprobs
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
+from rollout_lab.planner.cost import ModelGeometry
 from test_partial_rollouts import BUDGET, PAGED, SAMPLED, TIGHT, continued, eos_of, make_prompts
 
 try:
@@ -57,7 +58,8 @@ def test_the_block_size_reads_back_from_the_pool(head_dim):
         values[1, 2, 1] = torch.ones(head_dim).to(kv_fp8.FP8_DTYPE)
         scales[2, block_size - 1, 1] = 2.5
         assert int(pool.count_nonzero()) == head_dim + 2  # the views write the pool: 2.5 is two non-zero bytes
-        assert kv_fp8.token_bytes(block_size, 2, head_dim) == pool[0].numel() / block_size
+        geometry = ModelGeometry(3, 4, 2, head_dim, 2)  # 3 layers of 2 KV heads; the pools' bytes, keys and values
+        assert kv_fp8.kv_bytes_per_token(geometry, block_size) == 2 * 3 * pool[0].numel() / block_size
 
 
 def test_a_pool_that_is_no_fp8_layout_is_named():

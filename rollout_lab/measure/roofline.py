@@ -171,8 +171,7 @@ def _stored_kv_fractions(record: Mapping[str, Any], model: RooflineModel) -> dic
         if not isinstance(res, Mapping) or (res.get("settings") or {}).get("kv_cache_dtype") != "fp8":
             continue
         block = (res.get("profile") or {}).get("kv_block_size") or 64
-        stored = 2 * g.num_layers * kv_fp8.token_bytes(int(block), g.num_kv_heads, g.head_dim)
-        out[path] = stored / g.kv_bytes_per_token
+        out[path] = kv_fp8.kv_bytes_per_token(g, int(block)) / g.kv_bytes_per_token
     return out
 
 

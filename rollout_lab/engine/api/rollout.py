@@ -695,8 +695,7 @@ class Rollout:
         ``kv_bytes_per_token``, or with ``kv_cache_dtype="fp8"`` its e4m3 bytes and scales (rounded up)."""
         if self.config.kv_cache_dtype != "fp8":
             return self.geometry.kv_bytes_per_token
-        g = self.geometry
-        return math.ceil(2 * g.num_layers * kv_fp8.token_bytes(self.config.kv_block_size, g.num_kv_heads, g.head_dim))
+        return math.ceil(kv_fp8.kv_bytes_per_token(self.geometry, self.config.kv_block_size))
 
     def shared_prefix_groups(self, lengths: Sequence[int], groups: Sequence[int], num_slots: int,
                              max_blocks_per_row: int) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from rollout_lab.engine.kernels.available import kernel_available, tl, triton
+from rollout_lab.planner.cost import ModelGeometry
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -43,15 +44,18 @@ def scale_rows(block_size: int, head_dim: int) -> int:
 
 def pool_block_size(rows: int, head_dim: int) -> int:
     """The block size of an FP8 pool whose blocks have ``rows`` rows (``block_size + scale_rows``)."""
-    for block_size in range(1, rows + 1):
-        if block_size + scale_rows(block_size, head_dim) == rows:
+    guess = rows * head_dim // (head_dim + SCALE_BYTES)  # rows ~ block_size * (1 + 4 / head_dim)
+    for block_size in (guess - 1, guess, guess + 1):  # asked at every decode step's write and read: no search
+        if block_size >= 1 and block_size + scale_rows(block_size, head_dim) == rows:
             return block_size
     raise ValueError(f"{rows} rows per block is no FP8 pool's block (block_size + scale_rows) for head_dim {head_dim}")
 
 
-def token_bytes(block_size: int, kv_heads: int, head_dim: int) -> float:
-    """Bytes of one token's key or value in one layer, its share of the scale rows included."""
-    return (block_size + scale_rows(block_size, head_dim)) * kv_heads * head_dim / block_size
+def kv_bytes_per_token(geometry: ModelGeometry, block_size: int) -> float:
+    """Bytes of one token's keys and values over all layers in FP8 pools of ``block_size``, its share
+    of the scale rows included (``ModelGeometry.kv_bytes_per_token``'s FP8 counterpart)."""
+    rows = block_size + scale_rows(block_size, geometry.head_dim)
+    return 2 * geometry.num_layers * rows * geometry.num_kv_heads * geometry.head_dim / block_size
 
 
 def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device) -> torch.Tensor:
@@ -101,8 +105,7 @@ def paged_write_fp8(key_pool: torch.Tensor, value_pool: torch.Tensor, keys: torc
     rows = keys.shape[0]
     if not rows:
         return
-    pool_values, pool_scales = split(key_pool)
-    block_size = pool_values.shape[1]
+    block_size = pool_block_size(key_pool.shape[1], key_pool.shape[3])
     if keys.device.type == "cuda" and kernel_available(keys.device) and keys.stride(2) == 1 \
             and values.stride(2) == 1:
         kv_heads, head_dim = keys.shape[1], keys.shape[2]

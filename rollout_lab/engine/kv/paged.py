@@ -407,6 +407,7 @@ class PagedKVCache:
 
         self.keys = [pool() for _ in range(num_layers)]
         self.values = [pool() for _ in range(num_layers)]
+        self.num_bytes = sum(p.numel() * p.element_size() for p in (*self.keys, *self.values))  # the pools, fixed
         self.block_tables = torch.full((num_slots, max_blocks_per_row), SCRATCH_BLOCK, dtype=torch.int32,
                                        device=device)  # [slots, max_blocks]
         self.slot_mapping = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
@@ -444,9 +445,6 @@ class PagedKVCache:
         """Bytes of one token's KV over all layers, keys and values (FP8: its share of the scales too)."""
         return self.num_bytes / (self.num_blocks * self.block_size)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(pool.numel() * pool.element_size() for pool in (*self.keys, *self.values))
 
     def hf_cache(self, num_rows: int) -> Cache:
         """A transformers Cache whose layers write the first ``num_rows`` slots' tokens; memoised."""
@@ -509,8 +507,8 @@ class PagedKVCache:
     def gather(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The KV of ``blocks``, in order, per layer ``[1, kv_heads, len(blocks) * block_size, head_dim]``
         (a copy: the prefix a prefill extends, ``sched.aligned.extend_prefill``)."""
-        bs = self.block_size
-        index = device_tensor([b * bs + t for b in blocks for t in range(bs)], torch.long, self.block_tables.device)
+        first = device_tensor(list(blocks), torch.long, self.block_tables.device) * self.block_size  # [blocks]
+        index = (first[:, None] + torch.arange(self.block_size, device=first.device)).flatten()  # their tokens
         return [tuple(self._read(pool, index).transpose(0, 1)[None] for pool in pair)
                 for pair in zip(self.keys, self.values)]
 
