@@ -11,7 +11,9 @@ from conftest import get_tiny
 from rollout_lab import RolloutConfig
 from rollout_lab.cli.main import main
 from rollout_lab.engine.kernels import span as span_module
-from rollout_lab.measure.fidelity import LOGITS_DEFAULTS, run_logits_check, teacher_forced_check
+from rollout_lab.measure.fidelity import (
+    LOGITS_DEFAULTS, kv_dtype_or_load, kv_dtype_rows, run_logits_check, teacher_forced_check,
+)
 from rollout_lab.measure.models import TINY_VOCAB_SIZE
 from rollout_lab.workspace import check_record_pair
 
@@ -78,6 +80,16 @@ def test_bench_logits_measures_what_an_fp8_pool_moves(tmp_path):
     assert exact["stepper"]["paged"] and fp8["stepper"]["paged"]  # the variants set the route themselves
     assert (exact["stepper"]["kv_dtype"], fp8["stepper"]["kv_dtype"]) == ("auto", "fp8")
     assert exact["max_logprob_error"] < 1e-4 < fp8["mean_logprob_error"] <= fp8["max_logprob_error"] < 2.0
+    # notebook 03 renders it (fp8_kv_results_files): a row per variant with its KV dtype; another kind is refused
+    runs = kv_dtype_or_load(fp8_kv_shape=None, fp8_kv_results_files=str(tmp_path / "fp8.json"), model="tiny-qwen3",
+                            dtype="float32", device="cpu")
+    rows = {r["variant"]: r for r in kv_dtype_rows(runs)}
+    assert (rows["ours_paged"]["kv_dtype"], rows["ours_fp8_kv"]["kv_dtype"]) == ("auto", "fp8")
+    assert rows["ours_fp8_kv"]["mean_logprob_error"] == fp8["mean_logprob_error"]
+    (tmp_path / "other.json").write_text(json.dumps({"kind": "grpo"}))
+    with pytest.raises(ValueError, match="is not a teacher_forced_logits or rl_throughput record"):
+        kv_dtype_or_load(fp8_kv_shape=None, fp8_kv_results_files=[str(tmp_path / "other.json")], model="tiny-qwen3",
+                         dtype="float32", device="cpu")
 
 
 def test_logits_defaults_are_run_logits_checks_own():

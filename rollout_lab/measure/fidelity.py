@@ -258,7 +258,8 @@ def kv_dtype_or_load(
         raise ValueError("give fp8_kv_shape (measure) or fp8_kv_results_files (render), not both")
     if fp8_kv_shape is None:
         files = [fp8_kv_results_files] if isinstance(fp8_kv_results_files, (str, Path)) else fp8_kv_results_files
-        return [(str(f), _kv_dtype_record(Path(f))) for f in files or []]
+        # bench logits (--variants ours_paged ours_fp8_kv) and bench rl (--paths ours_paged ours_fp8_kv) records
+        return [(str(f), read_record(Path(f), ("teacher_forced_logits", "rl_throughput"))) for f in files or []]
     shape = shape_settings("fp8_kv_shape", fp8_kv_shape, KV_DTYPE_DEFAULTS)
     config, name = model_config(model)
     check_logits_settings(**shape, variants=KV_DTYPE_VARIANTS, cache="paged",
@@ -271,16 +272,6 @@ def kv_dtype_or_load(
     del net
     release_memory(torch.device(device))
     return [(str(out[0]), record)]
-
-
-def _kv_dtype_record(path: Path) -> dict[str, Any]:
-    for kind in ("teacher_forced_logits", "rl_throughput"):
-        try:
-            return read_record(path, kind)
-        except ValueError:
-            continue
-    raise ValueError(f"{str(path)!r} is neither a teacher_forced_logits record (rollout-lab bench logits) nor an "
-                     "rl_throughput one (rollout-lab bench rl): fp8_kv_results_files takes those")
 
 
 def kv_dtype_rows(records: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:

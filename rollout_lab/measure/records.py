@@ -216,11 +216,14 @@ def load_record(path: Path, kind: str) -> dict[str, Any]:
     return record
 
 
-def read_record(path: Path, kind: str) -> dict[str, Any]:
-    """A record of ``kind`` read from its JSON ``path`` alone (its CSV twin is not looked at)."""
+def read_record(path: Path, kind: str | tuple[str, ...]) -> dict[str, Any]:
+    """A record of ``kind`` (or of one of several kinds) read from its JSON ``path`` alone (its CSV
+    twin is not looked at)."""
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
     record = read_json_file(path, what="results file", max_bytes=MAX_RECORD_BYTES)
-    if not isinstance(record, dict) or record.get("kind") != kind:
-        raise ValueError(f"{str(path)!r} is not a {kind} record (kind != {kind!r})")
+    if not isinstance(record, dict) or record.get("kind") not in kinds:
+        raise ValueError(f"{str(path)!r} is not a {' or '.join(kinds)} record (kind not in {list(kinds)})"
+                         if len(kinds) > 1 else f"{str(path)!r} is not a {kind} record (kind != {kind!r})")
     return record
 
 
