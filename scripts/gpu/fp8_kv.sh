@@ -7,6 +7,7 @@
 #   trace    the nano shape's paged step kernel by kernel, bf16 pool then FP8 (trace_step.py --kv-cache-dtype)
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/fp8_kv.sh logits nano     # CPU, ~1 min
 #   OUT=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/fp8_kv.sh tests logits nano
+# NANO_PATHS replaces the nano step's paths (in order: put the one a short DEADLINE must not cut first).
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions
 if [ -n "${TINY:-}" ]; then
   LOGITS="--tiny qwen3 --num-seqs 4 --min-len 4 --max-len 20 --steps 6"
@@ -25,7 +26,7 @@ for what in "$@"; do
   case $what in
     tests) step 240 $PY -m pytest -q -x tests/test_kv_fp8.py tests/test_paged_attention.py -k cuda ;;
     logits) step 240 $BENCH logits $LOGITS --variants ours_paged ours_fp8_kv --out "$OUT"/logits_fp8_kv ;;
-    nano) step 420 $BENCH rl $NANO --paths ours ours_paged ours_fp8_kv --out "$OUT"/rl_nano_fp8_kv ;;
+    nano) step 420 $BENCH rl $NANO --paths ${NANO_PATHS:-ours ours_paged ours_fp8_kv} --out "$OUT"/rl_nano_fp8_kv ;;
     tail) step 420 $BENCH long-tail $TAIL --paths paged_128 paged_128_fp8_kv --out "$OUT"/long_tail_fp8_kv ;;
     trace) step 200 $PY scripts/gpu/trace_step.py $TRACE --out "$OUT"/trace_nano_paged.txt
            step 200 $PY scripts/gpu/trace_step.py $TRACE --kv-cache-dtype fp8 --out "$OUT"/trace_nano_fp8.txt ;;
