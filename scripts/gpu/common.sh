@@ -21,7 +21,13 @@ capped() {  # capped LIMIT WHAT: LIMIT cut to what DEADLINE leaves (on stdout); 
   echo "$limit"; }
 step() { local limit; STEP_N=$((STEP_N + 1)); limit=$(capped "$1" "${*:2}") || return 0; shift
   echo "== $* ($(date +%T), limit ${limit} s)"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/log_$(basename "$0" .sh)_$STEP_N.txt" | tail -n 30; echo "== rc ${PIPESTATUS[0]}"; }
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/log_$(basename "$0" .sh)_$STEP_N.txt" | tail -n 30; echo "== rc ${PIPESTATUS[0]}"
+  pack; }
+# PACK_TO=<folder> (the device tool's $OUT, with OUT a scratch folder): after every step, all of OUT as
+# one PACK_TO/<script>.tgz, replaced whole (written beside, then renamed). The tool brings back 8 files,
+# and a call the device's budget cuts runs no exit trap: each finished step's records still come back.
+pack() { [ -z "${PACK_TO:-}" ] && return 0; local name; name=$(basename "$0" .sh)
+  tar czf "$PACK_TO/$name.tgz.part" -C "$OUT" . && mv "$PACK_TO/$name.tgz.part" "$PACK_TO/$name.tgz"; }
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/rollout_lab_inductor}
 if [ -n "${INDUCTOR_CACHE:-}" ]; then
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat "$INDUCTOR_CACHE"/inductor.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR" \
