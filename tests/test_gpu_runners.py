@@ -23,16 +23,19 @@ def _run(script: str, *steps: str, out, pack_to=None, deadline=None) -> subproce
                           capture_output=True, text=True, timeout=600)
 
 
-def test_decode_floor_small_step_packs_its_record(tmp_path):
+def test_decode_floor_steps_pack_their_records(tmp_path):
     out, back = tmp_path / "scratch", tmp_path / "back"
     back.mkdir()
-    done = _run("decode_floor.sh", "small", out=out, pack_to=back)
+    done = _run("decode_floor.sh", "small", "trace", out=out, pack_to=back)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "== rc 0" in done.stdout, done.stdout[-2000:]
+    assert done.stdout.count("== rc 0") == 2, done.stdout[-2000:]
     assert sorted(p.name for p in back.iterdir()) == ["decode_floor.tgz"]  # the part file was renamed
     with tarfile.open(back / "decode_floor.tgz") as archive:
         names = {os.path.basename(n) for n in archive.getnames()}
-        assert {"decode_step_05b_small.json", "decode_step_05b_small.csv", "log_decode_floor_1.txt"} <= names
+        assert {"decode_step_05b_small.json", "decode_step_05b_small.csv", "log_decode_floor_1.txt",
+                "trace_small_batch.txt"} <= names
+        trace = archive.extractfile(next(m for m in archive.getmembers() if m.name.endswith("trace_small_batch.txt")))
+        assert "per layer and step (2 layers" in trace.read().decode()  # trace_step.py's launch count
         member = next(m for m in archive.getmembers() if m.name.endswith("decode_step_05b_small.json"))
         record = json.load(archive.extractfile(member))
     assert {case: sorted(variants) for case, variants in record["cases"].items()} == {

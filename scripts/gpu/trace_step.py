@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         wall_ms = (time.perf_counter() - started) * 1e3
     events = trace.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.count for e in events if e.device_type.name == "CUDA")  # graph replays' kernels included
+    steps = max(prof_result.num_decode_forwards, 1)
+    layers = cfg.num_hidden_layers
     lines = [
         f"{name} {dtype} {device} {args.workload} mode={args.mode} slots={slots} prompts={args.num_prompts} "
         f"max_new={args.max_new_tokens} logprobs={call.get('logprobs_mode')} fused={rollout.runner.fused} "
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "planning_ms", "stepper_build_ms")),
         f"decode steps {prof_result.num_decode_forwards}, live rows per step {prof_result.live_rows_per_step:.1f}, "
         f"prefill forwards {prof_result.num_prefill_forwards}, backend {prof_result.prefill_backend}",
+        f"kernel launches {launches}: {launches / steps:.0f} per decode step, {launches / steps / layers:.1f} per "
+        f"layer and step ({layers} layers; the prefill forwards' launches counted in)",
         "", "== by device time ==",
         events.table(sort_by="self_cuda_time_total" if device == "cuda" else "self_cpu_time_total",
                      row_limit=args.top, max_name_column_width=70),
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print("\n".join(lines[:5]), file=sys.stderr)
+    print("\n".join(lines[:6]), file=sys.stderr)
     return 0
 
 
