@@ -59,3 +59,14 @@ def test_a_step_the_deadline_cannot_fit_is_skipped_and_said(tmp_path):
     assert "== skipped, " in done.stderr and "DEADLINE=30" in done.stderr
     assert not (out / "decode_step_05b_small.json").exists()
     assert not list(back.iterdir())  # a skipped step packs nothing
+
+
+def test_pack_to_must_be_a_folder_other_than_out(tmp_path):
+    out = tmp_path / "scratch"
+    done = _run("decode_floor.sh", "small", out=out, pack_to=out)
+    assert done.returncode == 2
+    assert f"PACK_TO and OUT are both {out}" in done.stdout
+    done = _run("decode_floor.sh", "small", out=out, pack_to=tmp_path / "missing")
+    assert done.returncode == 2
+    assert "is not a folder" in done.stdout
+    assert not (out / "decode_step_05b_small.json").exists()  # refused before any step

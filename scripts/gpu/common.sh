@@ -26,6 +26,11 @@ step() { local limit; STEP_N=$((STEP_N + 1)); limit=$(capped "$1" "${*:2}") || r
 # PACK_TO=<folder> (the device tool's $OUT, with OUT a scratch folder): after every step, all of OUT as
 # one PACK_TO/<script>.tgz, replaced whole (written beside, then renamed). The tool brings back 8 files,
 # and a call the device's budget cuts runs no exit trap: each finished step's records still come back.
+if [ -n "${PACK_TO:-}" ]; then  # an archive of OUT inside OUT would pack itself
+  [ -d "$PACK_TO" ] || { echo "PACK_TO=$PACK_TO is not a folder: give the device tool's \$OUT"; exit 2; }
+  [ "$(cd "$PACK_TO" && pwd -P)" != "$(cd "$OUT" && pwd -P)" ] \
+    || { echo "PACK_TO and OUT are both $OUT: OUT must be a scratch folder of its own (OUT=/tmp/o PACK_TO=\$OUT)"; exit 2; }
+fi
 pack() { [ -z "${PACK_TO:-}" ] && return 0; local name; name=$(basename "$0" .sh)
   tar czf "$PACK_TO/$name.tgz.part" -C "$OUT" . && mv "$PACK_TO/$name.tgz.part" "$PACK_TO/$name.tgz"; }
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/rollout_lab_inductor}
