@@ -70,3 +70,21 @@ def test_pack_to_must_be_a_folder_other_than_out(tmp_path):
     assert done.returncode == 2
     assert "is not a folder" in done.stdout
     assert not (out / "decode_step_05b_small.json").exists()  # refused before any step
+
+
+def test_the_documented_order_of_pack_to_and_out(tmp_path):
+    """README's ``PACK_TO=$OUT OUT=/tmp/o``: PACK_TO takes the tool's OUT; the other order gives both
+    the scratch folder, which is refused."""
+    back, scratch = tmp_path / "back", tmp_path / "scratch"
+    back.mkdir()
+    script = ROOT / "scripts" / "gpu" / "decode_floor.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("PACK_TO", "DEADLINE")}
+    env.update(OUT=str(back), TINY="1", PY=sys.executable)
+
+    def run(line: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    wrong = run(f'OUT={scratch} PACK_TO=$OUT bash {script} nonsense')
+    assert wrong.returncode == 2 and "PACK_TO and OUT are both" in wrong.stdout
+    right = run(f'PACK_TO=$OUT OUT={scratch} bash {script} nonsense')
+    assert right.returncode == 2 and "unknown step nonsense" in right.stdout  # past the check

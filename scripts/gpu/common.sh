@@ -29,7 +29,7 @@ step() { local limit; STEP_N=$((STEP_N + 1)); limit=$(capped "$1" "${*:2}") || r
 if [ -n "${PACK_TO:-}" ]; then  # an archive of OUT inside OUT would pack itself
   [ -d "$PACK_TO" ] || { echo "PACK_TO=$PACK_TO is not a folder: give the device tool's \$OUT"; exit 2; }
   [ "$(cd "$PACK_TO" && pwd -P)" != "$(cd "$OUT" && pwd -P)" ] \
-    || { echo "PACK_TO and OUT are both $OUT: OUT must be a scratch folder of its own (OUT=/tmp/o PACK_TO=\$OUT)"; exit 2; }
+    || { echo "PACK_TO and OUT are both $OUT: OUT must be a scratch folder of its own (PACK_TO=\$OUT OUT=/tmp/o, in that order: assignments expand left to right)"; exit 2; }
 fi
 pack() { [ -z "${PACK_TO:-}" ] && return 0; local name; name=$(basename "$0" .sh)
   tar czf "$PACK_TO/$name.tgz.part" -C "$OUT" . && mv "$PACK_TO/$name.tgz.part" "$PACK_TO/$name.tgz"; }

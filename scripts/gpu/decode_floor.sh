@@ -9,7 +9,7 @@
 #            rollout-lab roofline on its record)
 #   tail     bench long-tail, the EOS long tail at 128 slots (target >= 35k tok/s on the H100)
 #   OUT=/tmp/o TINY=1 bash scripts/gpu/decode_floor.sh small trace      # CPU, under a minute
-#   OUT=/tmp/o PACK_TO=$OUT ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/decode_floor.sh small step3b trace
+#   PACK_TO=$OUT OUT=/tmp/o ROLLOUT_LAB_GIT_SHA=<sha> DEADLINE=570 bash scripts/gpu/decode_floor.sh small step3b trace
 source "$(dirname "$0")/common.sh"  # set -u, OUT, PYTHONPATH, PY, step, versions, pack
 if [ -n "${TINY:-}" ]; then
   SMALL="--tiny qwen2 --cases 1x24 4x24 16x24 --steps 4"
