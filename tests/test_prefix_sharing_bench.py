@@ -12,7 +12,7 @@ from conftest import get_tiny
 
 from rollout_lab.cli.main import main
 from rollout_lab.engine.limits import ModelLimits
-from rollout_lab.measure import prefix_sharing
+from rollout_lab.measure import prefix_sharing, sections
 from rollout_lab.measure.grpo import scaled_prompt_lengths
 from rollout_lab.measure.models import from_preset, model_config
 from rollout_lab.measure.prefix_sharing import (ISSUE_TARGETS, PREFIX_SHARING_DEFAULTS, PREFIX_SHARING_PATHS,
@@ -297,7 +297,7 @@ def test_notebook_03_takes_a_prefix_sharing_shape_or_record():
 
 
 def test_prefix_sharing_or_load_refuses_before_the_model_is_built(tmp_path, monkeypatch):
-    monkeypatch.setattr(prefix_sharing, "load_model", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr(sections, "load_model", lambda *a, **k: pytest.fail("built a model"))
     kwargs = dict(model="tiny-qwen2", dtype="float32", device="cpu", output_dir=tmp_path)
     assert prefix_sharing_or_load(prefix_sharing_shape=None, prefix_sharing_results_file=None, **kwargs) is None
     with pytest.raises(ValueError, match="not both"):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -42,14 +41,13 @@ from rollout_lab.engine.api.config import RolloutConfig
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import ModelLimits, rows_at_once
-from rollout_lab.measure.models import load_model, model_config, special_token_ids
+from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
 from rollout_lab.measure.rl import peak_memory_over
 from rollout_lab.measure.paths import check_timed_calls, release_memory
-from rollout_lab.measure.records import load_record, shape_settings
+from rollout_lab.measure.sections import measure_or_load
 from rollout_lab.measure.workloads import DATASETS, EOS_LONG_TAIL, eos_long_tail, lengths_to_prompts, load_lengths
 from rollout_lab.planner.checks import check_int, is_int
-from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # path name -> engine settings; ``slots`` replaces the continuous_batch_size of the *_128 paths
 LONG_TAIL_PATHS: dict[str, dict[str, Any]] = {
@@ -268,20 +266,16 @@ def long_tail_or_load(
 ) -> tuple[str, dict[str, Any]] | None:
     """(name, record) of the EOS long-tail run notebook 03 shows: ``long_tail_shape`` (``run_long_tail``'s
     settings, ``LONG_TAIL_DEFAULTS`` where it says nothing) measured on ``model`` into
-    ``<workspace>/data/results/long_tail_<model>_<dtype>_<device>`` (written after every path; an existing
-    record there is an error), else the saved record ``long_tail_results_file``, else None. Bad
-    settings and a record in the way are a ValueError raised before the model is built."""
-    if long_tail_shape is None:
-        if long_tail_results_file is None:
-            return None
-        return str(long_tail_results_file), load_record(Path(long_tail_results_file), "eos_long_tail")
-    shape = shape_settings("long_tail_shape", long_tail_shape, LONG_TAIL_DEFAULTS)
-    config, name = model_config(model)
-    check_long_tail_settings(**{k: shape[k] for k in ("num_prompts", "dataset", "hazard", "max_new_tokens", "slots",
-                                                      "seed", "reps", "paths")},
-                             limits=ModelLimits.of_config(config, dtype=dtype, device=device))
-    out = record_paths(Workspace.resolve(output_dir).results / f"long_tail_{run_tag(name, dtype, device)}")
-    net, name = load_model(model, dtype=dtype, device=device)
-    record = run_long_tail(net, model_name=name, dtype=dtype, save=lambda r: write_record(out, r, long_tail_rows(r)),
-                           script="notebook 03 (long_tail_shape)", **shape)
-    return str(out[0]), record
+    ``<workspace>/data/results/long_tail_<model>_<dtype>_<device>`` (written after every path), else the
+    saved record ``long_tail_results_file``, else None (``sections.measure_or_load``: giving both, bad
+    settings and a record in the way are errors raised before the model is built)."""
+    def check(shape, limits):
+        check_long_tail_settings(**{k: shape[k] for k in ("num_prompts", "dataset", "hazard", "max_new_tokens",
+                                                          "slots", "seed", "reps", "paths")}, limits=limits)
+
+    def run(net, name, shape, save, script):
+        return run_long_tail(net, model_name=name, dtype=dtype, save=save, script=script, **shape)
+
+    return measure_or_load("long_tail", shape=long_tail_shape, results_file=long_tail_results_file,
+                           kind="eos_long_tail", defaults=LONG_TAIL_DEFAULTS, check=check, run=run,
+                           rows=long_tail_rows, model=model, dtype=dtype, device=device, output_dir=output_dir)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,13 +38,11 @@ from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.sched.request import Continuation
 from rollout_lab.measure.long_tail import check_long_tail_settings
-from rollout_lab.measure.models import load_model, model_config, special_token_ids
-from rollout_lab.measure.paths import release_memory
+from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.records import load_record, shape_settings
+from rollout_lab.measure.sections import measure_or_load
 from rollout_lab.measure.workloads import eos_long_tail, lengths_to_prompts
 from rollout_lab.planner.checks import check_int
-from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # the issue's targets: the partial call's time over the full call's (at most), the partial loop's
 # delivered tokens per second over the full loop's (at least)
@@ -208,22 +205,14 @@ def partial_rollouts_or_load(
     """(name, record) of the partial-rollouts run notebook 03 shows: ``partial_rollouts_shape``
     (``run_partial_rollouts``' settings, ``PARTIAL_ROLLOUT_DEFAULTS`` where it says nothing) measured on
     ``model`` into ``<workspace>/data/results/partial_rollouts_<model>_<dtype>_<device>`` (written after
-    each part; an existing record there is an error), else the saved record
-    ``partial_rollouts_results_file``, else None. Giving both is an error; so are bad settings and a
-    record in the way, all raised before the model is built."""
-    if partial_rollouts_shape is not None and partial_rollouts_results_file is not None:
-        raise ValueError("give partial_rollouts_shape (measure) or partial_rollouts_results_file (render), not both")
-    if partial_rollouts_shape is None:
-        if partial_rollouts_results_file is None:
-            return None
-        return str(partial_rollouts_results_file), load_record(Path(partial_rollouts_results_file), "partial_rollouts")
-    shape = shape_settings("partial_rollouts_shape", partial_rollouts_shape, PARTIAL_ROLLOUT_DEFAULTS)
-    config, name = model_config(model)
-    check_partial_settings(**shape, limits=ModelLimits.of_config(config, dtype=dtype, device=device))
-    out = record_paths(Workspace.resolve(output_dir).results / f"partial_rollouts_{run_tag(name, dtype, device)}")
-    net, name = load_model(model, dtype=dtype, device=device)
-    record = run_partial_rollouts(net, model_name=name, dtype=dtype, script="notebook 03 (partial_rollouts_shape)",
-                                  save=lambda r: write_record(out, r, partial_rollout_rows(r)), **shape)
-    del net
-    release_memory(torch.device(device))
-    return str(out[0]), record
+    each part), else the saved record ``partial_rollouts_results_file``, else None
+    (``sections.measure_or_load``: giving both, bad settings and a record in the way are errors raised
+    before the model is built)."""
+    def run(net, name, shape, save, script):
+        return run_partial_rollouts(net, model_name=name, dtype=dtype, script=script, save=save, **shape)
+
+    return measure_or_load("partial_rollouts", shape=partial_rollouts_shape,
+                           results_file=partial_rollouts_results_file, kind="partial_rollouts",
+                           defaults=PARTIAL_ROLLOUT_DEFAULTS,
+                           check=lambda shape, limits: check_partial_settings(**shape, limits=limits), run=run,
+                           rows=partial_rollout_rows, model=model, dtype=dtype, device=device, output_dir=output_dir)

@@ -45,7 +45,6 @@ import dataclasses
 import math
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -56,14 +55,13 @@ from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import ModelLimits, check_call_rows, rows_at_once
 from rollout_lab.engine.profile import synchronize, timed_ms
 from rollout_lab.measure.grpo import check_samples
-from rollout_lab.measure.models import load_model, model_config, special_token_ids
+from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.paths import check_timed_calls, release_memory
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.records import load_record, shape_settings
+from rollout_lab.measure.sections import measure_or_load
 from rollout_lab.measure.workloads import (SAMPLED_WORKLOADS, get_workload, lengths_to_prompts, padding_share,
                                            scale_keeping_prompts)
 from rollout_lab.planner.checks import check_int, is_int
-from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # path name -> the engine settings it adds to the paged route's
 PREFIX_SHARING_PATHS: dict[str, dict[str, Any]] = {
@@ -363,22 +361,14 @@ def prefix_sharing_or_load(
     """(name, record) of the prefix-sharing run notebook 03 shows: ``prefix_sharing_shape``
     (``run_prefix_sharing``'s settings, ``PREFIX_SHARING_DEFAULTS`` where it says nothing) measured on
     ``model`` into ``<workspace>/data/results/prefix_sharing_<model>_<dtype>_<device>`` (written after
-    every case; an existing record there is an error), else the saved record
-    ``prefix_sharing_results_file``, else None. Giving both is an error; so are bad settings and a
-    record in the way, all raised before the model is built."""
-    if prefix_sharing_shape is not None and prefix_sharing_results_file is not None:
-        raise ValueError("give prefix_sharing_shape (measure) or prefix_sharing_results_file (render), not both")
-    if prefix_sharing_shape is None:
-        if prefix_sharing_results_file is None:
-            return None
-        return str(prefix_sharing_results_file), load_record(Path(prefix_sharing_results_file), "prefix_sharing")
-    shape = shape_settings("prefix_sharing_shape", prefix_sharing_shape, PREFIX_SHARING_DEFAULTS)
-    config, name = model_config(model)
-    check_prefix_sharing_settings(**shape, limits=ModelLimits.of_config(config, dtype=dtype, device=device))
-    out = record_paths(Workspace.resolve(output_dir).results / f"prefix_sharing_{run_tag(name, dtype, device)}")
-    net, name = load_model(model, dtype=dtype, device=device)
-    record = run_prefix_sharing(net, model_name=name, dtype=dtype, script="notebook 03 (prefix_sharing_shape)",
-                                save=lambda r: write_record(out, r, prefix_sharing_rows(r)), **shape)
-    del net
-    release_memory(torch.device(device))
-    return str(out[0]), record
+    every case), else the saved record ``prefix_sharing_results_file``, else None
+    (``sections.measure_or_load``: giving both, bad settings and a record in the way are errors raised
+    before the model is built)."""
+    def run(net, name, shape, save, script):
+        return run_prefix_sharing(net, model_name=name, dtype=dtype, script=script, save=save, **shape)
+
+    return measure_or_load("prefix_sharing", shape=prefix_sharing_shape, results_file=prefix_sharing_results_file,
+                           kind="prefix_sharing", defaults=PREFIX_SHARING_DEFAULTS,
+                           check=lambda shape, limits: check_prefix_sharing_settings(**shape, limits=limits),
+                           run=run, rows=prefix_sharing_rows, model=model, dtype=dtype, device=device,
+                           output_dir=output_dir)

@@ -43,14 +43,14 @@ from rollout_lab.engine.profile import timed_ms
 from rollout_lab.engine.api.rollout import Rollout
 from rollout_lab.engine.limits import ModelLimits
 from rollout_lab.engine.trainer import group_advantages, policy_gradient_loss, sequence_logprobs
-from rollout_lab.measure.models import load_model, model_config, special_token_ids
+from rollout_lab.measure.models import special_token_ids
 from rollout_lab.measure.grpo import check_group_limits, check_samples, scaled_prompt_lengths
 from rollout_lab.measure.paths import check_timed_calls, timed_call
 from rollout_lab.measure.provenance import provenance
-from rollout_lab.measure.records import load_record, shape_settings
+from rollout_lab.measure.records import load_record
+from rollout_lab.measure.sections import measure_or_load
 from rollout_lab.measure.workloads import DATASETS, lengths_to_prompts
 from rollout_lab.planner.checks import check_int, is_int
-from rollout_lab.workspace import Workspace, record_paths, run_tag, write_record
 
 # the trainer step's mode: train() ("toggle", eval() again for the rollouts) or eval(); generate decodes in eval
 # mode whatever the model's, so a rollout in train mode ("train", once) is no mode of this loop
@@ -325,22 +325,16 @@ def trainer_loop_or_load(
 ) -> tuple[str, dict[str, Any]] | None:
     """(name, record) of the trainer loop notebook 03 shows: ``trainer_loop_shape`` (``run_trainer_loop``'s
     settings, ``TRAINER_LOOP_DEFAULTS`` where it says nothing) measured on ``model`` into
-    ``<workspace>/data/results/trainer_loop_<model>_<dtype>_<device>`` (written after every iteration; an
-    existing record there is an error), else the saved record ``trainer_loop_results_file``, else None.
-    Bad settings and a record in the way are a ValueError raised before the model is built."""
-    if trainer_loop_shape is None:
-        if trainer_loop_results_file is None:
-            return None
-        return str(trainer_loop_results_file), load_record(Path(trainer_loop_results_file), "trainer_loop")
-    shape = shape_settings("trainer_loop_shape", trainer_loop_shape, TRAINER_LOOP_DEFAULTS)
-    config, name = model_config(model)
-    check_trainer_loop_settings(**shape, limits=ModelLimits.of_config(config, dtype=dtype, device=device))
-    out = record_paths(Workspace.resolve(output_dir).results / f"trainer_loop_{run_tag(name, dtype, device)}")
-    net, name = load_model(model, dtype=dtype, device=device)
-    record = run_trainer_loop(net, model_name=name, dtype=dtype,
-                              save=lambda r: write_record(out, r, trainer_loop_rows(r)),
-                              script="notebook 03 (trainer_loop_shape)", **shape)
-    return str(out[0]), record
+    ``<workspace>/data/results/trainer_loop_<model>_<dtype>_<device>`` (written after every iteration),
+    else the saved record ``trainer_loop_results_file``, else None (``sections.measure_or_load``: giving
+    both, bad settings and a record in the way are errors raised before the model is built)."""
+    def run(net, name, shape, save, script):
+        return run_trainer_loop(net, model_name=name, dtype=dtype, save=save, script=script, **shape)
+
+    return measure_or_load("trainer_loop", shape=trainer_loop_shape, results_file=trainer_loop_results_file,
+                           kind="trainer_loop", defaults=TRAINER_LOOP_DEFAULTS,
+                           check=lambda shape, limits: check_trainer_loop_settings(**shape, limits=limits), run=run,
+                           rows=trainer_loop_rows, model=model, dtype=dtype, device=device, output_dir=output_dir)
 
 
 # the settings two trainer-loop records must share for their rollouts' costs to be compared (the card too)
