@@ -329,7 +329,7 @@ NOTEBOOK_PARAMETERS: dict[str, dict[str, Parameter]] = {
         "more_shape": _checked("a dict of workloads, max_new_tokens and optionally paths, repetitions "
                                "(measure.sweep.MORE_SHAPE_KEYS)", _check_more_shape, dict, or_none=True),
         "more_peer_results_file": PATH_LIST,
-        "roofline_results_files": _checked("a non-empty list of bench record paths (rl, grpo, trainer-loop, "
+        "roofline_results_files": _checked("a non-empty list of bench record paths (rl, grpo, trainer-loop, decode-step, "
                                            "prefix-sharing)", _check_record_list, list, tuple, or_none=True),
         **RUNNER},
     "04_adaptation": {

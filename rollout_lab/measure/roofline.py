@@ -7,7 +7,8 @@
 The floor is the record's workload on its model and card: every row decoded to its budget, all rows
 resident unless the record ran fewer slots, the samples of a prompt reading its KV once a step
 (and prefilling it once), each row its own tokens. Covered (``ROOFLINE_KINDS``): kinds whose record holds every
-row's prompt length and budget. ``bench`` commands write it into each record as its "roofline" field
+row's prompt length and budget, and ``bench decode-step``'s, whose cases are single steps (each case
+its own step floor: S rows over L tokens each). ``bench`` commands write it into each record as its "roofline" field
 (None with a "roofline_reason"); an older record gets the same figures read through this function
 (``rollout-lab roofline <record.json>``; notebook 03 draws ``roofline_rows``).
 """
@@ -22,12 +23,12 @@ from typing import Any, Mapping, Sequence
 from rollout_lab.engine.kernels import kv_fp8
 from rollout_lab.measure.models import model_config as model_config_of
 from rollout_lab.measure.records import MAX_RECORD_BYTES
-from rollout_lab.planner.roofline import CARDS, RooflineModel, card_spec, workload_floor
+from rollout_lab.planner.roofline import CARDS, RooflineModel, card_spec, decode_floor, workload_floor
 from rollout_lab.workspace import read_json_file
 
 # kind -> the path whose tok/s is the record's headline (the others get their fractions too)
 ROOFLINE_KINDS = {"rl_throughput": "ours", "grpo": "shared", "trainer_loop": "steady_rollout",
-                  "prefix_sharing": "shared"}
+                  "prefix_sharing": "shared", "decode_step": "ours"}
 # kinds a floor is wanted for whose records lack what it needs
 NO_FLOOR_KINDS = {
     "eos_long_tail": "its rows end at EOS and the record holds no per-row response lengths",
@@ -66,6 +67,8 @@ def record_roofline(record: Mapping[str, Any], *, model_config: Any = None) -> t
         model = RooflineModel.from_config(model_config, dtype)
     except ValueError as err:
         return None, f"model {config.get('model')!r}: {err}"
+    if kind == "decode_step":
+        return _step_figures(record, model, card), None
     lengths, budgets, samples, slots, measured = _workload(record)
     floor = workload_floor(model, lengths, budgets, card, num_slots=slots, samples_per_prompt=samples)
     floors = {path: floor.tokens_per_s for path in measured}
@@ -129,6 +132,30 @@ def roofline_rows(records: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict
                          "fraction_of_floor": fraction, "bound": figures["bound"], "kv_share": figures["kv_share"],
                          "headline": path == figures["path"], "reason": None})
     return rows
+
+
+def _step_figures(record: Mapping[str, Any], model: RooflineModel, card: Any) -> dict[str, Any]:
+    """A ``bench decode-step`` record against the floor of each of its steps: case ``SxL`` is S rows
+    each attending to L tokens (``decode_floor``), a path is ``"<case> <variant>"``, and a step's
+    rate is its rows' tokens over its median ms, so a path's fraction is its case's floor ms over the
+    measured ms. The headline is the first case's ``ours`` (else its first variant)."""
+    floors, measured, steps = {}, {}, {}
+    for case, variants in record["cases"].items():
+        slots, span = (int(part) for part in case.split("x"))
+        step = decode_floor(model, [span] * slots, card)
+        for variant, result in variants.items():
+            path = f"{case} {variant}"
+            floors[path], measured[path], steps[path] = slots / step.seconds, slots * 1e3 / result["step_ms_median"], step
+    first_case = next(iter(record["cases"]), "")
+    main = f"{first_case} ours" if f"{first_case} ours" in measured else next(iter(measured), None)
+    step = steps.get(main)
+    return {"card": card.name, "floor_s": None if step is None else step.seconds,
+            "floor_tok_s": floors.get(main), "bound": None if step is None else step.bound, "floors_tok_s": floors,
+            "kv_share": None if step is None else step.kv_bytes / (step.kv_bytes + step.weight_bytes),
+            "prefill_floor_s": 0.0, "num_decode_steps": 1, "num_slots": None, "samples_per_prompt": 1,
+            "path": main, "measured_tok_s": measured.get(main),
+            "fraction_of_floor": None if main is None else measured[main] / floors[main],
+            "fractions": {path: measured[path] / floors[path] for path in measured}}
 
 
 def _workload(record: Mapping[str, Any]) -> tuple[list[int], list[int], int, int | None, dict[str, float]]:
