@@ -445,7 +445,6 @@ class PagedKVCache:
         """Bytes of one token's KV over all layers, keys and values (FP8: its share of the scales too)."""
         return self.num_bytes / (self.num_blocks * self.block_size)
 
-
     def hf_cache(self, num_rows: int) -> Cache:
         """A transformers Cache whose layers write the first ``num_rows`` slots' tokens; memoised."""
         if num_rows not in self._views:
