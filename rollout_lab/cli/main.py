@@ -154,10 +154,9 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     print(f"card: {card.name} ({card.bandwidth_bytes_per_s / 1e12:g} TB/s, {card.peak_flop_per_s / 1e12:g} TFLOP/s)")
     print(f"floor: {figures['floor_s']:.4g} s, {figures['floor_tok_s']:,.0f} tok/s ({figures['bound']}-bound, "
           f"KV {figures['kv_share']:.0%} of the bytes, {figures['num_decode_steps']} decode steps)")
-    floors = figures.get("floors_tok_s") or {}
     for path, fraction in figures["fractions"].items():
         mark = "  <- headline" if path == figures["path"] else ""
-        floor = floors.get(path, figures["floor_tok_s"])  # a path with its own floor (an FP8 pool, a step's case)
+        floor = figures["floors_tok_s"][path]  # a path's own floor (an FP8 pool, a step's case)
         print(f"measured {path}: {fraction * floor:,.0f} tok/s = {fraction:.3f} of its floor "
               f"({floor:,.0f} tok/s){mark}")
     return 0

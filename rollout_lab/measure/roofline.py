@@ -126,7 +126,7 @@ def roofline_rows(records: Sequence[tuple[str, Mapping[str, Any]]]) -> list[dict
                          "reason": reason})
             continue
         for path, fraction in figures["fractions"].items():
-            path_floor = figures.get("floors_tok_s", {}).get(path, figures["floor_tok_s"])
+            path_floor = figures["floors_tok_s"][path]  # a path's own floor (an FP8 pool, a step's case)
             rows.append({**common, "label": f"{Path(name).stem}: {path}", "path": path,
                          "floor_tok_s": path_floor, "measured_tok_s": fraction * path_floor,
                          "fraction_of_floor": fraction, "bound": figures["bound"], "kv_share": figures["kv_share"],
@@ -142,13 +142,13 @@ def _step_figures(record: Mapping[str, Any], model: RooflineModel, card: Any) ->
     floors, measured, steps = {}, {}, {}
     for case, variants in record["cases"].items():
         slots, span = (int(part) for part in case.split("x"))
-        step = decode_floor(model, [span] * slots, card)
+        steps[case] = decode_floor(model, [span] * slots, card)
         for variant, result in variants.items():
-            path = f"{case} {variant}"
-            floors[path], measured[path], steps[path] = slots / step.seconds, slots * 1e3 / result["step_ms_median"], step
+            floors[f"{case} {variant}"] = slots / steps[case].seconds
+            measured[f"{case} {variant}"] = slots * 1e3 / result["step_ms_median"]
     first_case = next(iter(record["cases"]), "")
     main = f"{first_case} ours" if f"{first_case} ours" in measured else next(iter(measured), None)
-    step = steps.get(main)
+    step = steps.get(first_case)  # the headline's case (the first)
     return {"card": card.name, "floor_s": None if step is None else step.seconds,
             "floor_tok_s": floors.get(main), "bound": None if step is None else step.bound, "floors_tok_s": floors,
             "kv_share": None if step is None else step.kv_bytes / (step.kv_bytes + step.weight_bytes),
